@@ -1,0 +1,52 @@
+# Set-up and everyday commands. Needs only Python 3.11 with venv; everything else
+# (torch 2.13.0 CPU, numpy, pytest) is installed into $(VENV) by the `venv` target.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PYTEST_ARGS ?=
+
+.PHONY: venv test demo bench clean distclean
+
+# Internal: create the venv and install the project into it (editable).
+# The stamp makes a re-run a no-op until pyproject.toml or this Makefile change.
+venv: $(VENV)/.stamp
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+PKG_INITS := domainflow/__init__.py readers/__init__.py preprocess/__init__.py train/__init__.py
+
+$(VENV)/.stamp: pyproject.toml Makefile | $(PY)
+	@# The editable finder freezes at install time: a package folder installed without its
+	@# __init__.py becomes a namespace package there for good, so refuse to install then.
+	@for f in $(PKG_INITS); do [ -f "$$f" ] || { echo "error: $$f is missing; not installing" >&2; exit 1; }; done
+	@# torch first, with an exact pin: a CPU wheel of exactly 2.13.0 lies on this
+	@# machine's disk; any looser spec may pull a multi-GB CUDA build.
+	$(PIP) install torch==2.13.0
+	@# setuptools/wheel: build backend for --no-build-isolation and for the wheel test.
+	$(PIP) install 'setuptools>=68' wheel
+	$(PIP) install --no-build-isolation -e '.[test]'
+	touch $@
+
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: venv
+	$(VENV)/bin/domainflow demo
+
+bench: venv
+	@set -e; for f in benchmarks/*.py; do \
+		[ -e "$$f" ] || continue; \
+		echo "== $$f"; \
+		$(PY) "$$f"; \
+	done
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache demo_output
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# Also drop the venv (the next `make` rebuilds it from the on-disk torch wheel).
+distclean: clean
+	rm -rf $(VENV)

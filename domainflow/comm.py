@@ -1,0 +1,282 @@
+"""The collective layer: every byte domainflow moves between ranks goes through this module.
+
+Functions take local tensors and a (mesh, mesh_dim) pair and work on Gloo and NCCL alike: uneven
+all-gathers are padded to the largest part (Gloo has no uneven all-gather), all-to-alls move exact
+byte counts. Failures are re-raised as :class:`CollectiveError` naming rank, op and mesh dim, so a
+timed-out collective says who was waiting for what. ``stats`` counts calls and bytes moved, for
+benchmarks and tests. Autograd wrappers for use inside handlers are at the bottom.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .errors import CollectiveError
+from .spec import mesh_coordinate
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT,
+}
+
+
+class CommStats:
+    """Calls and payload bytes sent per collective kind, on this rank."""
+
+    def __init__(self):
+        self.calls: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += nbytes
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+
+stats = CommStats()
+
+
+def _dim_name(mesh: DeviceMesh, mesh_dim: int) -> str:
+    names = mesh.mesh_dim_names
+    return f"'{names[mesh_dim]}'" if names else str(mesh_dim)
+
+
+@contextlib.contextmanager
+def _named(op: str, mesh: DeviceMesh | None, mesh_dim: int | None, detail: str = ""):
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        where = f" over mesh dim {_dim_name(mesh, mesh_dim)} of mesh {tuple(mesh.shape)}" if mesh is not None else ""
+        hint = ("another rank did not enter the same collective (it failed earlier, took another code path, "
+                "or passed a different shape)") if "imeout" in str(e) or "imed out" in str(e) else "see the cause above"
+        raise CollectiveError(f"rank {rank}: {op}{where}{detail} failed: {e}\nLikely cause: {hint}.") from e
+
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def group_size(mesh: DeviceMesh, mesh_dim: int) -> int:
+    return mesh.shape[mesh_dim]
+
+
+def _group(mesh: DeviceMesh, mesh_dim: int):
+    return mesh.get_group(mesh_dim)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# --------------------------------------------------------------------------------------------
+# primitives on local tensors (no autograd)
+# --------------------------------------------------------------------------------------------
+def all_reduce(t: torch.Tensor, reduce_op: str, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+    """Out-of-place all-reduce of ``t`` over one mesh dim (``avg`` done as sum / size for Gloo)."""
+    n = group_size(mesh, mesh_dim)
+    if n == 1:
+        return t.clone()
+    out = t.detach().clone(memory_format=torch.contiguous_format)
+    stats.add("all_reduce", _nbytes(out))
+    bool_in = out.dtype == torch.bool
+    if bool_in:
+        out = out.to(torch.uint8)
+    with _named(f"all_reduce({reduce_op})", mesh, mesh_dim):
+        dist.all_reduce(out, op=_REDUCE_OPS[reduce_op], group=_group(mesh, mesh_dim))
+    if reduce_op == "avg":
+        out = out / n if out.is_floating_point() or out.is_complex() else out // n
+    return out.bool() if bool_in else out
+
+
+def all_reduce_coalesced(tensors: Sequence[torch.Tensor], reduce_op: str, mesh: DeviceMesh,
+                         mesh_dim: int) -> list[torch.Tensor]:
+    """One all-reduce for several tensors of one dtype (flattened into one buffer)."""
+    if group_size(mesh, mesh_dim) == 1:
+        return [t.clone() for t in tensors]
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    red = all_reduce(flat, reduce_op, mesh, mesh_dim)
+    out, i = [], 0
+    for t in tensors:
+        out.append(red[i:i + t.numel()].view(t.shape))
+        i += t.numel()
+    return out
+
+
+def all_gather_uneven(t: torch.Tensor, dim: int, sizes: Sequence[int], mesh: DeviceMesh,
+                      mesh_dim: int) -> torch.Tensor:
+    """Concatenate along ``dim`` the parts of every rank of one mesh dim; part k has ``sizes[k]`` rows.
+
+    Parts are flattened and padded to the largest part so one ``all_gather_into_tensor`` works on
+    Gloo and NCCL; when all parts are equal no padding copy is made.
+    """
+    n = group_size(mesh, mesh_dim)
+    if n == 1:
+        return t
+    shape = list(t.shape)
+    row = math.prod(shape[:dim] + shape[dim + 1:])
+    numels = [s * row for s in sizes]
+    width = max(numels)
+    flat = t.contiguous().view(-1)
+    if flat.numel() != width:
+        flat = torch.cat([flat, flat.new_zeros(width - flat.numel())])
+    buf = flat.new_empty(n * width)
+    stats.add("all_gather", _nbytes(flat))
+    with _named("all_gather", mesh, mesh_dim, f" (uneven sizes {tuple(sizes)} along dim {dim})"):
+        _all_gather_single(buf, flat, group=_group(mesh, mesh_dim))
+    buf = buf.view(n, width)
+    parts = [buf[k, : numels[k]].view(shape[:dim] + [sizes[k]] + shape[dim + 1:]) for k in range(n)]
+    return torch.cat(parts, dim=dim)
+
+
+def all_to_all_dims(t: torch.Tensor, split_dim: int, send_sizes: Sequence[int], cat_dim: int,
+                    recv_shapes: Sequence[Sequence[int]], mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+    """Split ``t`` along ``split_dim`` into ``send_sizes`` (one block per rank of the mesh dim), send
+    block k to rank k, and concatenate the blocks received (shapes ``recv_shapes``) along ``cat_dim``.
+
+    Covers Shard(i) -> Shard(j) and uneven -> uneven resharding of one dim; exact bytes, no padding.
+    """
+    n = group_size(mesh, mesh_dim)
+    if n == 1:
+        return t
+    blocks = torch.split(t, list(send_sizes), dim=split_dim)
+    send = torch.cat([b.reshape(-1) for b in blocks]) if t.numel() else t.new_empty(0)
+    recv_numels = [math.prod(s) for s in recv_shapes]
+    recv = t.new_empty(sum(recv_numels))
+    stats.add("all_to_all", _nbytes(send))
+    with _named("all_to_all", mesh, mesh_dim, f" (send {list(send_sizes)} along dim {split_dim})"):
+        dist.all_to_all_single(recv, send, output_split_sizes=recv_numels,
+                               input_split_sizes=[b.numel() for b in blocks], group=_group(mesh, mesh_dim))
+    parts = torch.split(recv, recv_numels)
+    return torch.cat([p.view(tuple(s)) for p, s in zip(parts, recv_shapes)], dim=cat_dim)
+
+
+def broadcast(t: torch.Tensor, src_coord: int, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+    """Broadcast ``t`` from coordinate ``src_coord`` of one mesh dim; every rank passes a tensor of the
+    right shape (receivers' contents are ignored)."""
+    if group_size(mesh, mesh_dim) == 1:
+        return t
+    out = t.detach().contiguous().clone()
+    src = dist.get_global_rank(_group(mesh, mesh_dim), src_coord)
+    stats.add("broadcast", _nbytes(out))
+    with _named("broadcast", mesh, mesh_dim, f" from coordinate {src_coord}"):
+        dist.broadcast(out, src=src, group=_group(mesh, mesh_dim))
+    return out
+
+
+def all_gather_object(obj, mesh: DeviceMesh, mesh_dim: int) -> list:
+    """Gather a small picklable object from each rank of one mesh dim (for metadata only)."""
+    n = group_size(mesh, mesh_dim)
+    if n == 1:
+        return [obj]
+    out = [None] * n
+    with _named("all_gather_object", mesh, mesh_dim):
+        dist.all_gather_object(out, obj, group=_group(mesh, mesh_dim))
+    return out
+
+
+def all_gather_ints(values: Sequence[int], mesh: DeviceMesh) -> list[list[int]]:
+    """Gather a short int vector from every rank of the whole mesh, in mesh (row-major) order."""
+    ranks = mesh.mesh.flatten().tolist()
+    if len(ranks) == 1:
+        return [list(values)]
+    t = torch.tensor(list(values), dtype=torch.int64, device=_device(mesh))
+    out = []
+    # gather dim by dim: first over the last mesh dim, then outward, so any mesh shape works
+    gathered = t.view(1, -1)
+    for m in reversed(range(mesh.ndim)):
+        n = group_size(mesh, m)
+        flat = gathered.contiguous().view(-1)
+        buf = flat.new_empty(n * flat.numel())
+        with _named("all_gather(shapes)", mesh, m):
+            _all_gather_single(buf, flat, group=_group(mesh, m))
+        gathered = buf.view(-1, t.numel())
+    for row in gathered.tolist():
+        out.append([int(v) for v in row])
+    return out
+
+
+def _device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    mod = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, mod.current_device())
+
+
+def scatter_pieces(pieces: list[torch.Tensor] | None, recv_shape: Sequence[int], dtype: torch.dtype,
+                   device: torch.device, src: int, mesh: DeviceMesh) -> torch.Tensor:
+    """Global rank ``src`` sends ``pieces[k]`` to the k-th rank of ``mesh`` (row-major); each rank
+    receives only its own piece (point-to-point, not a broadcast of the whole tensor)."""
+    ranks = mesh.mesh.flatten().tolist()
+    me = dist.get_rank() if dist.is_initialized() else 0
+    if me == src:
+        ops, mine = [], None
+        for k, r in enumerate(ranks):
+            piece = pieces[k].contiguous()
+            if r == me:
+                mine = piece
+            elif piece.numel():
+                stats.add("scatter", _nbytes(piece))
+                ops.append(dist.P2POp(dist.isend, piece, r))
+        with _named("scatter (send)", None, None, f" from rank {src} to ranks {ranks}"):
+            for w in dist.batch_isend_irecv(ops) if ops else ():
+                w.wait()
+        if mine is None:
+            raise ValueError(f"scatter source rank {src} is not in the mesh {ranks}")
+        return mine.clone()  # never alias the caller's full tensor
+    out = torch.empty(tuple(recv_shape), dtype=dtype, device=device)
+    if out.numel():
+        with _named("scatter (receive)", None, None, f" of shape {tuple(recv_shape)} from rank {src}"):
+            dist.recv(out, src=src)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# autograd-aware wrappers, for handlers that work on local tensors
+# --------------------------------------------------------------------------------------------
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, mesh, mesh_dim):
+        ctx.mesh, ctx.mesh_dim = mesh, mesh_dim
+        return all_reduce(t, "sum", mesh, mesh_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # y = sum_k x_k on every rank: dL/dx_k = sum over ranks of dL/dy_r
+        return all_reduce(grad, "sum", ctx.mesh, ctx.mesh_dim), None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, dim, sizes, mesh, mesh_dim):
+        ctx.args = (dim, tuple(sizes), mesh, mesh_dim)
+        return all_gather_uneven(t, dim, sizes, mesh, mesh_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, sizes, mesh, mesh_dim = ctx.args
+        k = mesh_coordinate(mesh)[mesh_dim]
+        grad = all_reduce(grad, "sum", mesh, mesh_dim)
+        return grad.narrow(dim, sum(sizes[:k]), sizes[k]), None, None, None, None
+
+
+def all_reduce_sum_autograd(t: torch.Tensor, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+    """Differentiable sum over a mesh dim (backward: sum of the output grads)."""
+    return _AllReduceSum.apply(t, mesh, mesh_dim)
+
+
+def all_gather_autograd(t: torch.Tensor, dim: int, sizes: Sequence[int], mesh: DeviceMesh, mesh_dim: int):
+    """Differentiable uneven all-gather (backward: sum the grads, keep this rank's rows)."""
+    return _AllGather.apply(t, dim, sizes, mesh, mesh_dim)

@@ -1,0 +1,440 @@
+"""The dispatch engine: how an op on ShardTensors runs.
+
+``__torch_function__`` (above autograd) routes registered Python-level functions and turns plain
+tensors that need gradients (``nn.Parameter``s) into replicated views whose backward sums partial
+gradients exactly once. ``__torch_dispatch__`` (below autograd) applies DESIGN.md's rules in order:
+1. a registered handler (ops/ registers the built-in ones);
+2. local execution for ops that do not touch a sharded dim: pointwise ops (with arithmetic
+   output layouts, cached per input layout) and any op whose ShardTensor inputs are all replicated;
+3. ``UnsupportedShardedOp``, unless ``fallback("gather")`` is active.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._C import DisableTorchFunctionSubclass
+
+from . import fallback as _fallback
+from .errors import ShardingMismatchError, UnsupportedShardedOp
+from .placements import Partial, Replicate, Shard
+from .redistribute import redistribute_local
+from .registry import REGISTRY
+from .shard_tensor import ShardTensor, target_spec
+from .spec import ShardSpec
+
+_POINTWISE = torch.Tag.pointwise
+_INPLACE = torch.Tag.inplace
+_OUT = torch.Tag.out
+_R = Replicate()
+
+
+# --------------------------------------------------------------------------------------------
+# argument helpers (parse once, in one place)
+# --------------------------------------------------------------------------------------------
+def shard_tensors(args, kwargs=None) -> list[ShardTensor]:
+    """ShardTensors among ``args`` (one level of lists included) and ``kwargs`` values."""
+    out = []
+    for a in args:
+        if isinstance(a, ShardTensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, ShardTensor))
+    if kwargs:
+        out.extend(v for v in kwargs.values() if isinstance(v, ShardTensor))
+    return out
+
+
+def common_mesh(sts, op) :
+    mesh = sts[0]._spec.mesh
+    for s in sts[1:]:
+        if s._spec.mesh is not mesh and s._spec.mesh != mesh:
+            raise ShardingMismatchError(f"{op}: operands live on different device meshes "
+                                        f"({tuple(mesh.shape)} and {tuple(s._spec.mesh.shape)}); redistribute onto one mesh")
+    return mesh
+
+
+def wrap(out, spec_or_fn):
+    """Wrap local results; ``spec_or_fn`` is a spec or a function from a local tensor to its spec."""
+    if isinstance(out, torch.Tensor):
+        spec = spec_or_fn(out) if callable(spec_or_fn) else spec_or_fn
+        return ShardTensor(out, spec)
+    if isinstance(out, (list, tuple)):
+        return type(out)(wrap(o, spec_or_fn) for o in out)
+    return out
+
+
+def replicated_spec(mesh, shape) -> ShardSpec:
+    return ShardSpec(mesh, (_R,) * mesh.ndim, shape, (None,) * mesh.ndim)
+
+
+def to_spec(x: ShardTensor, dst: ShardSpec) -> torch.Tensor:
+    """Local chunk of ``x`` under layout ``dst`` (no autograd: we are below it here)."""
+    return x._local if x._spec == dst else redistribute_local(x._local, x._spec, dst)
+
+
+def replicate_local(x: ShardTensor) -> torch.Tensor:
+    """The full tensor on this rank (gathers / reduces as needed)."""
+    s = x._spec
+    if s.is_replicated:
+        return x._local
+    return redistribute_local(x._local, s, replicated_spec(s.mesh, s.shape))
+
+
+def _unsupported_or_fallback(func, args, kwargs, reason: str):
+    if _fallback.fallback.current() == "gather":
+        return gather_fallback(func, args, kwargs, reason)
+    raise UnsupportedShardedOp(func, reason)
+
+
+def describe_sharding(sts) -> str:
+    parts = []
+    for s in sts:
+        sp = s._spec
+        dims = [f"dim {p.dim} over mesh dim {m}" for m, p in enumerate(sp.placements) if isinstance(p, Shard)]
+        parts.append(f"shape {tuple(sp.shape)} sharded on " + (", ".join(dims) if dims else "no dim")
+                     + (" (Partial)" if sp.has_partial else ""))
+    return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# __torch_function__
+# --------------------------------------------------------------------------------------------
+def torch_function(func, types, args=(), kwargs=None):
+    handler = _functions.get(func)
+    if handler is not None:
+        return handler(func, args, kwargs or {})
+    with DisableTorchFunctionSubclass():
+        return func(*args, **(kwargs or {}))
+
+
+_functions = REGISTRY.functions
+
+
+def _reduce_grad_to_plain(grad):
+    """Gradient hook of a plain tensor (e.g. an nn.Parameter) used with ShardTensors: the summed
+    gradient arrives as a ShardTensor (often Partial); reduce it to a plain tensor, exactly once."""
+    if isinstance(grad, ShardTensor):
+        return replicate_local(grad)
+    return grad
+
+
+def hook_plain_grads(args):
+    """Give plain tensors that need gradients the reduce-to-plain hook (once per tensor)."""
+    for a in args:
+        if type(a) is not ShardTensor and isinstance(a, torch.Tensor):
+            if a.requires_grad and not getattr(a, "_domainflow_hooked", False):
+                a.register_hook(_reduce_grad_to_plain)
+                a._domainflow_hooked = True
+        elif isinstance(a, (list, tuple)):
+            hook_plain_grads(a)
+
+
+# --------------------------------------------------------------------------------------------
+# __torch_dispatch__
+# --------------------------------------------------------------------------------------------
+def torch_dispatch(func, types, args=(), kwargs=None):
+    route = _routes.get(func)
+    if route is None:
+        route = _route(func)
+    if route is not pointwise:
+        hook_plain_grads(args)  # pointwise() does this while it scans its arguments
+    return route(func, args, kwargs or {})
+
+
+_routes: dict = {}
+
+
+def _route(func):
+    """Pick (once per op) how it runs: a registered handler, the pointwise rule, or the generic path."""
+    handler = REGISTRY.aten.get(func)
+    if handler is not None:
+        route = handler
+    elif _POINTWISE in func.tags and _OUT not in func.tags:
+        route = pointwise
+    else:
+        route = _generic
+    _routes[func] = route
+    return route
+
+
+def clear_routes() -> None:
+    """Forget cached routes (called when a handler is registered)."""
+    _routes.clear()
+
+
+def _generic(func, args, kwargs):
+    sts = shard_tensors(args, kwargs)
+    if all(s._spec.is_replicated for s in sts):
+        return run_replicated(func, args, kwargs, sts)
+    return _unsupported_or_fallback(
+        func, args, kwargs, f"its operands are {describe_sharding(sts)} and it is not pointwise")
+
+
+def run_replicated(func, args, kwargs, sts):
+    """All ShardTensor inputs replicated: compute locally; outputs replicated (no communication)."""
+    mesh = common_mesh(sts, func)
+    la, lk = _unwrap_all(args, kwargs)
+    out = func(*la, **lk)
+    if _INPLACE in func.tags and args and isinstance(args[0], ShardTensor):
+        return args[0]
+    return wrap(out, lambda t: replicated_spec(mesh, t.shape))
+
+
+def _unwrap_all(args, kwargs):
+    def u(a):
+        if isinstance(a, ShardTensor):
+            return a._local
+        if isinstance(a, (list, tuple)) and any(isinstance(x, ShardTensor) for x in a):
+            return type(a)(x._local if isinstance(x, ShardTensor) else x for x in a)
+        return a
+
+    return [u(a) for a in args], {k: u(v) for k, v in kwargs.items()}
+
+
+def gather_fallback(func, args, kwargs, reason: str):
+    """fallback('gather'): full tensors in, op on every rank, outputs re-sharded like the first input
+    when the shape allows, else replicated."""
+    sts = shard_tensors(args, kwargs)
+    _fallback.warn_once(func, reason)
+    mesh = common_mesh(sts, func)
+    first = sts[0]._spec
+
+    def full(a):
+        if isinstance(a, ShardTensor):
+            return replicate_local(a)
+        if isinstance(a, (list, tuple)) and any(isinstance(x, ShardTensor) for x in a):
+            return type(a)(replicate_local(x) if isinstance(x, ShardTensor) else x for x in a)
+        return a
+
+    out = func(*[full(a) for a in args], **{k: full(v) for k, v in kwargs.items()})
+    if _INPLACE in func.tags:
+        raise UnsupportedShardedOp(func, "in-place ops cannot use the gather fallback")
+
+    def respec(t):
+        rep = replicated_spec(mesh, t.shape)
+        if t.shape != first.shape:
+            return rep, t
+        dst = target_spec(rep, tuple(_R if isinstance(p, Partial) else p for p in first.placements),
+                          {m: s for m, s in enumerate(first.sizes) if s is not None})
+        return dst, redistribute_local(t, rep, dst)
+
+    def w(o):
+        if isinstance(o, torch.Tensor):
+            spec, local = respec(o)
+            return ShardTensor(local, spec)
+        if isinstance(o, (list, tuple)):
+            return type(o)(w(x) for x in o)
+        return o
+
+    return w(out)
+
+
+# --------------------------------------------------------------------------------------------
+# pointwise ops: layout arithmetic + cache
+# --------------------------------------------------------------------------------------------
+_aten = torch.ops.aten
+# ops under which a Partial(sum) operand stays Partial
+_LINEAR_ALL = {_aten.add.Tensor, _aten.sub.Tensor, _aten.add_.Tensor, _aten.sub_.Tensor}
+_LINEAR_ONE = {_aten.mul.Tensor, _aten.mul.Scalar, _aten.mul_.Tensor, _aten.mul_.Scalar, _aten.div.Tensor,
+               _aten.div.Scalar, _aten.div_.Tensor, _aten.div_.Scalar, _aten.neg.default, _aten.neg_.default,
+               _aten.clone.default}
+_plan_cache: dict = {}
+_warned_moves: set = set()
+
+
+class _Plan:
+    __slots__ = ("out_spec", "actions", "inplace")
+
+    def __init__(self, out_spec, actions, inplace):
+        self.out_spec = out_spec
+        self.actions = actions  # per flat tensor arg: None | ShardSpec (redistribute to) | list of narrows
+        self.inplace = inplace
+
+
+def _flat_tensor_args(args):
+    """Positional tensor-like args, flat: (index, value) with ShardTensors and plain tensors."""
+    return [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+
+def pointwise(func, args, kwargs):
+    key_parts = [func]
+    for a in args:
+        if isinstance(a, ShardTensor):
+            key_parts.append(a._spec)
+        elif isinstance(a, torch.Tensor):
+            if a.requires_grad and not getattr(a, "_domainflow_hooked", False):
+                hook_plain_grads((a,))
+            key_parts.append(a.shape)
+        else:
+            key_parts.append(None if isinstance(a, (int, float, bool, complex)) else _hashable(a))
+    if kwargs:
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                return _unsupported_or_fallback(func, args, kwargs, "tensor keyword arguments are not supported")
+    key = tuple(key_parts)
+    plan = _plan_cache.get(key)
+    if plan is None:
+        plan = _plan_pointwise(func, args)
+        if len(_plan_cache) > 65536:
+            _plan_cache.clear()
+        _plan_cache[key] = plan
+    if isinstance(plan, str):
+        return _unsupported_or_fallback(func, args, kwargs, plan)
+    local_args = list(args)
+    for i, act in plan.actions:
+        a = args[i]
+        if isinstance(a, ShardTensor):
+            local_args[i] = a._local if act is None else redistribute_local(a._local, a._spec, act)
+        elif act:
+            t = a
+            for d, start, length in act:
+                t = t.narrow(d, start, length)
+            local_args[i] = t
+    out = func(*local_args, **kwargs)
+    if plan.inplace:
+        return args[0]
+    return wrap(out, plan.out_spec)
+
+
+def _hashable(a):
+    try:
+        hash(a)
+        return a
+    except TypeError:
+        return repr(a)
+
+
+def _plan_pointwise(func, args):
+    tensors = _flat_tensor_args(args)
+    sts = [(i, a) for i, a in tensors if isinstance(a, ShardTensor)]
+    mesh = common_mesh([a for _, a in sts], func)
+    out_shape = torch.broadcast_shapes(*[a.shape for _, a in tensors])
+    ndim = len(out_shape)
+    inplace = _INPLACE in func.tags
+    if inplace and not isinstance(args[0], ShardTensor):
+        return "an in-place op on a plain tensor cannot take ShardTensor operands (use an out-of-place op)"
+    has_scalar = any(not isinstance(a, torch.Tensor) and isinstance(a, (int, float, complex)) for a in args)
+    placements: list = []
+    sizes: list = []
+    targets: dict[int, list] = {i: list(a._spec.placements) for i, a in sts}
+    target_sizes: dict[int, list] = {i: list(a._spec.sizes) for i, a in sts}
+    moved = []
+    for m in range(mesh.ndim):
+        pl = {i: a._spec.placements[m] for i, a in sts}
+        partial_ops = {i: p for i, p in pl.items() if isinstance(p, Partial)}
+        if partial_ops:
+            keep = _partial_survives(func, args, pl, partial_ops, has_scalar, inplace)
+            if keep is not None:
+                placements.append(keep)
+                sizes.append(None)
+                continue
+            for i in partial_ops:
+                targets[i][m] = _R
+                pl[i] = _R
+        # choose the reference shard: in-place ops follow their first operand
+        ref = None
+        order = [sts[0]] if inplace else sts
+        for i, a in order:
+            p = pl[i]
+            if isinstance(p, Shard):
+                e = p.dim + ndim - a.ndim
+                if a.shape[p.dim] == out_shape[e]:
+                    ref = (e, a._spec.sizes[m])
+                    break
+        if inplace and ref is None and any(isinstance(pl[i], Shard) for i, _ in sts):
+            return (f"in-place op on an operand replicated over mesh dim {m} whose other operand is sharded there; "
+                    f"its layout cannot change in place (write x = x op y instead)")
+        if ref is None:
+            for i, _ in sts:
+                if isinstance(pl[i], Shard):
+                    targets[i][m] = _R
+                    target_sizes[i][m] = None
+                    moved.append(i)
+            placements.append(_R)
+            sizes.append(None)
+            continue
+        e, ref_sizes = ref
+        for i, a in sts:
+            off = ndim - a.ndim
+            d = e - off
+            full_here = d >= 0 and a.shape[d] == out_shape[e] and out_shape[e] != 1
+            p = pl[i]
+            if full_here:
+                if not (isinstance(p, Shard) and p.dim == d and a._spec.sizes[m] == ref_sizes):
+                    if isinstance(p, Shard):
+                        moved.append(i)
+                    targets[i][m] = Shard(d)
+                    target_sizes[i][m] = ref_sizes
+            elif isinstance(p, Shard):
+                moved.append(i)
+                targets[i][m] = _R
+                target_sizes[i][m] = None
+        placements.append(Shard(e))
+        sizes.append(ref_sizes)
+    out_spec = ShardSpec(mesh, placements, out_shape, sizes)
+    actions = []
+    for i, a in tensors:
+        if isinstance(a, ShardTensor):
+            dst = ShardSpec(mesh, targets[i], a.shape, target_sizes[i])
+            if inplace and i == 0 and dst != a._spec:
+                return "the first operand of an in-place op would have to change layout"
+            actions.append((i, None if dst == a._spec else _valid(dst)))
+        else:
+            narrows = []
+            off = ndim - a.ndim
+            coord = out_spec.coord
+            for m, p in enumerate(placements):
+                if isinstance(p, Shard):
+                    d = p.dim - off
+                    if d >= 0 and a.shape[d] == out_shape[p.dim] and out_shape[p.dim] != 1:
+                        k = coord[m]
+                        narrows.append((d, sum(sizes[m][:k]), sizes[m][k]))
+            actions.append((i, narrows))
+    if moved:
+        _warn_moved(func, [tensors_i for tensors_i in moved], sts)
+    return _Plan(out_spec, actions, inplace)
+
+
+def _valid(spec: ShardSpec) -> ShardSpec:
+    return ShardSpec.build(spec.mesh, spec.placements, spec.shape, spec.sizes)
+
+
+def _partial_survives(func, args, pl, partial_ops, has_scalar, inplace):
+    """Placement kept on this mesh dim when Partial operands may stay pending, else None."""
+    ops = {p.reduce_op for p in partial_ops.values()}
+    if len(ops) != 1:
+        return None
+    (op,) = ops
+    if op not in ("sum", "avg"):
+        if func in (_aten.clone.default,) and len(pl) == 1:
+            return next(iter(partial_ops.values()))
+        return None
+    p0 = next(iter(partial_ops.values()))
+    others = [p for i, p in pl.items() if i not in partial_ops]
+    if any(isinstance(p, Shard) for p in others):
+        return None
+    n_tensor_args = sum(isinstance(a, torch.Tensor) for a in args)
+    if func in _LINEAR_ALL:
+        if len(partial_ops) == n_tensor_args and not has_scalar:
+            return p0
+        return None
+    if func in _LINEAR_ONE and len(partial_ops) == 1:
+        (i,) = partial_ops
+        if func in (_aten.div.Tensor, _aten.div_.Tensor, _aten.div.Scalar, _aten.div_.Scalar) and i != 0:
+            return None
+        if inplace and i != 0:
+            return None
+        return p0
+    return None
+
+
+def _warn_moved(func, idx, sts):
+    if func in _warned_moves:
+        return
+    _warned_moves.add(func)
+    import warnings
+
+    warnings.warn(
+        f"domainflow: {func} got operands laid out differently ({describe_sharding([a for _, a in sts])}); "
+        f"resharding operand(s) {sorted(set(idx))} to match the first sharded one (this communicates). "
+        f"Redistribute them once up front to avoid it.", stacklevel=3)

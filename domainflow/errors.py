@@ -1,0 +1,39 @@
+"""Named error classes: each message names the input at fault and the fix."""
+
+from __future__ import annotations
+
+
+class DomainflowError(Exception):
+    """Base class of every error domainflow raises on purpose."""
+
+
+class UnsupportedShardedOp(DomainflowError, NotImplementedError):
+    """An op touches a sharded dim and no handler is registered for it."""
+
+    def __init__(self, op, reason: str):
+        self.op = op
+        name = getattr(op, "__name__", None) or str(op)
+        super().__init__(
+            f"domainflow has no sharding rule for {name}: {reason}.\n"
+            f"Fixes: redistribute the operand first (x.redistribute([Replicate()]) or a Shard on another dim); "
+            f"register a handler with @domainflow.register_aten({_aten_name(op)}) or "
+            f"@domainflow.register_function(<python function>); or opt in to the slow path with "
+            f"`with domainflow.fallback('gather'):` (gathers the full tensor on every rank)."
+        )
+
+
+def _aten_name(op) -> str:
+    text = str(op)
+    return f"torch.ops.{text}" if text.startswith("aten.") else "torch.ops.<ns>.<op>.<overload>"
+
+
+class ShardingMismatchError(DomainflowError, ValueError):
+    """Operands or ranks disagree about a layout that must agree."""
+
+
+class ShardingShapeError(DomainflowError, ValueError):
+    """Sharding shapes given by the user do not describe the tensor."""
+
+
+class CollectiveError(DomainflowError, RuntimeError):
+    """A collective failed or timed out; the message names rank, op and mesh dim."""

@@ -1,0 +1,67 @@
+"""Device meshes: ``init_mesh`` sets up the process group from the launcher's environment if needed."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("DOMAINFLOW_COLLECTIVE_TIMEOUT", "300"))
+
+
+def _device_type() -> str:
+    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    return acc.type if acc is not None else "cpu"
+
+
+def init_mesh(shape: Sequence[int] | int, names: Sequence[str] | str | None = None,
+              timeout_s: float | None = None) -> DeviceMesh:
+    """A DeviceMesh of ``shape`` named ``names`` over all ranks.
+
+    Initialises the default process group from the torchrun environment when none exists (NCCL with
+    an accelerator, Gloo otherwise; a plain process becomes a 1-rank group). Collectives time out
+    after ``timeout_s`` (env ``DOMAINFLOW_COLLECTIVE_TIMEOUT``, default 300 s) instead of hanging.
+    """
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if isinstance(names, str):
+        names = (names,)
+    if names is not None and len(names) != len(shape):
+        raise ValueError(f"init_mesh got {len(shape)} mesh dims {shape} but {len(names)} names {tuple(names)}")
+    device_type = _device_type()
+    if not dist.is_initialized():
+        env = os.environ
+        if "RANK" not in env or "WORLD_SIZE" not in env:
+            env.setdefault("MASTER_ADDR", "127.0.0.1")
+            env.setdefault("MASTER_PORT", str(_free_port()))
+            env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if device_type not in ("cpu", "cuda"):
+            backend = None  # let torch pick the accelerator's default backend
+        if device_type != "cpu":
+            getattr(torch, device_type).set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        t = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
+        dist.init_process_group(backend=backend, timeout=t)
+    world = dist.get_world_size()
+    total = 1
+    for s in shape:
+        total *= s
+    if total != world:
+        raise ValueError(
+            f"mesh shape {shape} needs {total} ranks but the job has {world}; launch with "
+            f"`torchrun --nproc-per-node {total}` or pick a shape whose product is {world}"
+        )
+    if dist.get_backend() == "gloo":
+        device_type = "cpu"
+    return init_device_mesh(device_type, shape, mesh_dim_names=tuple(names) if names else None)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

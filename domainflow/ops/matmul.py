@@ -1,0 +1,141 @@
+"""Matrix products (mm, addmm, bmm, baddbmm): rows/columns/batch sharded stay sharded; a sharded
+contracted dim gives a Partial(sum) result that is reduced only when needed."""
+
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import _unsupported_or_fallback, common_mesh, shard_tensors
+from ..placements import Partial, Replicate, Shard
+from ..registry import register_aten
+from ..shard_tensor import ShardTensor
+from ..spec import ShardSpec
+
+aten = torch.ops.aten
+_R = Replicate()
+
+
+def _spec_of(t, mesh) -> ShardSpec:
+    if isinstance(t, ShardTensor):
+        return t._spec
+    return ShardSpec(mesh, (_R,) * mesh.ndim, t.shape, (None,) * mesh.ndim)
+
+
+def _local_in(t, spec: ShardSpec, dst: ShardSpec) -> torch.Tensor:
+    from ..redistribute import redistribute_local
+
+    local = t._local if isinstance(t, ShardTensor) else t
+    return local if spec == dst else redistribute_local(local, spec, dst)
+
+
+def plan_contraction(a_spec: ShardSpec, b_spec: ShardSpec, nb: int):
+    """Layouts for ``a[*B, M, K] @ b[*B, K, N]`` (nb batch dims). Returns (a_dst, b_dst, out spec)."""
+    mesh = a_spec.mesh
+    M, K, N = nb, nb + 1, nb  # dim indices: a's M at nb, a's K at nb+1; b's K at nb, b's N at nb+1
+    out_shape = list(a_spec.shape[:nb]) + [a_spec.shape[M], b_spec.shape[nb + 1]]
+    a_pl, a_sz = list(a_spec.placements), list(a_spec.sizes)
+    b_pl, b_sz = list(b_spec.placements), list(b_spec.sizes)
+    o_pl, o_sz = [], []
+    for m in range(mesh.ndim):
+        pa, pb = a_pl[m], b_pl[m]
+        # pending partials: keep when the other side is replicated, else reduce
+        if isinstance(pa, Partial) or isinstance(pb, Partial):
+            if isinstance(pa, Partial) and pa.reduce_op == "sum" and pb == _R:
+                o_pl.append(pa), o_sz.append(None)
+                continue
+            if isinstance(pb, Partial) and pb.reduce_op == "sum" and pa == _R:
+                o_pl.append(pb), o_sz.append(None)
+                continue
+            if isinstance(pa, Partial):
+                a_pl[m], a_sz[m], pa = _R, None, _R
+            if isinstance(pb, Partial):
+                b_pl[m], b_sz[m], pb = _R, None, _R
+        da = pa.dim if isinstance(pa, Shard) else None
+        db = pb.dim if isinstance(pb, Shard) else None
+        if da is not None and da < nb:  # batch dim: b follows a
+            b_pl[m], b_sz[m] = Shard(da), a_sz[m]
+            o_pl.append(Shard(da)), o_sz.append(a_sz[m])
+        elif db is not None and db < nb:
+            a_pl[m], a_sz[m] = Shard(db), b_sz[m]
+            o_pl.append(Shard(db)), o_sz.append(b_sz[m])
+        elif da == K or db == nb:  # contracted dim sharded on either side: both sharded alike -> Partial
+            sizes = a_sz[m] if da == K else b_sz[m]
+            a_pl[m], a_sz[m] = Shard(K), sizes
+            b_pl[m], b_sz[m] = Shard(nb), sizes
+            o_pl.append(Partial("sum")), o_sz.append(None)
+        elif da == M:
+            b_pl[m], b_sz[m] = _R, None
+            o_pl.append(Shard(nb)), o_sz.append(a_sz[m])
+        elif db == nb + 1:
+            a_pl[m], a_sz[m] = _R, None
+            o_pl.append(Shard(nb + 1)), o_sz.append(b_sz[m])
+        else:
+            o_pl.append(_R), o_sz.append(None)
+    a_dst = ShardSpec.build(mesh, a_pl, a_spec.shape, a_sz)
+    b_dst = ShardSpec.build(mesh, b_pl, b_spec.shape, b_sz)
+    return a_dst, b_dst, ShardSpec(mesh, o_pl, out_shape, o_sz)
+
+
+def _partial_rank_zero(spec: ShardSpec) -> bool:
+    """True on the one rank that adds a replicated term to a Partial(sum) value."""
+    coord = spec.coord
+    return all(coord[m] == 0 for m, p in enumerate(spec.placements) if isinstance(p, Partial))
+
+
+def _contract(func, a, b, nb, bias=None, beta=1, alpha=1):
+    mesh = common_mesh(shard_tensors([a, b] + ([bias] if bias is not None else [])), func)
+    a_spec, b_spec = _spec_of(a, mesh), _spec_of(b, mesh)
+    a_dst, b_dst, out = plan_contraction(a_spec, b_spec, nb)
+    la, lb = _local_in(a, a_spec, a_dst), _local_in(b, b_spec, b_dst)
+    local = torch.matmul(la, lb)
+    if alpha != 1:
+        local = local * alpha
+    if bias is not None and beta != 0:
+        # bias laid out like the product (sliced locally), counted once for Partial results
+        bias_spec = _spec_of(bias, mesh)
+        if bias_spec.has_partial:
+            return _unsupported_or_fallback(func, (bias, a, b), {}, "Partial bias")
+        full_out = ShardSpec(mesh, [(_R if isinstance(p, Partial) else p) for p in out.placements], out.shape, out.sizes)
+        b_local = _bias_local(bias, bias_spec, full_out)
+        if _partial_rank_zero(out):
+            local = local + (b_local * beta if beta != 1 else b_local)
+    return ShardTensor(local, out)
+
+
+def _bias_local(bias, bias_spec: ShardSpec, out: ShardSpec) -> torch.Tensor:
+    """This rank's part of ``bias`` broadcast against an output laid out as ``out``."""
+    off = out.ndim - len(bias_spec.shape)
+    pl, sz = [], []
+    for m, p in enumerate(out.placements):
+        if isinstance(p, Shard) and p.dim - off >= 0 and bias_spec.shape[p.dim - off] == out.shape[p.dim] != 1:
+            pl.append(Shard(p.dim - off)), sz.append(out.sizes[m])
+        else:
+            pl.append(_R), sz.append(None)
+    dst = ShardSpec.build(out.mesh, pl, bias_spec.shape, sz)
+    return _local_in(bias, bias_spec, dst)
+
+
+@register_aten(aten.mm.default)
+def mm(func, args, kwargs):
+    return _contract(func, args[0], args[1], 0)
+
+
+@register_aten(aten.bmm.default)
+def bmm(func, args, kwargs):
+    return _contract(func, args[0], args[1], 1)
+
+
+@register_aten(aten.addmm.default, aten.baddbmm.default)
+def addmm(func, args, kwargs):
+    bias, a, b = args[0], args[1], args[2]
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    return _contract(func, a, b, 1 if func is aten.baddbmm.default else 0, bias=bias, beta=beta, alpha=alpha)
+
+
+@register_aten(aten.dot.default, aten.mv.default)
+def dot_mv(func, args, kwargs):
+    a, b = args
+    if func is aten.dot.default:
+        out = mm(aten.mm.default, (a.unsqueeze(0), b.unsqueeze(1)), {})
+        return out.reshape(())
+    return mm(aten.mm.default, (a, b.unsqueeze(1)), {}).squeeze(1)

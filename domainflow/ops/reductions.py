@@ -1,0 +1,367 @@
+"""Reductions: over unsharded dims they run locally; over a sharded dim they give a Partial result
+(sum/mean -> Partial(sum), amax/amin -> Partial(max/min), prod -> Partial(product)) that is reduced
+only when a later op needs the value. Index-returning reductions (max/min with dim, argmax) compare
+each rank's candidate and return replicated results. ``torch.sum``/``mean`` are also handled above
+autograd so their gradients come back sharded like the input instead of as replicated full tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch._C import DisableTorchFunctionSubclass
+
+from .. import comm, shapes
+from ..dispatch import _unsupported_or_fallback, to_spec
+from ..placements import Partial, Replicate, Shard
+from ..registry import register_aten, register_function
+from ..shard_tensor import ShardTensor
+from ..spec import ShardSpec
+
+aten = torch.ops.aten
+_R = Replicate()
+
+
+def _dims_arg(x, dim):
+    if dim is None:
+        return None
+    if isinstance(dim, int):
+        return [dim]
+    return list(dim)
+
+
+def _reduce_partials(x: ShardTensor, keep_sum: bool) -> ShardTensor:
+    """Reduce pending Partial values unless they are sums feeding another sum."""
+    spec = x._spec
+    if not spec.has_partial:
+        return x
+    pl = [p if (keep_sum and isinstance(p, Partial) and p.reduce_op == "sum") else
+          (_R if isinstance(p, Partial) else p) for p in spec.placements]
+    dst = spec.with_(placements=pl)
+    return x if dst == spec else ShardTensor(to_spec(x, dst), dst)
+
+
+def _out_spec(spec: ShardSpec, red, where, keepdim, partial: str | None, out_shape) -> ShardSpec:
+    pl, sz = [], []
+    for m, p in enumerate(spec.placements):
+        if isinstance(p, Shard):
+            if p.dim in red:
+                if partial is None:
+                    pl.append(_R)
+                else:
+                    pl.append(Partial(partial))
+                sz.append(None)
+            else:
+                pl.append(Shard(where[p.dim]))
+                sz.append(spec.sizes[m])
+        else:
+            pl.append(p)
+            sz.append(None)
+    return ShardSpec(spec.mesh, pl, out_shape, sz)
+
+
+def _out_shape(shape, red, keepdim):
+    return [1 if d in red else n for d, n in enumerate(shape) if keepdim or d not in red]
+
+
+def _sharded_reduced(spec: ShardSpec, red) -> bool:
+    return any(isinstance(p, Shard) and p.dim in red for p in spec.placements)
+
+
+@register_aten(aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim, aten.nansum.default)
+def sum_mean(func, args, kwargs):
+    x = args[0]
+    is_mean = func in (aten.mean.default, aten.mean.dim)
+    if func in (aten.sum.default, aten.mean.default, aten.nansum.default):
+        dims, keepdim = None, False
+        dtype = kwargs.get("dtype", args[1] if len(args) > 1 else None)
+    else:
+        dims = _dims_arg(x, args[1] if len(args) > 1 else kwargs.get("dim"))
+        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+        dtype = args[3] if len(args) > 3 else kwargs.get("dtype")
+    x = _reduce_partials(x, keep_sum=True)
+    spec = x._spec
+    red, where = shapes.reduced_dim_map(x.ndim, dims, keepdim)
+    out_shape = _out_shape(spec.shape, red, keepdim)
+    local_dims = sorted(red)
+    fn = torch.nansum if func is aten.nansum.default else torch.sum
+    if local_dims:
+        local = fn(x._local, dim=local_dims, keepdim=keepdim, dtype=dtype)
+    else:
+        local = fn(x._local, dtype=dtype) if x.ndim == 0 else x._local.to(dtype) if dtype else x._local.clone()
+    if is_mean:
+        count = math.prod(spec.shape[d] for d in red) if red else 1
+        local = local / count
+    return ShardTensor(local, _out_spec(spec, red, where, keepdim, "sum", out_shape))
+
+
+_EXTREME = {"max": -math.inf, "min": math.inf}
+
+
+def _fill_for(dtype, kind):
+    if dtype.is_floating_point:
+        return _EXTREME[kind]
+    if dtype == torch.bool:
+        return kind == "min"
+    info = torch.iinfo(dtype)
+    return info.min if kind == "max" else info.max
+
+
+@register_aten(aten.amax.default, aten.amin.default, aten.max.default, aten.min.default)
+def amax_amin(func, args, kwargs):
+    kind = "max" if func in (aten.amax.default, aten.max.default) else "min"
+    x = _reduce_partials(args[0], keep_sum=False)
+    spec = x._spec
+    if func in (aten.max.default, aten.min.default):
+        dims, keepdim = None, False
+    else:
+        dims = _dims_arg(x, args[1] if len(args) > 1 else kwargs.get("dim", []))
+        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    red, where = shapes.reduced_dim_map(x.ndim, dims, keepdim)
+    local = x._local
+    if local.numel() == 0 and _sharded_reduced(spec, red):
+        # this rank's part is empty: contribute the identity of the reduction
+        shape = [1 if d in red else n for d, n in enumerate(local.shape)] if keepdim else \
+            [n for d, n in enumerate(local.shape) if d not in red]
+        out = torch.full(shape, _fill_for(local.dtype, kind), dtype=local.dtype, device=local.device)
+    else:
+        op = torch.amax if kind == "max" else torch.amin
+        out = op(local, dim=sorted(red), keepdim=keepdim) if x.ndim else local.clone()
+    return ShardTensor(out, _out_spec(spec, red, where, keepdim, kind, _out_shape(spec.shape, red, keepdim)))
+
+
+@register_aten(aten.prod.default, aten.prod.dim_int)
+def prod(func, args, kwargs):
+    x = _reduce_partials(args[0], keep_sum=False)
+    spec = x._spec
+    if func is aten.prod.default:
+        dims, keepdim, dtype = None, False, kwargs.get("dtype", args[1] if len(args) > 1 else None)
+        local = torch.prod(x._local, dtype=dtype)
+    else:
+        dims, keepdim = [args[1]], (args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+        dtype = args[3] if len(args) > 3 else kwargs.get("dtype")
+        local = torch.prod(x._local, dims[0], keepdim=keepdim, dtype=dtype)
+    red, where = shapes.reduced_dim_map(x.ndim, dims, keepdim)
+    return ShardTensor(local, _out_spec(spec, red, where, keepdim, "product", _out_shape(spec.shape, red, keepdim)))
+
+
+@register_aten(aten.any.default, aten.all.default, aten.any.dim, aten.all.dim, aten.any.dims, aten.all.dims)
+def any_all(func, args, kwargs):
+    x = _reduce_partials(args[0], keep_sum=False)
+    spec = x._spec
+    kind = "max" if func in (aten.any.default, aten.any.dim, aten.any.dims) else "min"
+    if func in (aten.any.default, aten.all.default):
+        dims, keepdim = None, False
+    else:
+        dims = _dims_arg(x, args[1] if len(args) > 1 else kwargs.get("dim"))
+        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    red, where = shapes.reduced_dim_map(x.ndim, dims, keepdim)
+    op = torch.any if kind == "max" else torch.all
+    local = op(x._local, dim=tuple(sorted(red)), keepdim=keepdim) if x.ndim else op(x._local)
+    return ShardTensor(local, _out_spec(spec, red, where, keepdim, kind, _out_shape(spec.shape, red, keepdim)))
+
+
+@register_aten(aten.linalg_vector_norm.default)
+def vector_norm(func, args, kwargs):
+    """p-norms: local sums of |x|^p (or max/min of |x|), one all-reduce per sharded reduced dim."""
+    x = _reduce_partials(args[0], keep_sum=False)
+    ordv = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    dims = _dims_arg(x, args[2] if len(args) > 2 else kwargs.get("dim"))
+    keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
+    dtype = args[4] if len(args) > 4 else kwargs.get("dtype")
+    spec = x._spec
+    red, where = shapes.reduced_dim_map(x.ndim, dims, keepdim)
+    if not _sharded_reduced(spec, red):
+        out = torch.linalg.vector_norm(x._local, ordv, dim=sorted(red) if x.ndim else None, keepdim=keepdim, dtype=dtype)
+        return ShardTensor(out, _out_spec(spec, red, where, keepdim, None, _out_shape(spec.shape, red, keepdim)))
+    a = x._local.abs() if dtype is None else x._local.to(dtype).abs()
+    rd = sorted(red)
+    if ordv in (math.inf, -math.inf):
+        kind = "max" if ordv > 0 else "min"
+        local = (a.amax(rd, keepdim=keepdim) if kind == "max" else a.amin(rd, keepdim=keepdim)) if a.numel() else \
+            torch.full(_local_out(a.shape, red, keepdim), _fill_for(a.dtype, kind), dtype=a.dtype, device=a.device)
+        post = None
+    elif ordv == 0:
+        kind, local, post = "sum", (a != 0).to(a.dtype).sum(rd, keepdim=keepdim), None
+    else:
+        kind, local, post = "sum", a.pow(ordv).sum(rd, keepdim=keepdim), ordv
+    for m, p in enumerate(spec.placements):
+        if isinstance(p, Shard) and p.dim in red:
+            local = comm.all_reduce(local, kind, spec.mesh, m)
+    if post is not None:
+        local = local.pow(1.0 / post)
+    return ShardTensor(local, _out_spec(spec, red, where, keepdim, None, _out_shape(spec.shape, red, keepdim)))
+
+
+def _local_out(shape, red, keepdim):
+    return [1 if d in red else n for d, n in enumerate(shape) if keepdim or d not in red]
+
+
+@register_aten(aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default)
+def indexed_reduction(func, args, kwargs):
+    """max/min over a dim with indices, argmax/argmin: each rank's candidate (value, global index) is
+    gathered along the sharded dim's mesh dim and the first extreme wins, as in torch."""
+    x = _reduce_partials(args[0], keep_sum=False)
+    spec = x._spec
+    kind = "max" if func in (aten.max.dim, aten.argmax.default) else "min"
+    want_values = func in (aten.max.dim, aten.min.dim)
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    if dim is None:  # argmax over the flattened tensor
+        flat_idx, _ = _flat_candidates(x, kind)
+        return ShardTensor(flat_idx, ShardSpec(spec.mesh, (_R,) * spec.mesh.ndim, (), (None,) * spec.mesh.ndim))
+    dim %= max(x.ndim, 1)
+    red, where = shapes.reduced_dim_map(x.ndim, [dim], keepdim)
+    out_shape = _out_shape(spec.shape, red, keepdim)
+    out_spec = _out_spec(spec, red, where, keepdim, None, out_shape)
+    m = spec.mesh_dim_of(dim)
+    local = x._local
+    if m is None:
+        v, i = (torch.max if kind == "max" else torch.min)(local, dim, keepdim=True)
+        v, i = (v, i) if keepdim else (v.squeeze(dim), i.squeeze(dim))
+        return (ShardTensor(v, out_spec), ShardTensor(i, out_spec)) if want_values else ShardTensor(i, out_spec)
+    k = spec.coord[m]
+    off = shapes.offsets(spec.sizes[m])
+    if local.shape[dim] == 0:
+        shp = list(local.shape)
+        shp[dim] = 1
+        v = torch.full(shp, _fill_for(local.dtype, kind), dtype=local.dtype, device=local.device)
+        i = torch.zeros(shp, dtype=torch.int64, device=local.device)
+    else:
+        v, i = (torch.max if kind == "max" else torch.min)(local, dim, keepdim=True)
+        i = i + off[k]
+    n = spec.mesh.shape[m]
+    vs = comm.all_gather_uneven(v, dim, [1] * n, spec.mesh, m)
+    is_ = comm.all_gather_uneven(i, dim, [1] * n, spec.mesh, m)
+    valid = torch.tensor([s > 0 for s in spec.sizes[m]], device=local.device)
+    keep = valid.nonzero().flatten()
+    vs, is_ = vs.index_select(dim, keep), is_.index_select(dim, keep)
+    bv, bi = (torch.max if kind == "max" else torch.min)(vs, dim, keepdim=True)
+    idx = is_.gather(dim, bi)
+    if not keepdim:
+        bv, idx = bv.squeeze(dim), idx.squeeze(dim)
+    return (ShardTensor(bv, out_spec), ShardTensor(idx, out_spec)) if want_values else ShardTensor(idx, out_spec)
+
+
+def _flat_candidates(x: ShardTensor, kind):
+    spec = x._spec
+    local = x._local
+    dev = local.device
+    if local.numel():
+        flat = local.reshape(-1)
+        j = int((flat.argmax() if kind == "max" else flat.argmin()).item())
+        val = flat[j].to(torch.float64)
+        multi = list(torch.unravel_index(torch.tensor(j), local.shape)) if local.ndim else []
+        g = [int(c) + o for c, o in zip(multi, spec.offsets)]
+        gidx = 0
+        for c, n in zip(g, spec.shape):
+            gidx = gidx * n + c
+        cand = torch.tensor([0.0, float(val), float(gidx)], dtype=torch.float64, device=dev)
+    else:
+        cand = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64, device=dev)  # [empty, value, index]
+    for m, p in enumerate(spec.placements):
+        if isinstance(p, Shard):
+            rows = comm.all_gather_uneven(cand.view(1, 3), 0, [1] * spec.mesh.shape[m], spec.mesh, m)
+            best = None
+            for empty, val, gi in rows.tolist():
+                if empty:
+                    continue
+                if best is None or (val > best[1] if kind == "max" else val < best[1]) or \
+                        (val == best[1] and gi < best[2]) or (math.isnan(val) and not math.isnan(best[1])):
+                    best = (0.0, val, gi)
+            cand = torch.tensor(best if best else [1.0, 0.0, 0.0], dtype=torch.float64, device=dev)
+    return torch.tensor(int(cand[2].item()), dtype=torch.int64, device=dev), cand[1]
+
+
+@register_aten(aten.var.correction, aten.std.correction, aten.var_mean.correction, aten.std_mean.correction)
+def var_std(func, args, kwargs):
+    """Two-pass variance over sharded dims: a global mean, then the global sum of squared deviations."""
+    x = _reduce_partials(args[0], keep_sum=False)
+    spec = x._spec
+    dims = _dims_arg(x, args[1] if len(args) > 1 else kwargs.get("dim"))
+    correction = kwargs.get("correction", args[2] if len(args) > 2 else None)
+    correction = 1 if correction is None else correction
+    keepdim = kwargs.get("keepdim", args[3] if len(args) > 3 else False)
+    red, where = shapes.reduced_dim_map(x.ndim, dims, keepdim)
+    out_shape = _out_shape(spec.shape, red, keepdim)
+    out_spec = _out_spec(spec, red, where, keepdim, None, out_shape)
+    rd = sorted(red)
+    count = math.prod(spec.shape[d] for d in red)
+    local = x._local
+    mesh_dims = [m for m, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim in red]
+    s = local.sum(rd, keepdim=True)
+    for m in mesh_dims:
+        s = comm.all_reduce(s, "sum", spec.mesh, m)
+    mean = s / count
+    sq = (local - mean).pow(2).sum(rd, keepdim=True)
+    for m in mesh_dims:
+        sq = comm.all_reduce(sq, "sum", spec.mesh, m)
+    var = sq / max(count - correction, 0)
+    if not keepdim:
+        var, mean = var.squeeze(rd) if rd else var, mean.squeeze(rd) if rd else mean
+    res = var.sqrt() if func in (aten.std.correction, aten.std_mean.correction) else var
+    if func in (aten.var_mean.correction, aten.std_mean.correction):
+        return ShardTensor(res, out_spec), ShardTensor(mean, out_spec)
+    return ShardTensor(res, out_spec)
+
+
+# --------------------------------------------------------------------------------------------
+# above autograd: sum / mean whose gradient stays sharded like the input
+# --------------------------------------------------------------------------------------------
+class _SumMean(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dims, keepdim, mean, dtype):
+        ctx.spec, ctx.keepdim = x._spec, keepdim
+        red, _ = shapes.reduced_dim_map(x.ndim, dims, keepdim)
+        ctx.red = sorted(red)
+        ctx.scale = 1.0 / math.prod(x.shape[d] for d in red) if mean and red else 1.0
+        ctx.in_dtype = x.dtype
+        op = aten.mean.dim if mean else aten.sum.dim_IntList
+        with torch.no_grad():
+            return sum_mean(op, (x, sorted(red), keepdim), {"dtype": dtype})
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.spec
+        from ..redistribute import grad_spec
+
+        in_grad_spec = grad_spec(spec)
+        if not isinstance(grad, ShardTensor):
+            grad = ShardTensor(grad, ShardSpec(spec.mesh, (_R,) * spec.mesh.ndim, grad.shape, (None,) * spec.mesh.ndim))
+        # the output's gradient laid out like the output, partial dims replicated
+        red = set(ctx.red)
+        _, where = shapes.reduced_dim_map(spec.ndim, ctx.red, ctx.keepdim)
+        want = _out_spec(in_grad_spec, red, where, ctx.keepdim, None, grad.shape)
+        g = to_spec(grad, want) if grad._spec != want else grad._local
+        if not ctx.keepdim:
+            for d in ctx.red:
+                g = g.unsqueeze(d)
+        g = g.expand(in_grad_spec.local_shape)
+        if ctx.scale != 1.0:
+            g = g * ctx.scale
+        return ShardTensor(g.to(ctx.in_dtype), in_grad_spec), None, None, None, None
+
+
+def _sum_mean_function(func, args, kwargs):
+    """torch.sum/mean and Tensor.sum/mean on a ShardTensor: an autograd node whose backward expands the
+    gradient locally (sharded like the input) when a sharded dim is reduced."""
+    x = args[0]
+    if not isinstance(x, ShardTensor) or not (torch.is_grad_enabled() and x.requires_grad):
+        with DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    dtype = kwargs.get("dtype", args[3] if len(args) > 3 else None)
+    if len(args) > 1 and isinstance(args[1], torch.dtype):
+        dim, dtype = None, args[1]
+    dims = _dims_arg(x, dim)
+    red, _ = shapes.reduced_dim_map(x.ndim, dims, keepdim)
+    is_mean = func in (torch.mean, torch.Tensor.mean)
+    if not _sharded_reduced(x._spec, red) or x._spec.has_partial:
+        with DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    return _SumMean.apply(x, sorted(red), keepdim, is_mean, dtype)
+
+
+register_function(torch.sum, torch.Tensor.sum, torch.mean, torch.Tensor.mean)(_sum_mean_function)

@@ -1,0 +1,140 @@
+"""Layout-preserving tensor ops: copies, dtype casts, *_like factories, fills, scalars, cat/stack."""
+
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import (_unsupported_or_fallback, common_mesh, pointwise, replicate_local, replicated_spec,
+                        shard_tensors, to_spec, wrap)
+from ..placements import Partial, Replicate, Shard
+from ..registry import register_aten
+from ..shard_tensor import ShardTensor
+from ..spec import ShardSpec
+
+aten = torch.ops.aten
+_R = Replicate()
+
+
+def _no_partial(spec: ShardSpec) -> ShardSpec:
+    if not spec.has_partial:
+        return spec
+    return spec.with_(placements=tuple(_R if isinstance(p, Partial) else p for p in spec.placements))
+
+
+@register_aten(aten.detach.default, aten.alias.default, aten.lift_fresh.default, aten._to_copy.default,
+               aten.view_as_real.default, aten.view_as_complex.default, aten.conj_physical.default,
+               aten._conj.default, aten.resolve_conj.default, aten.resolve_neg.default)
+def same_layout(func, args, kwargs):
+    """Unary ops that keep shape and layout (Partial values stay pending)."""
+    x = args[0]
+    return ShardTensor(func(x._local, *args[1:], **kwargs), x._spec)
+
+
+@register_aten(aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+               aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
+               aten.randint_like.low_dtype)
+def like_factory(func, args, kwargs):
+    """New tensor laid out like the input; a Partial input gives a replicated result (its values are
+    the op's, not pending sums)."""
+    x = args[0]
+    return ShardTensor(func(x._local, *args[1:], **kwargs), _no_partial(x._spec))
+
+
+@register_aten(aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+               aten.new_empty_strided.default)
+def new_factory(func, args, kwargs):
+    """``x.new_zeros(size)`` gives a replicated tensor of the requested global size."""
+    x = args[0]
+    out = func(x._local, *args[1:], **kwargs)
+    return ShardTensor(out, replicated_spec(x._spec.mesh, out.shape))
+
+
+@register_aten(aten.fill_.Scalar, aten.zero_.default, aten.normal_.default, aten.uniform_.default,
+               aten.bernoulli_.float, aten.exponential_.default, aten.random_.default, getattr(aten.random_, "from"),
+               aten.random_.to)
+def fill_inplace(func, args, kwargs):
+    x = args[0]
+    if x._spec.has_partial:
+        return _unsupported_or_fallback(func, args, kwargs, "filling a Partial tensor in place would be summed "
+                                        "over ranks; redistribute it to Replicate first")
+    func(x._local, *args[1:], **kwargs)
+    return x
+
+
+@register_aten(aten.copy_.default)
+def copy_(func, args, kwargs):
+    """``dst.copy_(src)``: src is laid out like dst (sliced locally when replicated)."""
+    dst, src = args[0], args[1]
+    if not isinstance(dst, ShardTensor):
+        if isinstance(src, ShardTensor):
+            dst.copy_(replicate_local(src), *args[2:], **kwargs)
+            return dst
+    return pointwise(func, args, kwargs)
+
+
+@register_aten(aten._local_scalar_dense.default)
+def item(func, args, kwargs):
+    return replicate_local(args[0]).item()
+
+
+@register_aten(aten.equal.default)
+def equal(func, args, kwargs):
+    a, b = args
+    sts = shard_tensors(args)
+    if a.shape != b.shape:
+        return False
+    ref = sts[0]._spec
+    ref = _no_partial(ref)
+    la = to_spec(a, ref) if isinstance(a, ShardTensor) else _narrow_to(a, ref)
+    lb = to_spec(b, ref) if isinstance(b, ShardTensor) else _narrow_to(b, ref)
+    from .. import comm
+
+    ok = torch.tensor([1 if torch.equal(la, lb) else 0], dtype=torch.int64, device=la.device)
+    for m in range(ref.mesh.ndim):
+        ok = comm.all_reduce(ok, "min", ref.mesh, m)
+    return bool(ok.item())
+
+
+def _narrow_to(t: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    for m, p in enumerate(spec.placements):
+        if isinstance(p, Shard):
+            k = spec.coord[m]
+            t = t.narrow(p.dim, sum(spec.sizes[m][:k]), spec.sizes[m][k])
+    return t
+
+
+@register_aten(aten.is_same_size.default)
+def is_same_size(func, args, kwargs):
+    return tuple(args[0].shape) == tuple(args[1].shape)
+
+
+@register_aten(aten.cat.default)
+def cat(func, args, kwargs):
+    """Concatenate along a dim no operand is sharded on; operands are aligned like pointwise inputs."""
+    tensors = [t for t in args[0] if not (t.ndim == 1 and t.shape[0] == 0 and not isinstance(t, ShardTensor))]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    ref_t = next(t for t in tensors if isinstance(t, ShardTensor))
+    dim = dim % ref_t.ndim
+    mesh = common_mesh([t for t in tensors if isinstance(t, ShardTensor)], func)
+    if any(isinstance(t, ShardTensor) and t._spec.mesh_dim_of(dim) is not None for t in tensors):
+        return _unsupported_or_fallback(func, args, kwargs, f"cat along dim {dim}, which is sharded "
+                                        f"(concatenating along a sharded dim lands in the grid-ops handlers)")
+    ref = _no_partial(ref_t._spec)
+    locals_, total = [], 0
+    for t in tensors:
+        shape = list(ref.shape)
+        shape[dim] = t.shape[dim]
+        spec = ShardSpec(mesh, ref.placements, shape, ref.sizes)
+        locals_.append(to_spec(t, spec) if isinstance(t, ShardTensor) else _narrow_to(t, spec))
+        total += t.shape[dim]
+    out_shape = list(ref.shape)
+    out_shape[dim] = total
+    return ShardTensor(torch.cat(locals_, dim), ShardSpec(mesh, ref.placements, out_shape, ref.sizes))
+
+
+@register_aten(aten.stack.default)
+def stack(func, args, kwargs):
+    tensors = list(args[0])
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    dim = dim % (tensors[0].ndim + 1)
+    return cat(aten.cat.default, ([t.unsqueeze(dim) for t in tensors], dim), {})

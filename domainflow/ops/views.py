@@ -1,0 +1,225 @@
+"""View and indexing ops: reshape/permute/squeeze/expand/slice/select and friends.
+
+Layouts follow arithmetically (``shapes.view_shard_map``, ``shapes.slice_sizes``); the only op here
+that communicates is ``select`` of one index of a sharded dim (a broadcast from its owner).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comm, shapes
+from ..dispatch import _unsupported_or_fallback, to_spec
+from ..placements import Replicate, Shard
+from ..registry import register_aten
+from ..shard_tensor import ShardTensor
+from ..spec import ShardSpec
+
+aten = torch.ops.aten
+_R = Replicate()
+
+
+def _spec(x: ShardSpec, placements, shape, sizes) -> ShardSpec:
+    return ShardSpec(x.mesh, placements, shape, sizes)
+
+
+def _replicate_dims(x: ShardTensor, dims) -> ShardTensor:
+    """Gather the mesh dims that shard any of ``dims`` (used where a view cannot keep them sharded)."""
+    spec = x._spec
+    pl, sz = list(spec.placements), list(spec.sizes)
+    for m, p in enumerate(pl):
+        if isinstance(p, Shard) and p.dim in dims:
+            pl[m], sz[m] = _R, None
+    dst = _spec(spec, pl, spec.shape, sz)
+    return x if dst == spec else ShardTensor(to_spec(x, dst), dst)
+
+
+@register_aten(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default)
+def view(func, args, kwargs):
+    x, size = args[0], args[1]
+    spec = x._spec
+    try:
+        out_shape = shapes.infer_view_shape(spec.shape.numel(), size)
+    except ValueError as e:
+        raise RuntimeError(str(e)) from None
+    pl, sz = list(spec.placements), list(spec.sizes)
+    for m, p in enumerate(spec.placements):
+        if not isinstance(p, Shard):
+            continue
+        hit = shapes.view_shard_map(tuple(spec.shape), out_shape, p.dim, spec.sizes[m])
+        if hit is None:
+            return _unsupported_or_fallback(
+                func, args, kwargs,
+                f"reshaping {tuple(spec.shape)} -> {out_shape} splits the rows of sharded dim {p.dim} across "
+                f"output dims (only the outermost dim of a merged/split group can stay sharded); move the "
+                f"sharded dim outward first (e.g. permute) or redistribute")
+        pl[m], sz[m] = Shard(hit[0]), hit[1]
+    out = _spec(spec, pl, out_shape, sz)
+    local = x._local
+    if func is aten.view.default:
+        res = local.view(out.local_shape)
+    elif func is aten._reshape_alias.default:
+        res = local.reshape(out.local_shape)
+    else:
+        res = func(local, out.local_shape)
+    return ShardTensor(res, out)
+
+
+@register_aten(aten.permute.default)
+def permute(func, args, kwargs):
+    x, dims = args[0], [d % max(args[0].ndim, 1) for d in args[1]]
+    spec = x._spec
+    inv = {d: i for i, d in enumerate(dims)}
+    pl = [Shard(inv[p.dim]) if isinstance(p, Shard) else p for p in spec.placements]
+    out = _spec(spec, pl, [spec.shape[d] for d in dims], spec.sizes)
+    return ShardTensor(x._local.permute(dims), out)
+
+
+@register_aten(aten.transpose.int)
+def transpose(func, args, kwargs):
+    x = args[0]
+    nd = max(x.ndim, 1)
+    a, b = args[1] % nd, args[2] % nd
+    dims = list(range(x.ndim))
+    if x.ndim:
+        dims[a], dims[b] = dims[b], dims[a]
+    return permute(aten.permute.default, (x, dims), {})
+
+
+@register_aten(aten.t.default)
+def t(func, args, kwargs):
+    x = args[0]
+    return permute(aten.permute.default, (x, list(range(x.ndim))[::-1]), {})
+
+
+@register_aten(aten.unsqueeze.default)
+def unsqueeze(func, args, kwargs):
+    x, dim = args[0], args[1] % (args[0].ndim + 1)
+    spec = x._spec
+    pl = [Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in spec.placements]
+    shape = list(spec.shape)
+    shape.insert(dim, 1)
+    return ShardTensor(x._local.unsqueeze(dim), _spec(spec, pl, shape, spec.sizes))
+
+
+@register_aten(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+def squeeze(func, args, kwargs):
+    x = args[0]
+    nd = x.ndim
+    if func is aten.squeeze.default:
+        dims = [d for d in range(nd) if x.shape[d] == 1]
+    elif func is aten.squeeze.dim:
+        dims = [args[1] % nd] if nd else []
+    else:
+        dims = [d % nd for d in args[1]] if nd else []
+    dims = [d for d in dims if x.shape[d] == 1]
+    x = _replicate_dims(x, dims)
+    spec = x._spec
+    keep = [d for d in range(nd) if d not in dims]
+    pos = {d: i for i, d in enumerate(keep)}
+    pl = [Shard(pos[p.dim]) if isinstance(p, Shard) else p for p in spec.placements]
+    out = _spec(spec, pl, [spec.shape[d] for d in keep], spec.sizes)
+    return ShardTensor(x._local.reshape(out.local_shape), out)
+
+
+@register_aten(aten.expand.default)
+def expand(func, args, kwargs):
+    x, size = args[0], list(args[1])
+    spec = x._spec
+    lead = len(size) - x.ndim
+    out_shape = [s if s != -1 else spec.shape[i - lead] for i, s in enumerate(size)]
+    grow = [d for d in range(x.ndim) if spec.shape[d] == 1 and out_shape[d + lead] != 1]
+    x = _replicate_dims(x, grow)
+    spec = x._spec
+    pl = [Shard(p.dim + lead) if isinstance(p, Shard) else p for p in spec.placements]
+    out = _spec(spec, pl, out_shape, spec.sizes)
+    return ShardTensor(x._local.expand(out.local_shape), out)
+
+
+@register_aten(aten.slice.Tensor)
+def slice_(func, args, kwargs):
+    """``x[a:b:c]`` along any dim; along a sharded dim each rank keeps its part of the selection
+    (new, possibly uneven sizes; no communication)."""
+    x = args[0]
+    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % x.ndim
+    start = args[2] if len(args) > 2 else kwargs.get("start")
+    end = args[3] if len(args) > 3 else kwargs.get("end")
+    step = args[4] if len(args) > 4 else kwargs.get("step", 1)
+    spec = x._spec
+    n = spec.shape[dim]
+    start, end, step = shapes.normalize_slice(n, start, end, step)
+    m = spec.mesh_dim_of(dim)
+    shape = list(spec.shape)
+    shape[dim] = len(range(start, end, step))
+    if m is None:
+        return ShardTensor(x._local[(slice(None),) * dim + (slice(start, end, step),)], _spec(spec, spec.placements, shape, spec.sizes))
+    counts, starts = shapes.slice_sizes(spec.sizes[m], start, end, step)
+    k = spec.coord[m]
+    sz = list(spec.sizes)
+    sz[m] = counts
+    lo = starts[k]
+    local = x._local[(slice(None),) * dim + (slice(lo, lo + (counts[k] - 1) * step + 1 if counts[k] else lo, step),)]
+    return ShardTensor(local, _spec(spec, spec.placements, shape, sz))
+
+
+@register_aten(aten.select.int)
+def select(func, args, kwargs):
+    """``x.select(dim, i)``: local on an unsharded dim; on a sharded dim its owner broadcasts the slice."""
+    x, dim, index = args[0], args[1] % args[0].ndim, args[2]
+    spec = x._spec
+    n = spec.shape[dim]
+    if not -n <= index < n:
+        raise IndexError(f"index {index} is out of bounds for dim {dim} with size {n}")
+    index %= n
+    m = spec.mesh_dim_of(dim)
+    keep = [d for d in range(x.ndim) if d != dim]
+    pos = {d: i for i, d in enumerate(keep)}
+    shape = [spec.shape[d] for d in keep]
+    if m is None:
+        pl = [Shard(pos[p.dim]) if isinstance(p, Shard) else p for p in spec.placements]
+        return ShardTensor(x._local.select(dim, index), _spec(spec, pl, shape, spec.sizes))
+    offs = shapes.offsets(spec.sizes[m])
+    owner = max(k for k in range(len(offs)) if offs[k] <= index and spec.sizes[m][k] > 0)
+    pl = [_R if mm == m else (Shard(pos[p.dim]) if isinstance(p, Shard) else p) for mm, p in enumerate(spec.placements)]
+    sz = [None if mm == m else s for mm, s in enumerate(spec.sizes)]
+    out = _spec(spec, pl, shape, sz)
+    k = spec.coord[m]
+    if k == owner:
+        piece = x._local.select(dim, index - offs[k]).contiguous()
+    else:
+        piece = x._local.new_empty(out.local_shape)
+    return ShardTensor(comm.broadcast(piece, owner, spec.mesh, m), out)
+
+
+@register_aten(aten.split.Tensor, aten.split_with_sizes.default)
+def split(func, args, kwargs):
+    x = args[0]
+    arg = args[1]
+    dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % x.ndim
+    n = x.shape[dim]
+    if func is aten.split.Tensor:
+        lens = [min(arg, n - i) for i in range(0, n, arg)] if n else [0]
+    else:
+        lens = list(arg)
+    out, start = [], 0
+    for ln in lens:
+        out.append(slice_(aten.slice.Tensor, (x, dim, start, start + ln, 1), {}))
+        start += ln
+    return out
+
+
+@register_aten(aten.unbind.int)
+def unbind(func, args, kwargs):
+    x = args[0]
+    dim = (args[1] if len(args) > 1 else 0) % x.ndim
+    return [select(aten.select.int, (x, dim, i), {}) for i in range(x.shape[dim])]
+
+
+@register_aten(aten.as_strided.default, aten.unfold.default)
+def strided(func, args, kwargs):
+    x = args[0]
+    if x._spec.is_replicated:
+        out = func(x._local, *args[1:], **kwargs)
+        return ShardTensor(out, _spec(x._spec, x._spec.placements, out.shape, x._spec.sizes))
+    return _unsupported_or_fallback(func, args, kwargs, f"{func} reinterprets memory, which a sharded tensor "
+                                    f"does not have as one block")

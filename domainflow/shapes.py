@@ -1,0 +1,215 @@
+"""Shape arithmetic for uneven sharding: pure functions, no tensors moved, no process group needed.
+
+Every layout question (local shapes, offsets, how a view or reduction maps sharded dims, which rows a
+resharding moves where) is answered here so it can be tested in one process on many random cases.
+A layout is described per mesh dim by ``sizes``: for a mesh dim that shards tensor dim ``d``, the
+extent along ``d`` held at each coordinate of that mesh dim (zeros allowed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from itertools import accumulate
+
+Sizes = tuple[int, ...]
+
+
+def chunk_sizes(n: int, parts: int) -> Sizes:
+    """Sizes that ``torch.chunk``/DTensor give when splitting ``n`` into ``parts`` (trailing parts may be 0)."""
+    if parts <= 0:
+        raise ValueError(f"cannot split into {parts} parts")
+    step = -(-n // parts) if n else 0
+    return tuple(max(0, min(step, n - i * step)) for i in range(parts))
+
+
+def balanced_sizes(n: int, parts: int) -> Sizes:
+    """Sizes differing by at most one, larger first (what ``numpy.array_split`` gives)."""
+    q, r = divmod(n, parts)
+    return tuple(q + (i < r) for i in range(parts))
+
+
+def offsets(sizes: Sequence[int]) -> Sizes:
+    """Start index of each part: exclusive prefix sums."""
+    return (0, *accumulate(sizes))[:-1] if sizes else ()
+
+
+def local_shape(global_shape: Sequence[int], shard_dims: Sequence[int | None],
+                dim_sizes: Sequence[Sizes | None], coord: Sequence[int]) -> tuple[int, ...]:
+    """Local shape at mesh coordinate ``coord``; ``shard_dims[m]`` is the tensor dim mesh dim m shards."""
+    shape = list(global_shape)
+    for m, d in enumerate(shard_dims):
+        if d is not None:
+            shape[d] = dim_sizes[m][coord[m]]
+    return tuple(shape)
+
+
+def local_offsets(ndim: int, shard_dims: Sequence[int | None], dim_sizes: Sequence[Sizes | None],
+                  coord: Sequence[int]) -> tuple[int, ...]:
+    """Global index of the local chunk's first element along every tensor dim."""
+    off = [0] * ndim
+    for m, d in enumerate(shard_dims):
+        if d is not None:
+            off[d] = sum(dim_sizes[m][: coord[m]])
+    return tuple(off)
+
+
+def overlap_splits(src: Sequence[int], dst: Sequence[int]) -> list[list[int]]:
+    """``out[i][j]``: rows that part i of layout ``src`` shares with part j of layout ``dst``.
+
+    Both layouts split the same extent into contiguous ranges; this is the send/receive matrix of an
+    all-to-all that turns one uneven layout into the other.
+    """
+    if sum(src) != sum(dst):
+        raise ValueError(f"layouts {tuple(src)} and {tuple(dst)} cover different extents")
+    so, do = offsets(src), offsets(dst)
+    return [
+        [max(0, min(so[i] + src[i], do[j] + dst[j]) - max(so[i], do[j])) for j in range(len(dst))]
+        for i in range(len(src))
+    ]
+
+
+def slice_sizes(sizes: Sequence[int], start: int, stop: int, step: int) -> tuple[Sizes, Sizes]:
+    """Sizes of ``x[start:stop:step]`` on each part and the local start index on each part.
+
+    ``start``/``stop`` must already be clamped to ``[0, n]`` (as aten.slice receives them after
+    normalisation here); returns (counts, local_starts).
+    """
+    counts, starts = [], []
+    for off, size in zip(offsets(sizes), sizes):
+        lo, hi = max(start, off), min(stop, off + size)
+        if hi <= lo:
+            counts.append(0)
+            starts.append(0)
+            continue
+        first = start + (-(-(lo - start) // step)) * step  # first selected index >= lo
+        n = 0 if first >= hi else (hi - 1 - first) // step + 1
+        counts.append(n)
+        starts.append(first - off if n else 0)
+    return tuple(counts), tuple(starts)
+
+
+def normalize_slice(n: int, start: int | None, stop: int | None, step: int) -> tuple[int, int, int]:
+    """Clamp slice bounds the way Python/aten do for a dim of length ``n``."""
+    if step <= 0:
+        raise ValueError("slice step must be positive")
+    start = 0 if start is None else start
+    stop = n if stop is None else stop
+    if start < 0:
+        start += n
+    if stop < 0:
+        stop += n
+    start = min(max(start, 0), n)
+    stop = min(max(stop, start), n)
+    return start, stop, step
+
+
+def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...]:
+    """Result shape of broadcasting ``shapes`` together (numpy rules)."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out = [1] * ndim
+    for s in shapes:
+        for i, n in enumerate(s, start=ndim - len(s)):
+            if n != 1:
+                if out[i] not in (1, n):
+                    raise ValueError(f"shapes {[tuple(x) for x in shapes]} do not broadcast")
+                out[i] = n
+    return tuple(out)
+
+
+def infer_view_shape(numel: int, shape: Sequence[int]) -> tuple[int, ...]:
+    """Resolve a single ``-1`` in a view shape."""
+    shape = list(shape)
+    if shape.count(-1) > 1:
+        raise ValueError(f"only one dimension can be inferred in view shape {tuple(shape)}")
+    if -1 in shape:
+        known = math.prod(s for s in shape if s != -1)
+        i = shape.index(-1)
+        if known == 0 or numel % known:
+            raise ValueError(f"view shape {tuple(shape)} is invalid for {numel} elements")
+        shape[i] = numel // known
+    if math.prod(shape) != numel:
+        raise ValueError(f"view shape {tuple(shape)} is invalid for {numel} elements")
+    return tuple(shape)
+
+
+def view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Split a reshape into groups of (src dims, dst dims) whose products match.
+
+    Size-1 dims form their own groups so they never glue two real groups together.
+    """
+    if 0 in src or 0 in dst:
+        return [(tuple(range(len(src))), tuple(range(len(dst))))]
+    groups: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        if i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+            groups.append(((i,), ()))
+            i += 1
+            continue
+        if j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
+            groups.append(((), (j,)))
+            j += 1
+            continue
+        if i < len(src) and j < len(dst) and src[i] == 1 and dst[j] == 1:
+            groups.append(((i,), (j,)))
+            i += 1
+            j += 1
+            continue
+        gi, gj = [i], [j]
+        a, b = src[i], dst[j]
+        i += 1
+        j += 1
+        while a != b:
+            if a < b:
+                a *= src[i]
+                gi.append(i)
+                i += 1
+            else:
+                b *= dst[j]
+                gj.append(j)
+                j += 1
+        groups.append((tuple(gi), tuple(gj)))
+    return groups
+
+
+def view_shard_map(src: Sequence[int], dst: Sequence[int], dim: int, sizes: Sequence[int]) -> tuple[int, Sizes] | None:
+    """Where a reshape ``src -> dst`` takes a tensor sharded on ``dim`` with per-part ``sizes``.
+
+    Returns (dst dim, dst sizes), or None when a rank's rows do not stay one contiguous block of a
+    single dst dim (e.g. sharding an inner dim of a flattened group), which needs communication.
+    """
+    for gi, gj in view_groups(src, dst):
+        if dim not in gi:
+            continue
+        real_i = [d for d in gi if src[d] != 1]
+        real_j = [d for d in gj if dst[d] != 1]
+        if not real_i or dim != real_i[0]:
+            return None  # only the outermost dim of a group keeps rows contiguous
+        if not real_j:
+            return None
+        inner_src = math.prod(src[d] for d in gi if d > dim)
+        e = real_j[0]
+        inner_dst = math.prod(dst[d] for d in gj if d > e)
+        out = []
+        for s in sizes:
+            total = s * inner_src
+            if total % inner_dst:
+                return None
+            out.append(total // inner_dst)
+        return e, tuple(out)
+    return None
+
+
+def reduced_dim_map(ndim: int, dims: Sequence[int] | None, keepdim: bool) -> tuple[frozenset[int], dict[int, int]]:
+    """For a reduction over ``dims`` (None: all): the reduced dims and where surviving dims go."""
+    red = frozenset(range(ndim)) if dims is None or len(dims) == 0 else frozenset(d % ndim if ndim else 0 for d in dims)
+    where, k = {}, 0
+    for d in range(ndim):
+        if d in red:
+            if keepdim:
+                k += 1
+            continue
+        where[d] = k
+        k += 1
+    return red, where

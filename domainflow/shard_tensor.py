@@ -1,0 +1,473 @@
+"""ShardTensor: a torch.Tensor subclass holding this rank's chunk of a domain-sharded tensor.
+
+Design choice: ShardTensor *wraps DTensor's vocabulary* (DeviceMesh, Shard/Replicate/Partial) but does
+not subclass DTensor. DTensor's sharding propagation, redistribution and ``full_tensor`` assume the
+``torch.chunk`` layout; uneven domain shards (any per-rank size, zeros included, as a spatial
+partition of a mesh produces) would break those assumptions in many places that a subclass inherits
+silently. Keeping our own spec (``ShardSpec``: placements + per-mesh-dim sizes) and our own light
+dispatcher also keeps per-op overhead low. ``to_dtensor``/``from_dtensor`` convert where the layout
+is DTensor's (chunk sizes), for FSDP2 and DCP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import comm, shapes
+from .errors import ShardingMismatchError, ShardingShapeError
+from .placements import Partial, Placement, Replicate, Shard, normalize_placements
+from .redistribute import grad_spec, redistribute_local
+from .spec import ShardSpec, mesh_coordinate, sizes_from_mapping
+
+_MAX_DIMS = 12
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+
+
+def _strides_like(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
+    """Global strides laid out in the same dim order as the local chunk's memory."""
+    nd = len(shape)
+    if local.is_contiguous() or nd <= 1:
+        order = range(nd - 1, -1, -1)
+    else:
+        st = local.stride()
+        order = sorted(range(nd), key=lambda d: (st[d], d))  # innermost first
+    out = [0] * nd
+    acc = 1
+    for d in order:
+        out[d] = acc
+        acc *= max(shape[d], 1)
+    return tuple(out)
+
+
+class ShardTensor(torch.Tensor):
+    """This rank's chunk (``_local``) of a tensor laid out by ``_spec`` over a device mesh."""
+
+    _local: torch.Tensor
+    _spec: ShardSpec
+    __slots__ = ("_local", "_spec")
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, spec: ShardSpec, requires_grad: bool = False):
+        if local.is_contiguous():
+            r = torch.Tensor._make_wrapper_subclass(cls, spec.shape, dtype=local.dtype, device=local.device,
+                                                    requires_grad=requires_grad)
+        else:
+            r = torch.Tensor._make_wrapper_subclass(cls, spec.shape, strides=_strides_like(local, spec.shape),
+                                                    dtype=local.dtype, device=local.device, requires_grad=requires_grad)
+        r._local = local
+        r._spec = spec
+        return r
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105
+        return f"ShardTensor(local={self._local!r}, spec={self._spec!r})"
+
+    # ----- dispatch (implementation in dispatch.py) -------------------------------------------
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _dispatch.torch_function(func, types, args, kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _dispatch.torch_dispatch(func, types, args, kwargs)
+
+    # ----- torch.compile / serialization hooks ------------------------------------------------
+    def __tensor_flatten__(self):
+        return ["_local"], self._spec
+
+    @staticmethod
+    def __tensor_unflatten__(inner, spec, outer_size, outer_stride):
+        return ShardTensor(inner["_local"], spec)
+
+    def __reduce_ex__(self, proto):
+        raise TypeError("a ShardTensor cannot be pickled; save .to_local() with its .sharding_shapes, "
+                        "or use .to_dtensor() with torch.distributed.checkpoint")
+
+    # ----- layout accessors -------------------------------------------------------------------
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    @property
+    def spec(self) -> ShardSpec:
+        return self._spec
+
+    @property
+    def sharding_shapes(self) -> dict[int, tuple[torch.Size, ...]]:
+        """For each sharded mesh dim, the local shape of every rank along it."""
+        return self._spec.sharding_shapes()
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Global index of this rank's first element along each dim."""
+        return self._spec.offsets
+
+    # ----- conversions ------------------------------------------------------------------------
+    @staticmethod
+    def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, sharding_shapes="infer",
+                   shape: Sequence[int] | None = None) -> "ShardTensor":
+        """Wrap each rank's ``local`` chunk.
+
+        ``sharding_shapes``: "infer" (one all-gather of shapes over the mesh; checks that ranks agree),
+        "chunk" (``torch.chunk`` layout of ``shape``, or an even split when ``shape`` is None; no
+        communication), or a mapping ``{mesh dim or name: [local shape or size of each rank]}``
+        (no communication). Differentiable: gradients flow back to ``local``.
+        """
+        if isinstance(local, ShardTensor):
+            raise TypeError("from_local got a ShardTensor; pass its .to_local() or call .redistribute()")
+        placements = normalize_placements(placements, local.ndim, mesh.ndim)
+        spec = _spec_for_local(local, mesh, placements, sharding_shapes, shape)
+        return _FromLocal.apply(local, spec)
+
+    def to_local(self, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """This rank's chunk. Differentiable; ``grad_placements`` says how the local gradients combine
+        (default: like the forward placements, with Partial gradients treated as Replicate)."""
+        if not torch.is_grad_enabled() or not self.requires_grad:
+            return self._local
+        return _ToLocal.apply(self, grad_placements)
+
+    def redistribute(self, placements, sharding_shapes=None) -> "ShardTensor":
+        """Same global tensor, new layout. ``sharding_shapes``: None keeps the sizes of shards that stay
+        on their mesh dim and tensor dim and uses chunk sizes for new shards; "chunk"; "balanced"; or
+        a mapping ``{mesh dim: [size or shape per rank]}``. Differentiable (backward is the reverse)."""
+        placements = normalize_placements(placements, self.ndim, self._spec.mesh.ndim)
+        dst = target_spec(self._spec, placements, sharding_shapes)
+        if dst == self._spec:
+            return self
+        return _Redistribute.apply(self, dst)
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole global tensor on every rank (uneven all-gather / all-reduce). Differentiable."""
+        if self._spec.is_replicated:
+            return self.to_local()
+        rep = self.redistribute([Replicate()] * self._spec.mesh.ndim)
+        return rep.to_local()
+
+    def to_dtensor(self):
+        """A DTensor of the same data; needs DTensor's layout (chunk sizes on every Shard)."""
+        from torch.distributed.tensor import DTensor
+
+        spec = self._spec
+        for m, p in enumerate(spec.placements):
+            if isinstance(p, Shard) and spec.sizes[m] != shapes.chunk_sizes(spec.shape[p.dim], spec.mesh.shape[m]):
+                raise ShardingShapeError(
+                    f"to_dtensor needs DTensor's torch.chunk layout, but mesh dim {m} shards dim {p.dim} as "
+                    f"{spec.sizes[m]}; call .redistribute(x.placements, sharding_shapes='chunk').to_dtensor()")
+        return DTensor.from_local(self.to_local(), spec.mesh, spec.placements, run_check=False,
+                                  shape=spec.shape, stride=spec_strides(spec))
+
+    @staticmethod
+    def from_dtensor(dt) -> "ShardTensor":
+        """Wrap a DTensor's local chunk (DTensor layout: chunk sizes) without communication."""
+        mesh, placements = dt.device_mesh, tuple(dt.placements)
+        for p in placements:
+            if type(p) not in (Shard, Replicate, Partial):
+                raise ShardingShapeError(f"from_dtensor cannot represent placement {p!r}; redistribute the DTensor "
+                                         f"to Shard/Replicate/Partial first")
+        sizes = [shapes.chunk_sizes(dt.shape[p.dim], mesh.shape[m]) if isinstance(p, Shard) else None
+                 for m, p in enumerate(placements)]
+        spec = ShardSpec.build(mesh, placements, dt.shape, sizes)
+        return _FromLocal.apply(dt.to_local(), spec)
+
+
+_stride_cache: dict[torch.Size, tuple[int, ...]] = {}
+
+
+def spec_strides(spec: ShardSpec) -> tuple[int, ...]:
+    s = _stride_cache.get(spec.shape)
+    if s is None:
+        s = _strides_like(torch.empty(0), spec.shape) if len(spec.shape) <= 1 else _contig(spec.shape)
+        if len(_stride_cache) < 4096:
+            _stride_cache[spec.shape] = s
+    return s
+
+
+def _contig(shape) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(out))
+
+
+# --------------------------------------------------------------------------------------------
+# spec construction
+# --------------------------------------------------------------------------------------------
+def _spec_for_local(local, mesh, placements, sharding_shapes, shape) -> ShardSpec:
+    lshape = tuple(local.shape)
+    if isinstance(sharding_shapes, str):
+        if sharding_shapes == "infer":
+            sizes, gshape = _infer_sizes(local, mesh, placements)
+        elif sharding_shapes == "chunk":
+            if shape is None:
+                gshape = list(lshape)
+                for m, p in enumerate(placements):
+                    if isinstance(p, Shard):
+                        gshape[p.dim] = lshape[p.dim] * mesh.shape[m]
+            else:
+                gshape = list(shape)
+            sizes = [shapes.chunk_sizes(gshape[p.dim], mesh.shape[m]) if isinstance(p, Shard) else None
+                     for m, p in enumerate(placements)]
+        else:
+            raise ValueError(f"sharding_shapes={sharding_shapes!r}: use 'infer', 'chunk' or a mapping")
+    elif isinstance(sharding_shapes, Mapping):
+        sizes = sizes_from_mapping(mesh, placements, lshape, sharding_shapes)
+        gshape = list(lshape)
+        for m, p in enumerate(placements):
+            if isinstance(p, Shard):
+                gshape[p.dim] = sum(sizes[m])
+    else:
+        raise TypeError(f"sharding_shapes must be 'infer', 'chunk' or a mapping, not {type(sharding_shapes).__name__}")
+    spec = ShardSpec.build(mesh, placements, gshape, sizes)
+    if spec.local_shape != lshape:
+        raise ShardingShapeError(
+            f"rank {_rank()} local tensor has shape {lshape} but the layout {spec} gives it {spec.local_shape}; "
+            f"pass sharding_shapes='infer' or the right mapping")
+    if shape is not None and tuple(shape) != tuple(spec.shape):
+        raise ShardingShapeError(f"shape={tuple(shape)} disagrees with the sharding shapes, which give {tuple(spec.shape)}")
+    return spec
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _infer_sizes(local, mesh, placements):
+    """One all-gather of every rank's (ndim, dtype, shape); checks the ranks describe one tensor."""
+    if local.ndim > _MAX_DIMS:
+        raise ValueError(f"sharding_shapes='infer' supports up to {_MAX_DIMS} dims")
+    code = _DTYPES.index(local.dtype) if local.dtype in _DTYPES else -1
+    row = [local.ndim, code] + list(local.shape) + [0] * (_MAX_DIMS - local.ndim)
+    rows = comm.all_gather_ints(row, mesh)
+    mesh_shape = tuple(mesh.shape)
+    coords = [tuple(int(c) for c in idx) for idx in torch.cartesian_prod(*[torch.arange(n) for n in mesh_shape]).view(len(rows), -1)] \
+        if mesh.ndim > 1 else [(k,) for k in range(len(rows))]
+    ranks = mesh.mesh.flatten().tolist()
+    problems = []
+    ref = rows[0]
+    for r, (c, row_r) in enumerate(zip(coords, rows)):
+        if row_r[0] != ref[0] or row_r[1] != ref[1]:
+            problems.append(f"rank {ranks[r]} has a {row_r[0]}-D {_dtype_name(row_r[1])} chunk, rank {ranks[0]} a "
+                            f"{ref[0]}-D {_dtype_name(ref[1])} chunk")
+    nd = ref[0]
+    sizes: list = [None] * mesh.ndim
+    gshape = list(ref[2:2 + nd])
+    sharded = {p.dim: m for m, p in enumerate(placements) if isinstance(p, Shard)}
+    if not problems:
+        for m, p in enumerate(placements):
+            if isinstance(p, Shard):
+                sizes[m] = [None] * mesh_shape[m]
+        for r, (c, row_r) in enumerate(zip(coords, rows)):
+            shp = row_r[2:2 + nd]
+            for d in range(nd):
+                m = sharded.get(d)
+                if m is None:
+                    if shp[d] != gshape[d]:
+                        problems.append(f"rank {ranks[r]} has shape {tuple(shp)} but rank {ranks[0]} has "
+                                        f"{tuple(ref[2:2 + nd])}: dim {d} is not sharded, so it must agree")
+                        break
+                else:
+                    prev = sizes[m][c[m]]
+                    if prev is not None and prev != shp[d]:
+                        problems.append(f"ranks at coordinate {c[m]} of mesh dim {m} hold different sizes "
+                                        f"({prev} and {shp[d]}) of dim {d}: shards must form a grid")
+                    sizes[m][c[m]] = shp[d]
+    if problems:
+        raise ShardingMismatchError(
+            "ShardTensor.from_local: the ranks' local chunks do not form one tensor with placements "
+            f"{tuple(placements)}:\n  " + "\n  ".join(problems[:8]))
+    for d, m in sharded.items():
+        gshape[d] = sum(sizes[m])
+        sizes[m] = tuple(sizes[m])
+    return sizes, gshape
+
+
+def _dtype_name(code: int) -> str:
+    return str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else "other-dtype"
+
+
+def target_spec(spec: ShardSpec, placements: Sequence[Placement], sharding_shapes=None) -> ShardSpec:
+    """The spec ``redistribute(placements, sharding_shapes)`` produces from ``spec``."""
+    mesh = spec.mesh
+    sizes: list = [None] * mesh.ndim
+    if isinstance(sharding_shapes, Mapping):
+        full_local = [spec.shape[d] for d in range(spec.ndim)]
+        for key, entries in sharding_shapes.items():
+            names = tuple(mesh.mesh_dim_names or ())
+            m = names.index(key) if isinstance(key, str) and key in names else key
+            p = placements[m]
+            if not isinstance(p, Shard):
+                raise ShardingShapeError(f"sharding_shapes names mesh dim {key!r} whose target placement is {p}")
+            sizes[m] = tuple(e if isinstance(e, int) else tuple(e)[p.dim] for e in entries)
+        del full_local
+    for m, p in enumerate(placements):
+        if not isinstance(p, Shard) or sizes[m] is not None:
+            continue
+        n = spec.shape[p.dim]
+        if sharding_shapes == "balanced":
+            sizes[m] = shapes.balanced_sizes(n, mesh.shape[m])
+        elif sharding_shapes is None and spec.placements[m] == p:
+            sizes[m] = spec.sizes[m]
+        elif sharding_shapes in (None, "chunk") or isinstance(sharding_shapes, Mapping):
+            sizes[m] = shapes.chunk_sizes(n, mesh.shape[m])
+        else:
+            raise ValueError(f"sharding_shapes={sharding_shapes!r}: use None, 'chunk', 'balanced' or a mapping")
+    return ShardSpec.build(mesh, placements, spec.shape, sizes)
+
+
+# --------------------------------------------------------------------------------------------
+# autograd functions at the ShardTensor level
+# --------------------------------------------------------------------------------------------
+def _as_shard(grad, spec: ShardSpec) -> "ShardTensor":
+    if isinstance(grad, ShardTensor):
+        return grad
+    return ShardTensor(grad, spec)  # a plain local gradient laid out like the forward tensor
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, spec):
+        ctx.spec = spec
+        return ShardTensor(local.view_as(local), spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        target = grad_spec(ctx.spec)
+        g = _as_shard(grad, target)
+        if g._spec != target:
+            g = _redistribute_to(g, target)
+        return g._local, None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, st, grad_placements):
+        spec = st._spec
+        if grad_placements is not None:
+            gp = normalize_placements(grad_placements, spec.ndim, spec.mesh.ndim)
+            ctx.gspec = target_spec(spec, gp, None)
+        else:
+            ctx.gspec = grad_spec(spec)
+        return st._local.view_as(st._local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, ShardTensor):
+            raise TypeError("the gradient of to_local() must be a plain tensor")
+        return ShardTensor(grad, ctx.gspec), None
+
+
+def _redistribute_to(st: ShardTensor, dst: ShardSpec) -> ShardTensor:
+    return ShardTensor(redistribute_local(st._local, st._spec, dst), dst)
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, st, dst):
+        ctx.src = st._spec
+        return _redistribute_to(st, dst)
+
+    @staticmethod
+    def backward(ctx, grad):
+        src = ctx.src
+        target = grad_spec(src)
+        g = _as_shard(grad, target)
+        out = _redistribute_to(g, target) if g._spec != target else g
+        # avg-partials: each of the n partial values contributes 1/n of the result
+        for m, p in enumerate(src.placements):
+            if isinstance(p, Partial) and p.reduce_op == "avg":
+                out = ShardTensor(out._local / src.mesh.shape[m], out._spec)
+        return out, None
+
+
+# --------------------------------------------------------------------------------------------
+# module-level constructors
+# --------------------------------------------------------------------------------------------
+def distribute_tensor(tensor: torch.Tensor, mesh: DeviceMesh, placements, sharding_shapes=None) -> ShardTensor:
+    """Every rank holds the full ``tensor`` and keeps its own piece (no communication). Differentiable."""
+    placements = normalize_placements(placements, tensor.ndim, mesh.ndim)
+    full = ShardSpec(mesh, (Replicate(),) * mesh.ndim, tensor.shape, (None,) * mesh.ndim)
+    dst = target_spec(full, placements, sharding_shapes if sharding_shapes is not None else "chunk")
+    coord = mesh_coordinate(mesh)
+    piece = tensor
+    for m, p in enumerate(dst.placements):
+        if isinstance(p, Shard):
+            k = coord[m]
+            piece = piece.narrow(p.dim, sum(dst.sizes[m][:k]), dst.sizes[m][k])
+    zero = any(isinstance(p, Partial) and p.reduce_op == "sum" and coord[m] != 0 for m, p in enumerate(dst.placements))
+    if zero:
+        piece = piece * 0
+    return _FromLocal.apply(piece, dst)
+
+
+def scatter_tensor(tensor: torch.Tensor | None, src: int, mesh: DeviceMesh, placements,
+                   sharding_shapes=None) -> ShardTensor:
+    """Global rank ``src`` holds ``tensor`` and sends each rank only its own piece (other ranks may pass
+    None). Shape, dtype and sizes travel in a small header, so only ``src`` needs to know them."""
+    import torch.distributed as dist
+
+    me = dist.get_rank() if dist.is_initialized() else 0
+    ranks = mesh.mesh.flatten().tolist()
+    mesh_shape = tuple(mesh.shape)
+    header_len = 2 + _MAX_DIMS + sum(mesh_shape)
+    if me == src:
+        if tensor is None:
+            raise ValueError(f"scatter_tensor: source rank {src} must pass the tensor")
+        placements_n = normalize_placements(placements, tensor.ndim, mesh.ndim)
+        full = ShardSpec(mesh, (Replicate(),) * mesh.ndim, tensor.shape, (None,) * mesh.ndim)
+        dst = target_spec(full, placements_n, sharding_shapes if sharding_shapes is not None else "chunk")
+        if tensor.dtype not in _DTYPES:
+            raise TypeError(f"scatter_tensor does not support dtype {tensor.dtype}")
+        header = [tensor.ndim, _DTYPES.index(tensor.dtype)] + list(tensor.shape) + [0] * (_MAX_DIMS - tensor.ndim)
+        for m in range(mesh.ndim):
+            header += list(dst.sizes[m]) if dst.sizes[m] is not None else [0] * mesh_shape[m]
+        htensor = torch.tensor(header, dtype=torch.int64, device=comm._device(mesh))
+        reqs = [dist.isend(htensor, r) for r in ranks if r != me]
+        for q in reqs:
+            q.wait()
+        pieces = []
+        coords = _all_coords(mesh_shape)
+        for c in coords:
+            piece = tensor.detach()
+            for m, p in enumerate(dst.placements):
+                if isinstance(p, Shard):
+                    piece = piece.narrow(p.dim, sum(dst.sizes[m][:c[m]]), dst.sizes[m][c[m]])
+            pieces.append(piece)
+        local = comm.scatter_pieces(pieces, (), tensor.dtype, tensor.device, src, mesh)
+        spec = dst
+    else:
+        htensor = torch.empty(header_len, dtype=torch.int64, device=comm._device(mesh))
+        dist.recv(htensor, src=src)
+        h = htensor.tolist()
+        nd, dtype = h[0], _DTYPES[h[1]]
+        gshape = h[2:2 + nd]
+        placements_n = normalize_placements(placements, nd, mesh.ndim)
+        sizes, i = [], 2 + _MAX_DIMS
+        for m, n in enumerate(mesh_shape):
+            sizes.append(tuple(h[i:i + n]) if isinstance(placements_n[m], Shard) else None)
+            i += n
+        spec = ShardSpec.build(mesh, placements_n, gshape, sizes)
+        dev = comm._device(mesh)
+        local = comm.scatter_pieces(None, spec.local_shape, dtype, dev, src, mesh)
+    if any(isinstance(p, Partial) and p.reduce_op == "sum" and spec.coord[m] != 0 for m, p in enumerate(spec.placements)):
+        local = torch.zeros_like(local)
+    return _FromLocal.apply(local, spec)
+
+
+def _all_coords(mesh_shape) -> list[tuple[int, ...]]:
+    coords = [()]
+    for n in mesh_shape:
+        coords = [c + (k,) for c in coords for k in range(n)]
+    return coords
+
+
+from . import dispatch as _dispatch  # noqa: E402  (dispatch needs ShardTensor defined first)
