@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from . import fallback as _fallback
+from .fallback import fallback as _fallback_mode
+from .fallback import warn_once as _warn_fallback
 from .errors import ShardingMismatchError, UnsupportedShardedOp
 from .placements import Partial, Replicate, Shard
 from .redistribute import redistribute_local
@@ -81,9 +82,9 @@ def replicate_local(x: ShardTensor) -> torch.Tensor:
 
 
 def _unsupported_or_fallback(func, args, kwargs, reason: str):
-    if _fallback.fallback.current() == "gather":
+    if _fallback_mode.current() == "gather":
         return gather_fallback(func, args, kwargs, reason)
-    raise UnsupportedShardedOp(func, reason)
+    raise UnsupportedShardedOp(func, f"{reason} (operands: {describe_sharding(shard_tensors(args, kwargs))})")
 
 
 def describe_sharding(sts) -> str:
@@ -149,12 +150,22 @@ def _route(func):
     handler = REGISTRY.aten.get(func)
     if handler is not None:
         route = handler
-    elif _POINTWISE in func.tags and _OUT not in func.tags:
+    elif _OUT not in func.tags and (_POINTWISE in func.tags or _inplace_of_pointwise(func)):
         route = pointwise
     else:
         route = _generic
     _routes[func] = route
     return route
+
+
+def _inplace_of_pointwise(func) -> bool:
+    """``masked_fill_`` and friends: in-place ops whose out-of-place form is tagged pointwise."""
+    name = func._schema.name.split("::")[-1]
+    if not name.endswith("_") or _INPLACE not in func.tags and not func._schema.is_mutable:
+        return False
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    base = getattr(packet, func._overloadname, None) if packet is not None else None
+    return base is not None and _POINTWISE in base.tags
 
 
 def clear_routes() -> None:
@@ -166,8 +177,7 @@ def _generic(func, args, kwargs):
     sts = shard_tensors(args, kwargs)
     if all(s._spec.is_replicated for s in sts):
         return run_replicated(func, args, kwargs, sts)
-    return _unsupported_or_fallback(
-        func, args, kwargs, f"its operands are {describe_sharding(sts)} and it is not pointwise")
+    return _unsupported_or_fallback(func, args, kwargs, "it is not pointwise and has no registered handler")
 
 
 def run_replicated(func, args, kwargs, sts):
@@ -195,7 +205,7 @@ def gather_fallback(func, args, kwargs, reason: str):
     """fallback('gather'): full tensors in, op on every rank, outputs re-sharded like the first input
     when the shape allows, else replicated."""
     sts = shard_tensors(args, kwargs)
-    _fallback.warn_once(func, reason)
+    _warn_fallback(func, reason)
     mesh = common_mesh(sts, func)
     first = sts[0]._spec
 
@@ -239,7 +249,6 @@ _LINEAR_ONE = {_aten.mul.Tensor, _aten.mul.Scalar, _aten.mul_.Tensor, _aten.mul_
                _aten.div.Scalar, _aten.div_.Tensor, _aten.div_.Scalar, _aten.neg.default, _aten.neg_.default,
                _aten.clone.default}
 _plan_cache: dict = {}
-_warned_moves: set = set()
 
 
 class _Plan:
@@ -357,7 +366,7 @@ def _plan_pointwise(func, args):
         for i, a in sts:
             off = ndim - a.ndim
             d = e - off
-            full_here = d >= 0 and a.shape[d] == out_shape[e] and out_shape[e] != 1
+            full_here = d >= 0 and a.shape[d] == out_shape[e]
             p = pl[i]
             if full_here:
                 if not (isinstance(p, Shard) and p.dim == d and a._spec.sizes[m] == ref_sizes):
@@ -386,7 +395,7 @@ def _plan_pointwise(func, args):
             for m, p in enumerate(placements):
                 if isinstance(p, Shard):
                     d = p.dim - off
-                    if d >= 0 and a.shape[d] == out_shape[p.dim] and out_shape[p.dim] != 1:
+                    if d >= 0 and a.shape[d] == out_shape[p.dim]:
                         k = coord[m]
                         narrows.append((d, sum(sizes[m][:k]), sizes[m][k]))
             actions.append((i, narrows))
@@ -429,9 +438,7 @@ def _partial_survives(func, args, pl, partial_ops, has_scalar, inplace):
 
 
 def _warn_moved(func, idx, sts):
-    if func in _warned_moves:
-        return
-    _warned_moves.add(func)
+    """Called when a plan is made (plans are cached): once per op and combination of layouts."""
     import warnings
 
     warnings.warn(

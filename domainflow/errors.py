@@ -12,7 +12,7 @@ class UnsupportedShardedOp(DomainflowError, NotImplementedError):
 
     def __init__(self, op, reason: str):
         self.op = op
-        name = getattr(op, "__name__", None) or str(op)
+        name = str(op) if str(op).startswith(("aten.", "prims.")) or "::" in str(op) or "." in str(op) and not hasattr(op, "__qualname__") else (getattr(op, "__name__", None) or str(op))
         super().__init__(
             f"domainflow has no sharding rule for {name}: {reason}.\n"
             f"Fixes: redistribute the operand first (x.redistribute([Replicate()]) or a Shard on another dim); "

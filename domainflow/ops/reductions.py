@@ -365,3 +365,77 @@ def _sum_mean_function(func, args, kwargs):
 
 
 register_function(torch.sum, torch.Tensor.sum, torch.mean, torch.Tensor.mean)(_sum_mean_function)
+
+
+# --------------------------------------------------------------------------------------------
+# above autograd: prod over sharded dims (torch's backward uses cumprod along the reduced dim)
+# --------------------------------------------------------------------------------------------
+class _Prod(torch.autograd.Function):
+    """d prod / d x_i = prod of the others: with no zero in a reduced slice that is prod / x_i; with one
+    zero only that element gets the product of the non-zeros; with more, nothing. Zero counts and
+    non-zero products are global (one all-reduce each per sharded reduced mesh dim)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, keepdim, dtype):
+        spec = x._spec
+        dims = None if dim is None else [dim % x.ndim]
+        red, _ = shapes.reduced_dim_map(x.ndim, dims, keepdim)
+        ctx.spec, ctx.red, ctx.keepdim = spec, sorted(red), keepdim
+        local = x._local if dtype is None else x._local.to(dtype)
+        rd = sorted(red)
+        zeros = (local == 0).sum(rd, keepdim=True)
+        nonzero_prod = torch.where(local == 0, torch.ones_like(local), local).prod(rd[0], keepdim=True) if len(rd) == 1 \
+            else torch.where(local == 0, torch.ones_like(local), local).reshape(_keep_shape(local.shape, rd)).prod(-1, keepdim=False).reshape(_ones_at(local.shape, rd))
+        for m, p in enumerate(spec.placements):
+            if isinstance(p, Shard) and p.dim in red:
+                zeros = comm.all_reduce(zeros, "sum", spec.mesh, m)
+                nonzero_prod = comm.all_reduce(nonzero_prod, "product", spec.mesh, m)
+        ctx.save_for_backward(local, zeros, nonzero_prod)
+        out = torch.where(zeros > 0, torch.zeros_like(nonzero_prod), nonzero_prod)
+        if not keepdim:
+            out = out.squeeze(rd) if rd else out
+        out_spec = _out_spec(spec, red, _, keepdim, None, _out_shape(spec.shape, red, keepdim))
+        return ShardTensor(out, out_spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        local, zeros, nz = ctx.saved_tensors
+        spec, rd = ctx.spec, ctx.red
+        from ..redistribute import grad_spec
+
+        red = set(rd)
+        _, where = shapes.reduced_dim_map(spec.ndim, rd, ctx.keepdim)
+        want = _out_spec(grad_spec(spec), red, where, ctx.keepdim, None, grad.shape)
+        g = to_spec(grad, want) if isinstance(grad, ShardTensor) else grad
+        if not ctx.keepdim:
+            for d in rd:
+                g = g.unsqueeze(d)
+        safe = torch.where(local == 0, torch.ones_like(local), local)
+        others = torch.where(zeros == 0, nz / safe, torch.where((zeros == 1) & (local == 0), nz, torch.zeros_like(nz)))
+        return ShardTensor(g * others, grad_spec(spec)), None, None, None
+
+
+def _keep_shape(shape, rd):
+    perm_outer = [n for d, n in enumerate(shape) if d not in rd]
+    return perm_outer + [math.prod(shape[d] for d in rd)]
+
+
+def _ones_at(shape, rd):
+    return [1 if d in rd else n for d, n in enumerate(shape)]
+
+
+def _prod_function(func, args, kwargs):
+    x = args[0]
+    dim = kwargs.get("dim", args[1] if len(args) > 1 and not isinstance(args[1], torch.dtype) else None)
+    keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    dtype = kwargs.get("dtype", args[1] if len(args) > 1 and isinstance(args[1], torch.dtype) else
+                       (args[3] if len(args) > 3 else None))
+    red, _ = shapes.reduced_dim_map(x.ndim, None if dim is None else [dim], keepdim) if isinstance(x, ShardTensor) else (None, None)
+    if (not isinstance(x, ShardTensor) or not (torch.is_grad_enabled() and x.requires_grad)
+            or not _sharded_reduced(x._spec, red) or x._spec.has_partial):
+        with DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    return _Prod.apply(x, dim, keepdim, dtype)
+
+
+register_function(torch.prod, torch.Tensor.prod)(_prod_function)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import shapes
 from ..dispatch import (_unsupported_or_fallback, common_mesh, pointwise, replicate_local, replicated_spec,
                         shard_tensors, to_spec, wrap)
 from ..placements import Partial, Replicate, Shard
@@ -116,9 +117,10 @@ def cat(func, args, kwargs):
     ref_t = next(t for t in tensors if isinstance(t, ShardTensor))
     dim = dim % ref_t.ndim
     mesh = common_mesh([t for t in tensors if isinstance(t, ShardTensor)], func)
-    if any(isinstance(t, ShardTensor) and t._spec.mesh_dim_of(dim) is not None for t in tensors):
-        return _unsupported_or_fallback(func, args, kwargs, f"cat along dim {dim}, which is sharded "
-                                        f"(concatenating along a sharded dim lands in the grid-ops handlers)")
+    m = next((t._spec.mesh_dim_of(dim) for t in tensors if isinstance(t, ShardTensor)
+              and t._spec.mesh_dim_of(dim) is not None), None)
+    if m is not None:
+        return _cat_sharded_dim(tensors, dim, m, mesh)
     ref = _no_partial(ref_t._spec)
     locals_, total = [], 0
     for t in tensors:
@@ -138,3 +140,39 @@ def stack(func, args, kwargs):
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     dim = dim % (tensors[0].ndim + 1)
     return cat(aten.cat.default, ([t.unsqueeze(dim) for t in tensors], dim), {})
+
+
+def _cat_sharded_dim(tensors, dim, m, mesh):
+    """Concatenate along a dim sharded over mesh dim ``m``. Rank k's output is one contiguous range of
+    sum_i(size of operand i on rank k) rows; each operand is resharded so that rank k holds exactly its
+    part of that range, then locals are concatenated. For operands that tile one sharded tensor (the
+    pieces of a split) the target equals their layout: no communication."""
+    n = mesh.shape[m]
+    ref = next(t for t in tensors if isinstance(t, ShardTensor) and t._spec.mesh_dim_of(dim) == m)
+    ref_spec = _no_partial(ref._spec)
+    per_rank = [0] * n
+    op_sizes = []
+    for t in tensors:
+        s = t._spec.sizes[m] if isinstance(t, ShardTensor) and t._spec.mesh_dim_of(dim) == m else None
+        if s is None:
+            s = shapes.chunk_sizes(t.shape[dim], n)
+        op_sizes.append(s)
+        per_rank = [a + b for a, b in zip(per_rank, s)]
+    out_off = shapes.offsets(per_rank)
+    locals_, start = [], 0
+    for t in tensors:
+        length = t.shape[dim]
+        target = tuple(max(0, min(o + c, start + length) - max(o, start)) for o, c in zip(out_off, per_rank))
+        pl = list(ref_spec.placements)
+        sz = list(ref_spec.sizes)
+        sz[m] = target
+        shape = list(ref_spec.shape)
+        shape[dim] = length
+        spec = ShardSpec(mesh, pl, shape, sz)
+        locals_.append(to_spec(t, spec) if isinstance(t, ShardTensor) else _narrow_to(t, spec))
+        start += length
+    shape = list(ref_spec.shape)
+    shape[dim] = start
+    sz = list(ref_spec.sizes)
+    sz[m] = tuple(per_rank)
+    return ShardTensor(torch.cat(locals_, dim), ShardSpec(mesh, ref_spec.placements, shape, sz))

@@ -42,6 +42,12 @@ def view(func, args, kwargs):
         out_shape = shapes.infer_view_shape(spec.shape.numel(), size)
     except ValueError as e:
         raise RuntimeError(str(e)) from None
+    # a sharded dim of global size 1 that the view drops or merges: gather it (one row) first
+    ones = [p.dim for m, p in enumerate(spec.placements) if isinstance(p, Shard) and spec.shape[p.dim] == 1
+            and shapes.view_shard_map(tuple(spec.shape), out_shape, p.dim, spec.sizes[m]) is None]
+    if ones:
+        x = _replicate_dims(x, ones)
+        spec = x._spec
     pl, sz = list(spec.placements), list(spec.sizes)
     for m, p in enumerate(spec.placements):
         if not isinstance(p, Shard):
@@ -159,7 +165,9 @@ def slice_(func, args, kwargs):
     sz[m] = counts
     lo = starts[k]
     local = x._local[(slice(None),) * dim + (slice(lo, lo + (counts[k] - 1) * step + 1 if counts[k] else lo, step),)]
-    return ShardTensor(local, _spec(spec, spec.placements, shape, sz))
+    out = _spec(spec, spec.placements, shape, sz)
+    _remember(out, (dim, start, end, step, n), spec.sizes[m])
+    return ShardTensor(local, out)
 
 
 @register_aten(aten.select.int)
@@ -188,6 +196,7 @@ def select(func, args, kwargs):
         piece = x._local.select(dim, index - offs[k]).contiguous()
     else:
         piece = x._local.new_empty(out.local_shape)
+    _remember(out, ("select", dim, index, n), (m, spec.sizes[m]))
     return ShardTensor(comm.broadcast(piece, owner, spec.mesh, m), out)
 
 
@@ -223,3 +232,90 @@ def strided(func, args, kwargs):
         return ShardTensor(out, _spec(x._spec, x._spec.placements, out.shape, x._spec.sizes))
     return _unsupported_or_fallback(func, args, kwargs, f"{func} reinterprets memory, which a sharded tensor "
                                     f"does not have as one block")
+
+
+# --------------------------------------------------------------------------------------------
+# backward of slicing: put the gradient rows back where the forward input had them
+# --------------------------------------------------------------------------------------------
+# Forward slices remember (output layout -> input sizes) so their backward restores the input's
+# exact layout without communication; a bounded memo, like the dispatcher's plan cache.
+_slice_origin: dict = {}
+
+
+def _remember(out: ShardSpec, key, sizes) -> None:
+    if len(_slice_origin) > 4096:
+        _slice_origin.clear()
+    _slice_origin[(out, key)] = sizes
+
+
+def _cover_sizes(counts, start, step, n):
+    """A partition of ``n`` input rows in which each rank owns the rows its slice rows came from."""
+    firsts, cum = [], 0
+    for c in counts:
+        firsts.append(start + cum * step if c else None)
+        cum += c
+    bounds, nonempty = [], [k for k, c in enumerate(counts) if c]
+    if not nonempty:
+        return (n,) + (0,) * (len(counts) - 1)
+    lo = [0] * len(counts)
+    for j, k in enumerate(nonempty):
+        lo[k] = 0 if j == 0 else firsts[k]
+    sizes = [0] * len(counts)
+    for j, k in enumerate(nonempty):
+        hi = n if j == len(nonempty) - 1 else lo[nonempty[j + 1]]
+        sizes[k] = hi - lo[k]
+    del bounds
+    return tuple(sizes)
+
+
+@register_aten(aten.slice_backward.default)
+def slice_backward(func, args, kwargs):
+    grad, input_sizes, dim, start, end, step = args
+    spec = grad._spec
+    dim %= len(input_sizes)
+    n = input_sizes[dim]
+    start, end, step = shapes.normalize_slice(n, start, end, step)
+    m = spec.mesh_dim_of(dim)
+    pl, sz = list(spec.placements), list(spec.sizes)
+    if m is None:
+        out = _spec(spec, pl, input_sizes, sz)
+        return ShardTensor(func(grad._local, out.local_shape, dim, start, end, step), out)
+    in_sizes = _slice_origin.get((spec, (dim, start, end, step, n)))
+    if in_sizes is None or shapes.slice_sizes(in_sizes, start, end, step)[0] != spec.sizes[m]:
+        in_sizes = _cover_sizes(spec.sizes[m], start, step, n)
+    sz[m] = in_sizes
+    out = _spec(spec, pl, input_sizes, sz)
+    k = spec.coord[m]
+    counts, local_starts = shapes.slice_sizes(in_sizes, start, end, step)
+    local = grad._local.new_zeros(out.local_shape)
+    if counts[k]:
+        lo = local_starts[k]
+        idx = (slice(None),) * dim + (slice(lo, lo + (counts[k] - 1) * step + 1, step),)
+        local[idx] = grad._local
+    return ShardTensor(local, out)
+
+
+@register_aten(aten.select_backward.default)
+def select_backward(func, args, kwargs):
+    grad, input_sizes, dim, index = args
+    spec = grad._spec
+    dim %= len(input_sizes)
+    n = input_sizes[dim]
+    index %= n
+    origin = _slice_origin.get((spec, ("select", dim, index, n)))
+    if origin is None:  # the forward did not cut a sharded dim: insert the dim locally
+        pl = [Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in spec.placements]
+        out = _spec(spec, pl, input_sizes, spec.sizes)
+        return ShardTensor(func(grad._local, out.local_shape, dim, index), out)
+    m, in_sizes = origin
+    pl = [Shard(dim) if mm == m else (Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p)
+          for mm, p in enumerate(spec.placements)]
+    sz = [in_sizes if mm == m else s for mm, s in enumerate(spec.sizes)]
+    out = _spec(spec, pl, input_sizes, sz)
+    g = grad._local
+    local = g.new_zeros(out.local_shape)
+    k = spec.coord[m]
+    off = sum(in_sizes[:k])
+    if off <= index < off + in_sizes[k]:
+        local.select(dim, index - off).copy_(g)
+    return ShardTensor(local, out)

@@ -1,0 +1,183 @@
+"""Ops that work along one dim (or trailing dims) independently of the others: softmax, cumsum,
+sort, topk, flip, roll, layer_norm. When the dims they work along are not sharded they run on local
+chunks (rule 2: no communication); along a sharded dim they need a dedicated handler."""
+
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import _unsupported_or_fallback, common_mesh, shard_tensors, to_spec
+from ..placements import Partial, Replicate, Shard
+from ..registry import register_aten
+from ..shard_tensor import ShardTensor
+from ..spec import ShardSpec
+
+aten = torch.ops.aten
+_R = Replicate()
+
+# op -> (index of the dim argument, its default, number of leading tensor arguments)
+_DIM_OPS = {
+    aten._softmax.default: (1, None, 1),
+    aten._log_softmax.default: (1, None, 1),
+    aten._softmax_backward_data.default: (2, None, 2),
+    aten._log_softmax_backward_data.default: (2, None, 2),
+    aten.cumsum.default: (1, None, 1),
+    aten.cumprod.default: (1, None, 1),
+    aten.logcumsumexp.default: (1, None, 1),
+    aten.cummax.default: (1, None, 1),
+    aten.cummin.default: (1, None, 1),
+    aten.sort.default: (1, -1, 1),
+    aten.sort.stable: ("dim", -1, 1),
+    aten.topk.default: (2, -1, 1),
+    aten.flip.default: (1, None, 1),
+    aten.roll.default: (2, (), 1),
+    aten.logsumexp.default: (1, None, 1),
+}
+
+
+def _dims_of(func, args, kwargs, ndim):
+    pos, default, _ = _DIM_OPS[func]
+    if isinstance(pos, str):
+        val = kwargs.get(pos, default)
+    else:
+        val = args[pos] if len(args) > pos else kwargs.get("dim", kwargs.get("dims", default))
+    if val is None:
+        return list(range(ndim))
+    if isinstance(val, int):
+        val = [val]
+    if func is aten.roll.default and len(val) == 0:
+        return list(range(ndim))  # roll without dims works on the flattened tensor
+    return [d % ndim for d in val] if ndim else []
+
+
+def _align(tensors, mesh, spec: ShardSpec):
+    """Local chunks of same-shaped operands laid out like ``spec``."""
+    out = []
+    for t in tensors:
+        if isinstance(t, ShardTensor):
+            dst = spec.with_(shape=t.shape)
+            out.append(to_spec(t, dst))
+        else:
+            local = t
+            for m, p in enumerate(spec.placements):
+                if isinstance(p, Shard) and t.shape[p.dim] == spec.shape[p.dim]:
+                    k = spec.coord[m]
+                    local = local.narrow(p.dim, sum(spec.sizes[m][:k]), spec.sizes[m][k])
+            out.append(local)
+    return out
+
+
+def _no_partial(spec: ShardSpec) -> ShardSpec:
+    return spec.with_(placements=tuple(_R if isinstance(p, Partial) else p for p in spec.placements))
+
+
+def _global_spec(spec: ShardSpec, local_shape) -> ShardSpec:
+    shape = [spec.shape[d] if spec.mesh_dim_of(d) is not None else n for d, n in enumerate(local_shape)]
+    return spec.with_(shape=shape)
+
+
+@register_aten(*_DIM_OPS)
+def dim_local(func, args, kwargs):
+    n_t = _DIM_OPS[func][2]
+    tensors = list(args[:n_t])
+    sts = shard_tensors(tensors)
+    mesh = common_mesh(sts, func)
+    ref = _no_partial(sts[0]._spec)
+    ndim = sts[0].ndim
+    dims = _dims_of(func, args, kwargs, ndim)
+    hit = [d for d in dims if ref.mesh_dim_of(d) is not None]
+    if hit:
+        return _unsupported_or_fallback(func, args, kwargs, f"it works along dim(s) {hit}, which are sharded")
+    if func is aten.logsumexp.default:
+        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+        local = torch.logsumexp(to_spec(sts[0], ref), dims, keepdim)
+        pl, sz = list(ref.placements), list(ref.sizes)
+        keep = [d for d in range(ndim) if keepdim or d not in dims]
+        pos = {d: i for i, d in enumerate(keep)}
+        pl = [Shard(pos[p.dim]) if isinstance(p, Shard) else p for p in pl]
+        shape = [1 if d in dims else ref.shape[d] for d in keep]
+        return ShardTensor(local, ShardSpec(mesh, pl, shape, sz))
+    locs = _align(tensors, mesh, ref)
+    out = func(*locs, *args[n_t:], **kwargs)
+    if isinstance(out, torch.Tensor):
+        return ShardTensor(out, _global_spec(ref, out.shape))
+    return type(out)(ShardTensor(o, _global_spec(ref, o.shape)) for o in out)
+
+
+@register_aten(aten.native_layer_norm.default)
+def layer_norm(func, args, kwargs):
+    """Normalising over trailing dims that are not sharded: local; statistics keep the leading layout."""
+    x, normalized_shape, weight, bias, eps = args
+    spec = _no_partial(x._spec)
+    axis = x.ndim - len(normalized_shape)
+    if any(spec.mesh_dim_of(d) is not None for d in range(axis, x.ndim)):
+        return _unsupported_or_fallback(func, args, kwargs, "it normalises over a sharded dim")
+    lx = to_spec(x, spec)
+    lw = weight._local if isinstance(weight, ShardTensor) else weight
+    lb = bias._local if isinstance(bias, ShardTensor) else bias
+    out, mean, rstd = func(lx, normalized_shape, lw, lb, eps)
+    stat_shape = list(spec.shape[:axis]) + [1] * len(normalized_shape)
+    return (ShardTensor(out, spec), ShardTensor(mean, spec.with_(shape=stat_shape)),
+            ShardTensor(rstd, spec.with_(shape=stat_shape)))
+
+
+@register_aten(aten.native_layer_norm_backward.default)
+def layer_norm_backward(func, args, kwargs):
+    """Input gradient local; weight/bias gradients sum over the (sharded) leading dims: Partial(sum)."""
+    grad, x, normalized_shape, mean, rstd, weight, bias, mask = args
+    sts = shard_tensors([grad, x, mean, rstd])
+    spec = _no_partial(x._spec) if isinstance(x, ShardTensor) else _no_partial(sts[0]._spec)
+    lg, lx = _align([grad, x], spec.mesh, spec)
+    stat_spec = spec.with_(shape=list(mean.shape))
+    lm, lr = _align([mean, rstd], spec.mesh, stat_spec)
+    lw = weight._local if isinstance(weight, ShardTensor) else weight
+    lb = bias._local if isinstance(bias, ShardTensor) else bias
+    gi, gw, gb = func(lg, lx, normalized_shape, lm, lr, lw, lb, mask)
+    pspec = ShardSpec(spec.mesh, [Partial("sum") if isinstance(p, Shard) else p for p in spec.placements],
+                      tuple(normalized_shape), (None,) * spec.mesh.ndim)
+    return (ShardTensor(gi, spec) if gi is not None else None,
+            ShardTensor(gw, pspec) if gw is not None else None,
+            ShardTensor(gb, pspec) if gb is not None else None)
+
+
+# op -> positions of the tensor arguments laid out alike (all but the `dim` extent agree)
+_INDEX_OPS = {
+    aten.gather.default: (0, 2),
+    aten.scatter.src: (0, 2, 3),
+    aten.scatter.value: (0, 2),
+    aten.scatter_add.default: (0, 2, 3),
+    aten.scatter_reduce.two: (0, 2, 3),
+    aten.index_select.default: (0,),
+}
+
+
+@register_aten(*_INDEX_OPS)
+def index_along_unsharded_dim(func, args, kwargs):
+    """gather/scatter/index_select along a dim that is not sharded: every operand is laid out like the
+    first sharded one on the other dims (sliced locally when replicated), then the op runs locally."""
+    pos = _INDEX_OPS[func]
+    sts = [args[i] for i in pos if isinstance(args[i], ShardTensor)]
+    others = [a for i, a in enumerate(args) if i not in pos and isinstance(a, ShardTensor)]
+    if not sts or any(not o._spec.is_replicated for o in others):
+        return _unsupported_or_fallback(func, args, kwargs, "the index operand is sharded")
+    mesh = common_mesh(sts + others, func)
+    dim = args[1] % args[0].ndim
+    sharded = [s for s in sts if not _no_partial(s._spec).is_replicated]
+    ref = _no_partial((sharded or sts)[0]._spec)
+    if ref.mesh_dim_of(dim) is not None:
+        return _unsupported_or_fallback(func, args, kwargs, f"it indexes along dim {dim}, which is sharded")
+    for i in pos:
+        a = args[i]
+        if any(a.shape[d] != ref.shape[d] for d in range(a.ndim) if d != dim and ref.mesh_dim_of(d) is not None):
+            return _unsupported_or_fallback(func, args, kwargs, "operands differ in size along a sharded dim")
+    local_args = list(args)
+    for i in pos:
+        a = args[i]
+        spec = ref.with_(shape=[a.shape[d] if d == dim or ref.mesh_dim_of(d) is None else ref.shape[d]
+                                for d in range(a.ndim)])
+        local_args[i] = _align([a], mesh, spec)[0]
+    for i, a in enumerate(args):
+        if i not in pos and isinstance(a, ShardTensor):
+            local_args[i] = a._local
+    out = func(*local_args, **kwargs)
+    return ShardTensor(out, _global_spec(ref, out.shape))
