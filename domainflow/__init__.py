@@ -13,6 +13,7 @@ from .placements import Partial, Placement, Replicate, Shard
 from .registry import REGISTRY, register_aten, register_function
 from .shard_tensor import ShardTensor, distribute_tensor, scatter_tensor
 from .spec import ShardSpec
+from . import comm
 from . import ops as _ops  # noqa: F401  (registers the built-in handlers)
 
 __all__ = [
