@@ -12,7 +12,6 @@ gradients exactly once. ``__torch_dispatch__`` (below autograd) applies DESIGN.m
 from __future__ import annotations
 
 import torch
-from torch._C import DisableTorchFunctionSubclass
 
 from .fallback import fallback as _fallback_mode
 from .fallback import warn_once as _warn_fallback
@@ -103,9 +102,19 @@ def describe_sharding(sts) -> str:
 def torch_function(func, types, args=(), kwargs=None):
     handler = _functions.get(func)
     if handler is not None:
-        return handler(func, args, kwargs or {})
-    with DisableTorchFunctionSubclass():
-        return func(*args, **(kwargs or {}))
+        with _no_subclass_functions():  # like torch's default: nested calls skip __torch_function__
+            return handler(func, args, kwargs or {})
+    return _run_function(func, types, args, kwargs if kwargs is not None else _NO_KWARGS)
+
+
+_NO_KWARGS: dict = {}
+_no_subclass_functions = torch._C.DisableTorchFunctionSubclass
+# runs ``func`` with __torch_function__ disabled for subclasses (the C implementation torch uses)
+_run_function = torch._C._disabled_torch_function_impl
+
+def run_function_default(func, args, kwargs):
+    """What a function handler calls to fall through to torch's own implementation."""
+    return _run_function(func, (ShardTensor,), args, kwargs)
 
 
 _functions = REGISTRY.functions
@@ -122,11 +131,13 @@ def _reduce_grad_to_plain(grad):
 def hook_plain_grads(args):
     """Give plain tensors that need gradients the reduce-to-plain hook (once per tensor)."""
     for a in args:
-        if type(a) is not ShardTensor and isinstance(a, torch.Tensor):
+        if type(a) is ShardTensor:
+            continue
+        if isinstance(a, torch.Tensor):
             if a.requires_grad and not getattr(a, "_domainflow_hooked", False):
                 a.register_hook(_reduce_grad_to_plain)
                 a._domainflow_hooked = True
-        elif isinstance(a, (list, tuple)):
+        elif type(a) in (list, tuple) and a and isinstance(a[0], torch.Tensor):
             hook_plain_grads(a)
 
 
@@ -302,6 +313,8 @@ def pointwise(func, args, kwargs):
     out = func(*local_args, **kwargs)
     if plan.inplace:
         return args[0]
+    if type(out) is torch.Tensor:
+        return ShardTensor(out, plan.out_spec)
     return wrap(out, plan.out_spec)
 
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch._C import DisableTorchFunctionSubclass
 
 from .. import comm, shapes
-from ..dispatch import _unsupported_or_fallback, to_spec
+from ..dispatch import run_function_default, to_spec
 from ..placements import Partial, Replicate, Shard
 from ..registry import register_aten, register_function
 from ..shard_tensor import ShardTensor
@@ -81,19 +80,29 @@ def sum_mean(func, args, kwargs):
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
         dtype = args[3] if len(args) > 3 else kwargs.get("dtype")
     x = _reduce_partials(x, keep_sum=True)
-    spec = x._spec
-    red, where = shapes.reduced_dim_map(x.ndim, dims, keepdim)
-    out_shape = _out_shape(spec.shape, red, keepdim)
-    local_dims = sorted(red)
+    key = (x._spec, None if dims is None else tuple(dims), keepdim)
+    hit = _sum_layouts.get(key)
+    if hit is None:
+        spec = x._spec
+        red, where = shapes.reduced_dim_map(x.ndim, dims, keepdim)
+        out_shape = _out_shape(spec.shape, red, keepdim)
+        count = math.prod(spec.shape[d] for d in red) if red else 1
+        hit = (sorted(red), count, _out_spec(spec, red, where, keepdim, "sum", out_shape))
+        if len(_sum_layouts) > 16384:
+            _sum_layouts.clear()
+        _sum_layouts[key] = hit
+    local_dims, count, out_spec = hit
     fn = torch.nansum if func is aten.nansum.default else torch.sum
     if local_dims:
         local = fn(x._local, dim=local_dims, keepdim=keepdim, dtype=dtype)
     else:
         local = fn(x._local, dtype=dtype) if x.ndim == 0 else x._local.to(dtype) if dtype else x._local.clone()
     if is_mean:
-        count = math.prod(spec.shape[d] for d in red) if red else 1
         local = local / count
-    return ShardTensor(local, _out_spec(spec, red, where, keepdim, "sum", out_shape))
+    return ShardTensor(local, out_spec)
+
+
+_sum_layouts: dict = {}
 
 
 _EXTREME = {"max": -math.inf, "min": math.inf}
@@ -347,9 +356,8 @@ def _sum_mean_function(func, args, kwargs):
     """torch.sum/mean and Tensor.sum/mean on a ShardTensor: an autograd node whose backward expands the
     gradient locally (sharded like the input) when a sharded dim is reduced."""
     x = args[0]
-    if not isinstance(x, ShardTensor) or not (torch.is_grad_enabled() and x.requires_grad):
-        with DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+    if not (torch.is_grad_enabled() and isinstance(x, ShardTensor) and x.requires_grad):
+        return run_function_default(func, args, kwargs)
     dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
     keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
     dtype = kwargs.get("dtype", args[3] if len(args) > 3 else None)
@@ -359,8 +367,7 @@ def _sum_mean_function(func, args, kwargs):
     red, _ = shapes.reduced_dim_map(x.ndim, dims, keepdim)
     is_mean = func in (torch.mean, torch.Tensor.mean)
     if not _sharded_reduced(x._spec, red) or x._spec.has_partial:
-        with DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        return run_function_default(func, args, kwargs)
     return _SumMean.apply(x, sorted(red), keepdim, is_mean, dtype)
 
 
@@ -433,8 +440,7 @@ def _prod_function(func, args, kwargs):
     red, _ = shapes.reduced_dim_map(x.ndim, None if dim is None else [dim], keepdim) if isinstance(x, ShardTensor) else (None, None)
     if (not isinstance(x, ShardTensor) or not (torch.is_grad_enabled() and x.requires_grad)
             or not _sharded_reduced(x._spec, red) or x._spec.has_partial):
-        with DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        return run_function_default(func, args, kwargs)
     return _Prod.apply(x, dim, keepdim, dtype)
 
 

@@ -37,30 +37,18 @@ def _replicate_dims(x: ShardTensor, dims) -> ShardTensor:
 @register_aten(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default)
 def view(func, args, kwargs):
     x, size = args[0], args[1]
-    spec = x._spec
-    try:
-        out_shape = shapes.infer_view_shape(spec.shape.numel(), size)
-    except ValueError as e:
-        raise RuntimeError(str(e)) from None
-    # a sharded dim of global size 1 that the view drops or merges: gather it (one row) first
-    ones = [p.dim for m, p in enumerate(spec.placements) if isinstance(p, Shard) and spec.shape[p.dim] == 1
-            and shapes.view_shard_map(tuple(spec.shape), out_shape, p.dim, spec.sizes[m]) is None]
-    if ones:
-        x = _replicate_dims(x, ones)
-        spec = x._spec
-    pl, sz = list(spec.placements), list(spec.sizes)
-    for m, p in enumerate(spec.placements):
-        if not isinstance(p, Shard):
-            continue
-        hit = shapes.view_shard_map(tuple(spec.shape), out_shape, p.dim, spec.sizes[m])
-        if hit is None:
-            return _unsupported_or_fallback(
-                func, args, kwargs,
-                f"reshaping {tuple(spec.shape)} -> {out_shape} splits the rows of sharded dim {p.dim} across "
-                f"output dims (only the outermost dim of a merged/split group can stay sharded); move the "
-                f"sharded dim outward first (e.g. permute) or redistribute")
-        pl[m], sz[m] = Shard(hit[0]), hit[1]
-    out = _spec(spec, pl, out_shape, sz)
+    key = (x._spec, tuple(size))
+    out = _view_layouts.get(key)
+    if out is None:
+        out = _view_layout(x, size)
+        if isinstance(out, ShardSpec):
+            if len(_view_layouts) > 16384:
+                _view_layouts.clear()
+            _view_layouts[key] = out
+        elif isinstance(out, tuple):  # (gathered input, its spec): a size-1 sharded dim was replicated
+            x, out = out
+        else:
+            return _unsupported_or_fallback(func, args, kwargs, out)
     local = x._local
     if func is aten.view.default:
         res = local.view(out.local_shape)
@@ -69,6 +57,37 @@ def view(func, args, kwargs):
     else:
         res = func(local, out.local_shape)
     return ShardTensor(res, out)
+
+
+_view_layouts: dict = {}
+
+
+def _view_layout(x: ShardTensor, size):
+    """The output spec of reshaping ``x`` to ``size``, or a reason string when rows would split."""
+    spec = x._spec
+    try:
+        out_shape = shapes.infer_view_shape(spec.shape.numel(), size)
+    except ValueError as e:
+        raise RuntimeError(str(e)) from None
+    # a sharded dim of global size 1 that the view drops or merges: gather it (one row) first
+    ones = [p.dim for m, p in enumerate(spec.placements) if isinstance(p, Shard) and spec.shape[p.dim] == 1
+            and shapes.view_shard_map(tuple(spec.shape), out_shape, p.dim, spec.sizes[m]) is None]
+    gathered = None
+    if ones:
+        x = gathered = _replicate_dims(x, ones)
+        spec = x._spec
+    pl, sz = list(spec.placements), list(spec.sizes)
+    for m, p in enumerate(spec.placements):
+        if not isinstance(p, Shard):
+            continue
+        hit = shapes.view_shard_map(tuple(spec.shape), out_shape, p.dim, spec.sizes[m])
+        if hit is None:
+            return (f"reshaping {tuple(spec.shape)} -> {out_shape} splits the rows of sharded dim {p.dim} across "
+                    f"output dims (only the outermost dim of a merged/split group can stay sharded); move the "
+                    f"sharded dim outward first (e.g. permute) or redistribute")
+        pl[m], sz[m] = Shard(hit[0]), hit[1]
+    out = _spec(spec, pl, out_shape, sz)
+    return (gathered, out) if gathered is not None else out
 
 
 @register_aten(aten.permute.default)
