@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .errors import CollectiveError
-from .spec import mesh_coordinate
+from .spec import mesh_coordinate, mesh_shape
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
@@ -70,7 +70,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 def group_size(mesh: DeviceMesh, mesh_dim: int) -> int:
-    return mesh.shape[mesh_dim]
+    return mesh_shape(mesh)[mesh_dim]
 
 
 def _group(mesh: DeviceMesh, mesh_dim: int):

@@ -263,12 +263,13 @@ _plan_cache: dict = {}
 
 
 class _Plan:
-    __slots__ = ("out_spec", "actions", "inplace")
+    __slots__ = ("out_spec", "actions", "inplace", "local_only")
 
     def __init__(self, out_spec, actions, inplace):
         self.out_spec = out_spec
-        self.actions = actions  # per flat tensor arg: None | ShardSpec (redistribute to) | list of narrows
+        self.actions = actions  # per tensor arg: (index, None | ShardSpec to redistribute to | narrows)
         self.inplace = inplace
+        self.local_only = all(not act for _, act in actions)  # every operand used as it is
 
 
 def _flat_tensor_args(args):
@@ -277,21 +278,22 @@ def _flat_tensor_args(args):
 
 
 def pointwise(func, args, kwargs):
-    key_parts = [func]
+    key = [func]
     for a in args:
-        if isinstance(a, ShardTensor):
-            key_parts.append(a._spec)
+        t = type(a)
+        if t is ShardTensor:
+            key.append(a._spec)
         elif isinstance(a, torch.Tensor):
             if a.requires_grad and not getattr(a, "_domainflow_hooked", False):
                 hook_plain_grads((a,))
-            key_parts.append(a.shape)
+            key.append(a.shape)
         else:
-            key_parts.append(None if isinstance(a, (int, float, bool, complex)) else _hashable(a))
+            key.append(None if t in _SCALARS else _hashable(a))
     if kwargs:
-        for k, v in kwargs.items():
+        for v in kwargs.values():
             if isinstance(v, torch.Tensor):
                 return _unsupported_or_fallback(func, args, kwargs, "tensor keyword arguments are not supported")
-    key = tuple(key_parts)
+    key = tuple(key)
     plan = _plan_cache.get(key)
     if plan is None:
         plan = _plan_pointwise(func, args)
@@ -300,22 +302,27 @@ def pointwise(func, args, kwargs):
         _plan_cache[key] = plan
     if isinstance(plan, str):
         return _unsupported_or_fallback(func, args, kwargs, plan)
-    local_args = list(args)
-    for i, act in plan.actions:
-        a = args[i]
-        if isinstance(a, ShardTensor):
-            local_args[i] = a._local if act is None else redistribute_local(a._local, a._spec, act)
-        elif act:
-            t = a
-            for d, start, length in act:
-                t = t.narrow(d, start, length)
-            local_args[i] = t
-    out = func(*local_args, **kwargs)
+    if plan.local_only:
+        out = func(*[a._local if type(a) is ShardTensor else a for a in args], **kwargs)
+    else:
+        local_args = list(args)
+        for i, act in plan.actions:
+            a = args[i]
+            if type(a) is ShardTensor:
+                local_args[i] = a._local if act is None else redistribute_local(a._local, a._spec, act)
+            elif act:
+                for d, start, length in act:
+                    a = a.narrow(d, start, length)
+                local_args[i] = a
+        out = func(*local_args, **kwargs)
     if plan.inplace:
         return args[0]
     if type(out) is torch.Tensor:
         return ShardTensor(out, plan.out_spec)
     return wrap(out, plan.out_spec)
+
+
+_SCALARS = (int, float, bool, complex)
 
 
 def _hashable(a):

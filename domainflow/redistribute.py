@@ -12,7 +12,7 @@ import torch
 
 from . import comm, shapes
 from .placements import Partial, Replicate, Shard
-from .spec import ShardSpec
+from .spec import ShardSpec, mesh_shape
 
 _R = Replicate()
 
@@ -54,7 +54,7 @@ def redistribute_local(local: torch.Tensor, src: ShardSpec, dst: ShardSpec) -> t
             continue
         if a.dim == b.dim and cur.sizes[m] == dst.sizes[m]:
             continue
-        me, n = coord[m], mesh.shape[m]
+        me, n = coord[m], mesh_shape(mesh)[m]
         if a.dim == b.dim:
             ov = shapes.overlap_splits(cur.sizes[m], dst.sizes[m])
             shape = list(local.shape)

@@ -20,9 +20,10 @@ from . import comm, shapes
 from .errors import ShardingMismatchError, ShardingShapeError
 from .placements import Partial, Placement, Replicate, Shard, normalize_placements
 from .redistribute import grad_spec, redistribute_local
-from .spec import ShardSpec, mesh_coordinate, sizes_from_mapping
+from .spec import ShardSpec, mesh_coordinate, mesh_shape, sizes_from_mapping
 
 _MAX_DIMS = 12
+_ALL_REPLICATE = {n: (Replicate(),) * n for n in range(1, 9)}
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
 
@@ -137,9 +138,21 @@ class ShardTensor(torch.Tensor):
         """Same global tensor, new layout. ``sharding_shapes``: None keeps the sizes of shards that stay
         on their mesh dim and tensor dim and uses chunk sizes for new shards; "chunk"; "balanced"; or
         a mapping ``{mesh dim: [size or shape per rank]}``. Differentiable (backward is the reverse)."""
-        placements = normalize_placements(placements, self.ndim, self._spec.mesh.ndim)
-        dst = target_spec(self._spec, placements, sharding_shapes)
-        if dst == self._spec:
+        spec = self._spec
+        key = None
+        if sharding_shapes is None or isinstance(sharding_shapes, str):
+            key = (spec, tuple(placements) if not isinstance(placements, Placement) else (placements,), sharding_shapes)
+            dst = _redistribute_targets.get(key)
+        else:
+            dst = None
+        if dst is None:
+            placements = normalize_placements(placements, spec.ndim, spec.mesh.ndim)
+            dst = target_spec(spec, placements, sharding_shapes)
+            if key is not None:
+                if len(_redistribute_targets) > 16384:
+                    _redistribute_targets.clear()
+                _redistribute_targets[key] = dst
+        if dst == spec:
             return self
         return _Redistribute.apply(self, dst)
 
@@ -147,8 +160,7 @@ class ShardTensor(torch.Tensor):
         """The whole global tensor on every rank (uneven all-gather / all-reduce). Differentiable."""
         if self._spec.is_replicated:
             return self.to_local()
-        rep = self.redistribute([Replicate()] * self._spec.mesh.ndim)
-        return rep.to_local()
+        return self.redistribute(_ALL_REPLICATE[self._spec.mesh.ndim]).to_local()
 
     def to_dtensor(self):
         """A DTensor of the same data; needs DTensor's layout (chunk sizes on every Shard)."""
@@ -178,6 +190,7 @@ class ShardTensor(torch.Tensor):
 
 
 _stride_cache: dict[torch.Size, tuple[int, ...]] = {}
+_redistribute_targets: dict = {}
 
 
 def spec_strides(spec: ShardSpec) -> tuple[int, ...]:
@@ -314,11 +327,11 @@ def target_spec(spec: ShardSpec, placements: Sequence[Placement], sharding_shape
             continue
         n = spec.shape[p.dim]
         if sharding_shapes == "balanced":
-            sizes[m] = shapes.balanced_sizes(n, mesh.shape[m])
+            sizes[m] = shapes.balanced_sizes(n, mesh_shape(mesh)[m])
         elif sharding_shapes is None and spec.placements[m] == p:
             sizes[m] = spec.sizes[m]
         elif sharding_shapes in (None, "chunk") or isinstance(sharding_shapes, Mapping):
-            sizes[m] = shapes.chunk_sizes(n, mesh.shape[m])
+            sizes[m] = shapes.chunk_sizes(n, mesh_shape(mesh)[m])
         else:
             raise ValueError(f"sharding_shapes={sharding_shapes!r}: use None, 'chunk', 'balanced' or a mapping")
     return ShardSpec.build(mesh, placements, spec.shape, sizes)

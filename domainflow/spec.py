@@ -19,6 +19,17 @@ from .placements import Partial, Placement, Replicate, Shard, normalize_placemen
 
 _REPLICATE = Replicate()
 _coord_cache: dict[int, tuple[DeviceMesh, tuple[int, ...]]] = {}
+_shape_cache: dict[int, tuple[DeviceMesh, tuple[int, ...]]] = {}
+
+
+def mesh_shape(mesh: DeviceMesh) -> tuple[int, ...]:
+    """``tuple(mesh.shape)``, cached (DeviceMesh recomputes it from its layout on every access)."""
+    hit = _shape_cache.get(id(mesh))
+    if hit is not None and hit[0] is mesh:
+        return hit[1]
+    shape = tuple(mesh.shape)
+    _shape_cache[id(mesh)] = (mesh, shape)
+    return shape
 
 
 def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
@@ -37,7 +48,8 @@ def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
 class ShardSpec:
     """Global layout of a sharded tensor; identical on every rank of its mesh."""
 
-    __slots__ = ("mesh", "placements", "shape", "sizes", "shard_dims", "_hash", "_local_shape", "_offsets")
+    __slots__ = ("mesh", "placements", "shape", "sizes", "shard_dims", "is_replicated", "has_partial", "_hash",
+                 "_local_shape", "_offsets")
 
     def __init__(self, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int],
                  sizes: Sequence[Sequence[int] | None]):
@@ -46,6 +58,9 @@ class ShardSpec:
         self.shape = torch.Size(shape)
         self.sizes = tuple(None if s is None else tuple(int(v) for v in s) for s in sizes)
         self.shard_dims = tuple(p.dim if isinstance(p, Shard) else None for p in self.placements)
+        kinds = {type(p) for p in self.placements}
+        self.is_replicated = kinds <= {Replicate}
+        self.has_partial = Partial in kinds
         self._hash = hash((id(mesh), self.placements, self.shape, self.sizes))
         self._local_shape = None
         self._offsets = None
@@ -56,16 +71,16 @@ class ShardSpec:
         """Validated spec; ``sizes`` per mesh dim (None entries: torch.chunk sizes)."""
         placements = normalize_placements(placements, len(shape), mesh.ndim)
         sizes = list(sizes) if sizes is not None else [None] * mesh.ndim
-        mesh_shape = tuple(mesh.shape)
+        mshape = mesh_shape(mesh)
         for m, p in enumerate(placements):
             if isinstance(p, Shard):
                 n = shape[p.dim]
                 if sizes[m] is None:
-                    sizes[m] = shapes.chunk_sizes(n, mesh_shape[m])
+                    sizes[m] = shapes.chunk_sizes(n, mshape[m])
                 s = tuple(int(v) for v in sizes[m])
-                if len(s) != mesh_shape[m] or sum(s) != n or min(s) < 0:
+                if len(s) != mshape[m] or sum(s) != n or min(s) < 0:
                     raise ShardingShapeError(
-                        f"sharding sizes {s} for Shard({p.dim}) on mesh dim {m} must be {mesh_shape[m]} "
+                        f"sharding sizes {s} for Shard({p.dim}) on mesh dim {m} must be {mshape[m]} "
                         f"non-negative sizes summing to the global size {n} of tensor dim {p.dim}"
                     )
                 sizes[m] = s
@@ -95,14 +110,6 @@ class ShardSpec:
     @property
     def ndim(self) -> int:
         return len(self.shape)
-
-    @property
-    def is_replicated(self) -> bool:
-        return all(isinstance(p, Replicate) for p in self.placements)
-
-    @property
-    def has_partial(self) -> bool:
-        return any(isinstance(p, Partial) for p in self.placements)
 
     @property
     def coord(self) -> tuple[int, ...]:

@@ -1,0 +1,139 @@
+"""Per-op dispatch overhead (plain torch vs ShardTensor vs DTensor, one process) and the cost of an
+uneven Shard -> Replicate redistribution against a hand-written padded all_gather (2 and 4 ranks).
+
+Run: .venv/bin/python benchmarks/dispatch_overhead.py   (prints a table, writes
+benchmarks/results/dispatch_overhead.json). All numbers of one run come from the same machine state;
+quote ratios, not absolute times.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _best_us(fn, n=20000, repeats=7) -> float:
+    for _ in range(500):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) / n * 1e6)
+    return best
+
+
+def per_op_overhead() -> list[dict]:
+    import domainflow as df
+    from torch.distributed.tensor import Shard as DShard
+    from torch.distributed.tensor import distribute_tensor as dt_distribute
+
+    torch.set_num_threads(1)
+    mesh = df.init_mesh((1,), ("domain",))
+    base = torch.randn(8, 8)
+    st = df.distribute_tensor(base, mesh, [df.Shard(0)])
+    dt = dt_distribute(base, mesh, [DShard(0)])
+    ops = {
+        "pointwise (x + x)": lambda x: x + x,
+        "reduction (x.sum(0))": lambda x: x.sum(0),
+        "view (x.view(64))": lambda x: x.view(64),
+    }
+    rows = []
+    for name, op in ops.items():
+        plain = _best_us(lambda: op(base))
+        s = _best_us(lambda: op(st))
+        d = _best_us(lambda: op(dt))
+        rows.append({"op": name, "plain_us": plain, "shardtensor_us": s, "dtensor_us": d,
+                     "overhead_ratio": (s - plain) / (d - plain)})
+    return rows
+
+
+def _redistribute_rank(numel_rows: int, cols: int, fraction: float, iters: int) -> dict:
+    import torch.distributed as dist
+
+    import domainflow as df
+    from domainflow import comm
+
+    torch.set_num_threads(1)
+    mesh = df.init_mesh((int(os.environ["WORLD_SIZE"]),), ("domain",))
+    rank, world = mesh.get_rank(), mesh.size()
+    first = int(numel_rows * fraction) if world > 1 else numel_rows
+    rest = [len(c) for c in torch.arange(numel_rows - first).tensor_split(world - 1)] if world > 1 else []
+    sizes = (first, *rest)
+    local = torch.randn(sizes[rank], cols)
+    x = df.ShardTensor.from_local(local, mesh, [df.Shard(0)], sharding_shapes={0: sizes})
+    group = mesh.get_group(0)
+    gather = comm._all_gather_single
+
+    def ours():
+        return x.full_tensor()
+
+    def hand_written():
+        # what a user writes by hand: pad to the largest shard, all_gather, trim, concatenate
+        mx = max(sizes)
+        buf = torch.zeros(mx, cols)
+        buf[: local.shape[0]] = local
+        out = torch.empty(world * mx, cols)
+        gather(out, buf, group=group)
+        return torch.cat([out[k * mx: k * mx + sizes[k]] for k in range(world)])
+
+    assert torch.equal(ours(), hand_written())
+    times = {"domainflow": [], "hand_written": []}
+    for _ in range(20):
+        ours(), hand_written()
+    for i in range(iters):
+        for name, fn in (("domainflow", ours), ("hand_written", hand_written)) if i % 2 else \
+                (("hand_written", hand_written), ("domainflow", ours)):
+            dist.barrier(group)
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {"sizes": sizes, "domainflow_ms": statistics.median(times["domainflow"]) * 1e3,
+            "hand_written_ms": statistics.median(times["hand_written"]) * 1e3}
+
+
+def redistribution() -> list[dict]:
+    from domainflow.launch import launch_local
+
+    rows = []
+    for world in (2, 4):
+        for rows_, cols, iters in ((4096, 16, 300), (262144, 16, 40)):
+            res = launch_local(_redistribute_rank, world, rows_, cols, 0.7, iters, threads_per_rank=1)[0]
+            rows.append({"world": world, "global_shape": [rows_, cols], "sizes": list(res["sizes"]),
+                         "domainflow_ms": res["domainflow_ms"], "hand_written_ms": res["hand_written_ms"],
+                         "ratio": res["domainflow_ms"] / res["hand_written_ms"]})
+    return rows
+
+
+def main() -> None:
+    ops = per_op_overhead()
+    print("\nPer-op time on an 8x8 float32 tensor, one process (best of 7 x 20000 calls)")
+    print(f"{'op':<24}{'torch us':>10}{'ShardTensor us':>16}{'DTensor us':>12}{'overhead ST/DT':>16}")
+    for r in ops:
+        print(f"{r['op']:<24}{r['plain_us']:>10.2f}{r['shardtensor_us']:>16.2f}{r['dtensor_us']:>12.2f}"
+              f"{r['overhead_ratio']:>16.2f}")
+    red = redistribution()
+    print("\nUneven Shard(0) -> Replicate (full_tensor) vs hand-written padded all_gather, Gloo, median of 300 / 40 runs")
+    print(f"{'ranks':>5}  {'global shape':<14}{'shard rows':<28}{'domainflow ms':>14}{'hand-written ms':>16}{'ratio':>7}")
+    for r in red:
+        print(f"{r['world']:>5}  {str(tuple(r['global_shape'])):<14}{str(r['sizes']):<28}{r['domainflow_ms']:>14.3f}"
+              f"{r['hand_written_ms']:>16.3f}{r['ratio']:>7.2f}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = {"torch": torch.__version__, "per_op": ops, "redistribution": red,
+           "targets": {"overhead_ratio_max": 0.6, "redistribution_ratio_max": 1.3}}
+    tmp = RESULTS / "dispatch_overhead.json.tmp"
+    tmp.write_text(json.dumps(out, indent=2))
+    tmp.replace(RESULTS / "dispatch_overhead.json")
+    print(f"\nwrote {RESULTS / 'dispatch_overhead.json'}")
+
+
+if __name__ == "__main__":
+    main()
