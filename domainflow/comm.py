@@ -280,3 +280,30 @@ def all_reduce_sum_autograd(t: torch.Tensor, mesh: DeviceMesh, mesh_dim: int) ->
 def all_gather_autograd(t: torch.Tensor, dim: int, sizes: Sequence[int], mesh: DeviceMesh, mesh_dim: int):
     """Differentiable uneven all-gather (backward: sum the grads, keep this rank's rows)."""
     return _AllGather.apply(t, dim, sizes, mesh, mesh_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, split_dim, send_sizes, cat_dim, recv_shapes, mesh, mesh_dim):
+        ctx.args = (split_dim, tuple(send_sizes), cat_dim, [tuple(s) for s in recv_shapes], mesh, mesh_dim,
+                    tuple(t.shape))
+        return all_to_all_dims(t, split_dim, send_sizes, cat_dim, recv_shapes, mesh, mesh_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        split_dim, send_sizes, cat_dim, recv_shapes, mesh, mesh_dim, in_shape = ctx.args
+        # the reverse exchange: blocks go back to where they came from
+        back_send = [s[cat_dim] for s in recv_shapes]
+        back_recv = []
+        for k in send_sizes:
+            s = list(in_shape)
+            s[split_dim] = k
+            back_recv.append(s)
+        g = all_to_all_dims(grad.contiguous(), cat_dim, back_send, split_dim, back_recv, mesh, mesh_dim)
+        return g, None, None, None, None, None, None
+
+
+def all_to_all_autograd(t: torch.Tensor, split_dim: int, send_sizes: Sequence[int], cat_dim: int,
+                        recv_shapes: Sequence[Sequence[int]], mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+    """Differentiable :func:`all_to_all_dims` (backward: the reverse exchange)."""
+    return _AllToAll.apply(t, split_dim, send_sizes, cat_dim, recv_shapes, mesh, mesh_dim)

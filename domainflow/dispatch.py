@@ -1,12 +1,15 @@
 """The dispatch engine: how an op on ShardTensors runs.
 
-``__torch_function__`` (above autograd) routes registered Python-level functions and turns plain
-tensors that need gradients (``nn.Parameter``s) into replicated views whose backward sums partial
-gradients exactly once. ``__torch_dispatch__`` (below autograd) applies DESIGN.md's rules in order:
+``__torch_function__`` (above autograd) routes registered Python-level functions (handlers that need
+their own autograd node, e.g. reductions whose gradient must stay sharded). ``__torch_dispatch__``
+(below autograd) applies DESIGN.md's rules in order:
 1. a registered handler (ops/ registers the built-in ones);
 2. local execution for ops that do not touch a sharded dim: pointwise ops (with arithmetic
    output layouts, cached per input layout) and any op whose ShardTensor inputs are all replicated;
 3. ``UnsupportedShardedOp``, unless ``fallback("gather")`` is active.
+Plain tensors that need gradients (``nn.Parameter``s) count as replicated; the first time one meets a
+ShardTensor it gets a gradient hook that reduces its summed (often Partial) gradient to a plain tensor,
+so partial gradients are summed over the domain exactly once per backward.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def shard_tensors(args, kwargs=None) -> list[ShardTensor]:
     return out
 
 
-def common_mesh(sts, op) :
+def common_mesh(sts, op):
     mesh = sts[0]._spec.mesh
     for s in sts[1:]:
         if s._spec.mesh is not mesh and s._spec.mesh != mesh:
@@ -111,6 +114,7 @@ _NO_KWARGS: dict = {}
 _no_subclass_functions = torch._C.DisableTorchFunctionSubclass
 # runs ``func`` with __torch_function__ disabled for subclasses (the C implementation torch uses)
 _run_function = torch._C._disabled_torch_function_impl
+
 
 def run_function_default(func, args, kwargs):
     """What a function handler calls to fall through to torch's own implementation."""
@@ -215,6 +219,8 @@ def _unwrap_all(args, kwargs):
 def gather_fallback(func, args, kwargs, reason: str):
     """fallback('gather'): full tensors in, op on every rank, outputs re-sharded like the first input
     when the shape allows, else replicated."""
+    if _INPLACE in func.tags:
+        raise UnsupportedShardedOp(func, f"{reason}; in-place ops cannot use the gather fallback")
     sts = shard_tensors(args, kwargs)
     _warn_fallback(func, reason)
     mesh = common_mesh(sts, func)
@@ -228,8 +234,6 @@ def gather_fallback(func, args, kwargs, reason: str):
         return a
 
     out = func(*[full(a) for a in args], **{k: full(v) for k, v in kwargs.items()})
-    if _INPLACE in func.tags:
-        raise UnsupportedShardedOp(func, "in-place ops cannot use the gather fallback")
 
     def respec(t):
         rep = replicated_spec(mesh, t.shape)

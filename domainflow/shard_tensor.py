@@ -4,9 +4,10 @@ Design choice: ShardTensor *wraps DTensor's vocabulary* (DeviceMesh, Shard/Repli
 not subclass DTensor. DTensor's sharding propagation, redistribution and ``full_tensor`` assume the
 ``torch.chunk`` layout; uneven domain shards (any per-rank size, zeros included, as a spatial
 partition of a mesh produces) would break those assumptions in many places that a subclass inherits
-silently. Keeping our own spec (``ShardSpec``: placements + per-mesh-dim sizes) and our own light
-dispatcher also keeps per-op overhead low. ``to_dtensor``/``from_dtensor`` convert where the layout
-is DTensor's (chunk sizes), for FSDP2 and DCP.
+silently (PhysicsNeMo moved away from subclassing DTensor for the same reason). Our own spec
+(``ShardSpec``: placements + per-mesh-dim sizes) lets every layout rule be pure arithmetic, and our own
+dispatcher keeps per-op overhead near DTensor's C++ fast path. ``to_dtensor``/``from_dtensor`` convert
+where the layout is DTensor's (chunk sizes), for FSDP2 and DCP.
 """
 
 from __future__ import annotations
@@ -189,17 +190,12 @@ class ShardTensor(torch.Tensor):
         return _FromLocal.apply(dt.to_local(), spec)
 
 
-_stride_cache: dict[torch.Size, tuple[int, ...]] = {}
 _redistribute_targets: dict = {}
 
 
 def spec_strides(spec: ShardSpec) -> tuple[int, ...]:
-    s = _stride_cache.get(spec.shape)
-    if s is None:
-        s = _strides_like(torch.empty(0), spec.shape) if len(spec.shape) <= 1 else _contig(spec.shape)
-        if len(_stride_cache) < 4096:
-            _stride_cache[spec.shape] = s
-    return s
+    """Contiguous strides of the global shape."""
+    return _contig(spec.shape)
 
 
 def _contig(shape) -> tuple[int, ...]:
@@ -313,15 +309,15 @@ def target_spec(spec: ShardSpec, placements: Sequence[Placement], sharding_shape
     mesh = spec.mesh
     sizes: list = [None] * mesh.ndim
     if isinstance(sharding_shapes, Mapping):
-        full_local = [spec.shape[d] for d in range(spec.ndim)]
+        names = tuple(mesh.mesh_dim_names or ())
         for key, entries in sharding_shapes.items():
-            names = tuple(mesh.mesh_dim_names or ())
             m = names.index(key) if isinstance(key, str) and key in names else key
+            if not isinstance(m, int) or not 0 <= m < mesh.ndim:
+                raise ShardingShapeError(f"sharding_shapes key {key!r} is not a mesh dim (names {names})")
             p = placements[m]
             if not isinstance(p, Shard):
                 raise ShardingShapeError(f"sharding_shapes names mesh dim {key!r} whose target placement is {p}")
             sizes[m] = tuple(e if isinstance(e, int) else tuple(e)[p.dim] for e in entries)
-        del full_local
     for m, p in enumerate(placements):
         if not isinstance(p, Shard) or sizes[m] is not None:
             continue
@@ -398,7 +394,7 @@ class _Redistribute(torch.autograd.Function):
         # avg-partials: each of the n partial values contributes 1/n of the result
         for m, p in enumerate(src.placements):
             if isinstance(p, Partial) and p.reduce_op == "avg":
-                out = ShardTensor(out._local / src.mesh.shape[m], out._spec)
+                out = ShardTensor(out._local / mesh_shape(src.mesh)[m], out._spec)
         return out, None
 
 

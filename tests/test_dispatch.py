@@ -278,8 +278,24 @@ def _param_grads(mesh_shape, seed):
     check_sharded(lambda a, m: m(a), [x], mesh, module=model, expect_placements=[Shard(0)] + rest)
     # a loss that is a global mean: gradients of the replicated parameters summed exactly once
     check_sharded(lambda a, m: ((m(a) - 1) ** 2).mean(), [x], mesh, module=model)
-    # features sharded on 2-D mesh: points over mesh dim 0, nothing over mesh dim 1 (replicated compute)
     return True
+
+
+def _submesh_param_grads():
+    """A ("dp", "domain") mesh: each dp group shards its own sample over its "domain" sub-mesh."""
+    mesh = get_mesh((2, 2), ("dp", "domain"))
+    sub = mesh["domain"]
+    dp = mesh.get_coordinate()[0]
+    torch.manual_seed(0)
+    model = PointMLP().double()
+    n = 9 + dp  # the two dp groups hold different samples
+    x = Sharded(_t(torch.Generator().manual_seed(dp), n, 3), [Shard(0)], {0: (n - 2, 2)})
+    check_sharded(lambda a, m: ((m(a) - 1) ** 2).mean(), [x], sub, module=model)
+    return True
+
+
+def test_parameter_gradients_on_a_domain_submesh(dist):
+    assert all(dist.run(4, _submesh_param_grads))
 
 
 @pytest.mark.parametrize("world,mesh_shape", CASES, ids=IDS)
