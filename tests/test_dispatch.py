@@ -323,6 +323,13 @@ def _matmul(mesh_shape, seed):
     check_sharded(lambda a, b: torch.addmm(torch.ones(4, dtype=D), a, b, beta=0.5, alpha=2.0), [a_cols, b_rows], mesh)
     check_sharded(lambda a, ww: a @ ww, [a_rows, w], mesh)
     check_sharded(lambda a: a.t() @ a, [a_rows], mesh, expect_placements=[Partial("sum")] + rest)
+    # nn.Linear on [B, N, C] with the point dim N sharded (torch folds B and N, which a shard cannot survive)
+    lin = torch.nn.Linear(5, 3).double()
+    nsz = random_sizes(7, n0, rng)
+    xb3 = Sharded(_t(gen, 2, 7, 5), [Shard(1)] + rest, {0: nsz})
+    check_sharded(lambda a, m: torch.tanh(m(a)), [xb3], mesh, module=lin, expect_placements=[Shard(1)] + rest,
+                  expect_sizes={0: nsz})
+    check_sharded(lambda a, m: m(a).pow(2).mean(), [a_rows], mesh, module=torch.nn.Linear(5, 2).double())
     bsz = random_sizes(3, n0, rng)
     xb = Sharded(_t(gen, 3, 4, 5), [Shard(0)] + rest, {0: bsz})
     yb = Sharded(_t(gen, 3, 5, 2), [Replicate()] * len(mesh_shape))
@@ -426,3 +433,45 @@ def _function_handler():
 
 def test_register_function(dist):
     assert all(dist.run(2, _function_handler))
+
+
+# -------------------------------------------------------------------------------------------------
+def _losses(mesh_shape, seed):
+    mesh = get_mesh(mesh_shape)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    shape = (rng.randint(2, 9), rng.randint(1, 5), 3)
+    pl, sz = _layout_rows(mesh_shape, rng, shape)
+    x = Sharded(_t(gen, *shape), pl, sz)
+    y = Sharded(_t(gen, *shape), pl, sz, requires_grad=False)
+    y_plain = _t(gen, *shape)
+    fns = {
+        "mse": lambda a, b: F.mse_loss(a, b),
+        "mse_sum": lambda a, b: F.mse_loss(a, b, reduction="sum"),
+        "mse_none": lambda a, b: F.mse_loss(a, b, reduction="none"),
+        "huber": lambda a, b: F.huber_loss(a, b, delta=0.5),
+        "smooth_l1": lambda a, b: F.smooth_l1_loss(a, b, beta=0.3),
+        "l1": lambda a, b: F.l1_loss(a, b),
+        "bce_logits": lambda a, b: F.binary_cross_entropy_with_logits(a, torch.sigmoid(b)),
+    }
+    for name, fn in fns.items():
+        for target in (y, y_plain):
+            try:
+                check_sharded(fn, [x, target], mesh)
+            except AssertionError as e:
+                raise AssertionError(f"{name}: {e}") from e
+    # dropout: the mask is local; with p=0 training equals the identity, and in eval it is a no-op
+    check_sharded(lambda a: F.dropout(a, 0.0, training=True) * 2, [x], mesh)
+    st = df.distribute_tensor(x.full, mesh, pl, sharding_shapes=sz)
+    out = F.dropout(st, 0.5, training=True)
+    assert out.placements == st.placements and out._spec.sizes == st._spec.sizes
+    kept = out.to_local() != 0
+    assert torch.allclose(out.to_local()[kept], st.to_local()[kept] * 2)
+    return True
+
+
+@pytest.mark.parametrize("world,mesh_shape", CASES, ids=IDS)
+def test_losses_and_dropout(dist, world, mesh_shape):
+    """Elementwise losses reduce exactly over all points (mean over the global count); their
+    gradients stay sharded; dropout keeps the layout."""
+    assert all(dist.run(world, _losses, mesh_shape, 70 + world))

@@ -7,7 +7,7 @@ import torch
 
 from ..dispatch import _unsupported_or_fallback, common_mesh, shard_tensors
 from ..placements import Partial, Replicate, Shard
-from ..registry import register_aten
+from ..registry import register_aten, register_function
 from ..shard_tensor import ShardTensor
 from ..spec import ShardSpec
 
@@ -139,3 +139,60 @@ def dot_mv(func, args, kwargs):
         out = mm(aten.mm.default, (a.unsqueeze(0), b.unsqueeze(1)), {})
         return out.reshape(())
     return mm(aten.mm.default, (a, b.unsqueeze(1)), {}).squeeze(1)
+
+
+# --------------------------------------------------------------------------------------------
+# above autograd: F.linear on points/cells sharded along any leading dims
+# --------------------------------------------------------------------------------------------
+class _LocalLinear(torch.autograd.Function):
+    """``F.linear`` on each rank's rows with replicated weights. torch's own path folds leading dims
+    into one (a reshape that a dim sharded inside [B, N, C] cannot survive); this runs on the local
+    chunk instead. Backward: input gradient local; weight and bias gradients summed over the sharded
+    mesh dims in one collective, so plain parameters get the single-device gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        from .. import comm  # noqa: F401  (collectives happen in backward)
+
+        spec = x._spec
+        local = x._local
+        ctx.save_for_backward(local, weight)
+        ctx.spec, ctx.has_bias = spec, bias is not None
+        out = torch.nn.functional.linear(local, weight, bias)
+        out_spec = spec.with_(shape=tuple(spec.shape[:-1]) + (weight.shape[0],))
+        return ShardTensor(out, out_spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from .. import comm
+        from ..redistribute import grad_spec
+
+        local, weight = ctx.saved_tensors
+        spec = ctx.spec
+        out_spec = grad_spec(spec).with_(shape=tuple(spec.shape[:-1]) + (weight.shape[0],))
+        g = _local_in(grad, grad._spec, out_spec) if isinstance(grad, ShardTensor) else grad
+        gx = g @ weight
+        g2, x2 = g.reshape(-1, g.shape[-1]), local.reshape(-1, local.shape[-1])
+        gw = g2.t() @ x2
+        parts = [gw] + ([g2.sum(0)] if ctx.has_bias else [])
+        for m, p in enumerate(spec.placements):
+            if isinstance(p, Shard):
+                parts = comm.all_reduce_coalesced(parts, "sum", spec.mesh, m)
+        gb = parts[1] if ctx.has_bias else None
+        return ShardTensor(gx, grad_spec(spec)), parts[0], gb
+
+
+def _linear_function(func, args, kwargs):
+    from ..dispatch import run_function_default
+
+    x = args[0]
+    weight = args[1] if len(args) > 1 else kwargs.get("weight")
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    plain = all(t is None or type(t) is not ShardTensor for t in (weight, bias))
+    if (not isinstance(x, ShardTensor) or not plain or x.ndim < 2 or x._spec.has_partial
+            or x._spec.mesh_dim_of(x.ndim - 1) is not None):
+        return run_function_default(func, args, kwargs)
+    return _LocalLinear.apply(x, weight, bias)
+
+
+register_function(torch.nn.functional.linear)(_linear_function)

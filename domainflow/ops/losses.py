@@ -1,0 +1,117 @@
+"""Elementwise losses (mse, huber, smooth L1, BCE with logits) and dropout on sharded tensors.
+
+A loss with reduction "mean" or "sum" is a local sum over this rank's elements (divided by the global
+element count for "mean"): a Partial(sum) scalar, exact after reduction. The backward ops are
+elementwise given the (replicated) output gradient, so they run locally with the global count.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import _unsupported_or_fallback, common_mesh, replicate_local, replicated_spec, shard_tensors, to_spec
+from ..placements import Partial, Replicate, Shard
+from ..registry import register_aten
+from ..shard_tensor import ShardTensor
+from ..spec import ShardSpec
+
+aten = torch.ops.aten
+_R = Replicate()
+_NONE, _MEAN, _SUM = 0, 1, 2
+
+
+def _aligned(tensors, spec: ShardSpec):
+    """Local chunks of same-shaped operands laid out like ``spec`` (plain tensors sliced locally)."""
+    out = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+        elif isinstance(t, ShardTensor):
+            out.append(to_spec(t, spec))
+        else:
+            local = t
+            for m, p in enumerate(spec.placements):
+                if isinstance(p, Shard):
+                    k = spec.coord[m]
+                    local = local.narrow(p.dim, sum(spec.sizes[m][:k]), spec.sizes[m][k])
+            out.append(local)
+    return out
+
+
+def _ref_spec(func, tensors) -> ShardSpec:
+    sts = shard_tensors(tensors)
+    mesh = common_mesh(sts, func)
+    sharded = [s for s in sts if not s._spec.is_replicated and s.shape == tensors[0].shape]
+    spec = (sharded or sts)[0]._spec
+    if spec.shape != tensors[0].shape:
+        spec = replicated_spec(mesh, tensors[0].shape)
+    return spec.with_(placements=tuple(_R if isinstance(p, Partial) else p for p in spec.placements))
+
+
+# loss op -> number of leading tensor args (self, target[, weight, pos_weight]); reduction position
+_LOSSES = {
+    aten.mse_loss.default: (2, 2),
+    aten.huber_loss.default: (2, 2),
+    aten.smooth_l1_loss.default: (2, 2),
+    aten.binary_cross_entropy_with_logits.default: (4, 4),
+}
+
+
+@register_aten(*_LOSSES)
+def elementwise_loss(func, args, kwargs):
+    n_t, red_pos = _LOSSES[func]
+    args = list(args) + [None] * (n_t - len(args)) if len(args) < n_t else list(args)
+    reduction = args[red_pos] if len(args) > red_pos else kwargs.pop("reduction", _MEAN)
+    kwargs = dict(kwargs)
+    kwargs.pop("reduction", None)
+    tensors = args[:n_t]
+    if any(t is not None and t.shape != tensors[0].shape for t in tensors[1:2]):
+        return _unsupported_or_fallback(func, tuple(args), kwargs, "input and target shapes differ")
+    spec = _ref_spec(func, [t for t in tensors])
+    # weights of other shapes broadcast: slice them only where they are full along a sharded dim
+    locs = _aligned(tensors[:2], spec) + [
+        None if w is None else (_aligned([w], spec)[0] if w.shape == spec.shape else
+                                (replicate_local(w) if isinstance(w, ShardTensor) else w)) for w in tensors[2:]]
+    extra = args[red_pos + 1:]  # e.g. huber's delta
+    if reduction == _NONE:
+        return ShardTensor(func(*locs, _NONE, *extra, **kwargs), spec)
+    local = func(*locs, _SUM, *extra, **kwargs)
+    if reduction == _MEAN:
+        local = local / spec.shape.numel()
+    mesh = spec.mesh
+    pl = [Partial("sum") if isinstance(p, Shard) else p for p in spec.placements]
+    return ShardTensor(local, ShardSpec(mesh, pl, (), (None,) * mesh.ndim))
+
+
+# backward op -> reduction position
+_LOSS_BACKWARDS = {
+    aten.mse_loss_backward.default: 3,
+    aten.huber_loss_backward.default: 3,
+    aten.smooth_l1_loss_backward.default: 3,
+}
+
+
+@register_aten(*_LOSS_BACKWARDS)
+def elementwise_loss_backward(func, args, kwargs):
+    grad, x, target = args[0], args[1], args[2]
+    reduction = args[3]
+    spec = _ref_spec(func, [x, target])
+    lx, lt = _aligned([x, target], spec)
+    if reduction == _NONE:
+        (lg,) = _aligned([grad], spec)
+    else:
+        lg = replicate_local(grad) if isinstance(grad, ShardTensor) else grad
+    out = func(lg, lx, lt, _SUM if reduction != _NONE else _NONE, *args[4:], **kwargs)
+    if reduction == _MEAN:
+        out = out / spec.shape.numel()
+    return ShardTensor(out, spec)
+
+
+@register_aten(aten.native_dropout.default)
+def dropout(func, args, kwargs):
+    """Dropout on local chunks: each rank draws its own mask (statistically, not bitwise, equal to
+    single-device dropout, whose random stream depends on the whole tensor)."""
+    x = args[0]
+    spec = x._spec.with_(placements=tuple(_R if isinstance(p, Partial) else p for p in x._spec.placements))
+    out, mask = func(to_spec(x, spec), *args[1:], **kwargs)
+    return ShardTensor(out, spec), ShardTensor(mask, spec)
