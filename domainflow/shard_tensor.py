@@ -155,6 +155,8 @@ class ShardTensor(torch.Tensor):
                 _redistribute_targets[key] = dst
         if dst == spec:
             return self
+        if not (self.requires_grad and torch.is_grad_enabled()):
+            return _redistribute_to(self, dst)  # no autograd node needed
         return _Redistribute.apply(self, dst)
 
     def full_tensor(self) -> torch.Tensor:
