@@ -94,8 +94,18 @@ def all_reduce(t: torch.Tensor, reduce_op: str, mesh: DeviceMesh, mesh_dim: int)
     bool_in = out.dtype == torch.bool
     if bool_in:
         out = out.to(torch.uint8)
+    nan = None
+    if reduce_op in ("max", "min") and out.is_floating_point():
+        nan = out.isnan()  # Gloo's MAX/MIN may drop a NaN from another rank; torch propagates it
+        if bool(nan.any()):
+            out = out.masked_fill(nan, 0)
+        nan = nan.to(torch.uint8)
+        with _named("all_reduce(max, NaN flags)", mesh, mesh_dim):
+            dist.all_reduce(nan, op=dist.ReduceOp.MAX, group=_group(mesh, mesh_dim))
     with _named(f"all_reduce({reduce_op})", mesh, mesh_dim):
         dist.all_reduce(out, op=_REDUCE_OPS[reduce_op], group=_group(mesh, mesh_dim))
+    if nan is not None and bool(nan.any()):
+        out = out.masked_fill(nan.bool(), float("nan"))
     if reduce_op == "avg":
         out = out / n if out.is_floating_point() or out.is_complex() else out // n
     return out.bool() if bool_in else out

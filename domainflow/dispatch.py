@@ -122,6 +122,17 @@ def run_function_default(func, args, kwargs):
 
 
 _functions = REGISTRY.functions
+_ALIASES = {"input": "self", "axis": "dim", "keepdims": "keepdim"}
+
+
+def bind(args, kwargs, names, **defaults) -> dict:
+    """A torch function's positional and keyword arguments as one dict by parameter name (``input=``
+    and numpy's ``axis=`` / ``keepdims=`` accepted), for function handlers."""
+    out = dict(defaults)
+    out.update(zip(names, args))
+    for k, v in kwargs.items():
+        out[_ALIASES.get(k, k)] = v
+    return out
 
 
 def _reduce_grad_to_plain(grad):
@@ -219,8 +230,6 @@ def _unwrap_all(args, kwargs):
 def gather_fallback(func, args, kwargs, reason: str):
     """fallback('gather'): full tensors in, op on every rank, outputs re-sharded like the first input
     when the shape allows, else replicated."""
-    if _INPLACE in func.tags:
-        raise UnsupportedShardedOp(func, f"{reason}; in-place ops cannot use the gather fallback")
     sts = shard_tensors(args, kwargs)
     _warn_fallback(func, reason)
     mesh = common_mesh(sts, func)
@@ -233,7 +242,14 @@ def gather_fallback(func, args, kwargs, reason: str):
             return type(a)(replicate_local(x) if isinstance(x, ShardTensor) else x for x in a)
         return a
 
-    out = func(*[full(a) for a in args], **{k: full(v) for k, v in kwargs.items()})
+    full_args = [full(a) for a in args]
+    out = func(*full_args, **{k: full(v) for k, v in kwargs.items()})
+    if _INPLACE in func.tags and isinstance(args[0], ShardTensor):
+        # the op wrote into a gathered copy of self: keep self's layout, with the new values
+        self_ = args[0]
+        spec = self_._spec.with_(placements=tuple(_R if isinstance(p, Partial) else p for p in self_._spec.placements))
+        relayout(self_, redistribute_local(full_args[0], replicated_spec(mesh, self_.shape), spec), spec)
+        return self_
 
     def respec(t):
         rep = replicated_spec(mesh, t.shape)
@@ -319,6 +335,8 @@ def pointwise(func, args, kwargs):
                     a = a.narrow(d, start, length)
                 local_args[i] = a
         out = func(*local_args, **kwargs)
+        if plan.inplace and local_args[0] is not args[0]._local:
+            relayout(args[0], local_args[0], plan.out_spec)  # self had to change layout
     if plan.inplace:
         return args[0]
     if type(out) is torch.Tensor:
@@ -352,6 +370,7 @@ def _plan_pointwise(func, args):
     targets: dict[int, list] = {i: list(a._spec.placements) for i, a in sts}
     target_sizes: dict[int, list] = {i: list(a._spec.sizes) for i, a in sts}
     moved = []
+    claimed: set[int] = set()  # output dims already sharded by an earlier mesh dim
     for m in range(mesh.ndim):
         pl = {i: a._spec.placements[m] for i, a in sts}
         partial_ops = {i: p for i, p in pl.items() if isinstance(p, Partial)}
@@ -364,19 +383,15 @@ def _plan_pointwise(func, args):
             for i in partial_ops:
                 targets[i][m] = _R
                 pl[i] = _R
-        # choose the reference shard: in-place ops follow their first operand
+        # choose the reference shard: the first sharded operand (for in-place ops: self first)
         ref = None
-        order = [sts[0]] if inplace else sts
-        for i, a in order:
+        for i, a in sts:
             p = pl[i]
             if isinstance(p, Shard):
                 e = p.dim + ndim - a.ndim
-                if a.shape[p.dim] == out_shape[e]:
+                if a.shape[p.dim] == out_shape[e] and e not in claimed:
                     ref = (e, a._spec.sizes[m])
                     break
-        if inplace and ref is None and any(isinstance(pl[i], Shard) for i, _ in sts):
-            return (f"in-place op on an operand replicated over mesh dim {m} whose other operand is sharded there; "
-                    f"its layout cannot change in place (write x = x op y instead)")
         if ref is None:
             for i, _ in sts:
                 if isinstance(pl[i], Shard):
@@ -387,6 +402,7 @@ def _plan_pointwise(func, args):
             sizes.append(None)
             continue
         e, ref_sizes = ref
+        claimed.add(e)
         for i, a in sts:
             off = ndim - a.ndim
             d = e - off
@@ -409,8 +425,6 @@ def _plan_pointwise(func, args):
     for i, a in tensors:
         if isinstance(a, ShardTensor):
             dst = ShardSpec(mesh, targets[i], a.shape, target_sizes[i])
-            if inplace and i == 0 and dst != a._spec:
-                return "the first operand of an in-place op would have to change layout"
             actions.append((i, None if dst == a._spec else _valid(dst)))
         else:
             narrows = []
@@ -426,6 +440,14 @@ def _plan_pointwise(func, args):
     if moved:
         _warn_moved(func, [tensors_i for tensors_i in moved], sts)
     return _Plan(out_spec, actions, inplace)
+
+
+def relayout(x: ShardTensor, local: torch.Tensor, spec: ShardSpec) -> None:
+    """Give ``x`` a new layout in place (same global tensor): an in-place op whose operands need it
+    laid out differently (``loss += reg`` on a Partial loss, ``x.add_(y)`` with x replicated and y
+    sharded). Views taken of ``x`` earlier keep the old chunk."""
+    x._local = local
+    x._spec = spec
 
 
 def _valid(spec: ShardSpec) -> ShardSpec:
@@ -459,6 +481,22 @@ def _partial_survives(func, args, pl, partial_ops, has_scalar, inplace):
             return None
         return p0
     return None
+
+
+_relayout_warned: set = set()
+
+
+def warn_relayout(func, detail: str) -> None:
+    """A handler moved data to a layout the op can use (communication the user did not ask for);
+    warned once per op and situation."""
+    key = (func, detail)
+    if key in _relayout_warned:
+        return
+    _relayout_warned.add(key)
+    import warnings
+
+    warnings.warn(f"domainflow: {func}: {detail} (this communicates; it is common in backward passes, where "
+                  f"gradients can arrive laid out like another operand).", stacklevel=4)
 
 
 def _warn_moved(func, idx, sts):

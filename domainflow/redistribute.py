@@ -24,6 +24,18 @@ def grad_spec(spec: ShardSpec) -> ShardSpec:
     return spec.with_(placements=tuple(_R if isinstance(p, Partial) else p for p in spec.placements))
 
 
+def partial_from_replicate(local: torch.Tensor, p: Partial, coord: int) -> torch.Tensor:
+    """This rank's term when a replicated value becomes Partial(op): coordinate 0 keeps the value, the
+    others hold the op's identity (0 for sum, 1 for product; max/min/avg keep the value)."""
+    if coord == 0:
+        return local
+    if p.reduce_op == "sum":
+        return torch.zeros_like(local)
+    if p.reduce_op == "product":
+        return torch.ones_like(local)
+    return local
+
+
 def _set(spec: ShardSpec, m: int, placement, sizes=None) -> ShardSpec:
     pl = list(spec.placements)
     sz = list(spec.sizes)
@@ -89,8 +101,7 @@ def redistribute_local(local: torch.Tensor, src: ShardSpec, dst: ShardSpec) -> t
             local = local.narrow(b.dim, sum(dst.sizes[m][:k]), dst.sizes[m][k])
             cur = _set(cur, m, b, dst.sizes[m])
         elif isinstance(b, Partial):
-            if b.reduce_op == "sum" and coord[m] != 0:
-                local = torch.zeros_like(local)
+            local = partial_from_replicate(local, b, coord[m])
             cur = _set(cur, m, b)
     if cur != dst:  # pragma: no cover - a planning bug, never a user error
         raise AssertionError(f"redistribute planned {cur} instead of {dst}")

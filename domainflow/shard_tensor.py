@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import comm, shapes
 from .errors import ShardingMismatchError, ShardingShapeError
 from .placements import Partial, Placement, Replicate, Shard, normalize_placements
-from .redistribute import grad_spec, redistribute_local
+from .redistribute import grad_spec, partial_from_replicate, redistribute_local
 from .spec import ShardSpec, mesh_coordinate, mesh_shape, sizes_from_mapping
 
 _MAX_DIMS = 12
@@ -414,9 +414,9 @@ def distribute_tensor(tensor: torch.Tensor, mesh: DeviceMesh, placements, shardi
         if isinstance(p, Shard):
             k = coord[m]
             piece = piece.narrow(p.dim, sum(dst.sizes[m][:k]), dst.sizes[m][k])
-    zero = any(isinstance(p, Partial) and p.reduce_op == "sum" and coord[m] != 0 for m, p in enumerate(dst.placements))
-    if zero:
-        piece = piece * 0
+    for m, p in enumerate(dst.placements):
+        if isinstance(p, Partial) and coord[m] != 0 and p.reduce_op in ("sum", "product"):
+            piece = piece * 0 if p.reduce_op == "sum" else piece * 0 + 1  # keeps the autograd link
     return _FromLocal.apply(piece, dst)
 
 
@@ -469,8 +469,9 @@ def scatter_tensor(tensor: torch.Tensor | None, src: int, mesh: DeviceMesh, plac
         spec = ShardSpec.build(mesh, placements_n, gshape, sizes)
         dev = comm._device(mesh)
         local = comm.scatter_pieces(None, spec.local_shape, dtype, dev, src, mesh)
-    if any(isinstance(p, Partial) and p.reduce_op == "sum" and spec.coord[m] != 0 for m, p in enumerate(spec.placements)):
-        local = torch.zeros_like(local)
+    for m, p in enumerate(spec.placements):
+        if isinstance(p, Partial):
+            local = partial_from_replicate(local, p, spec.coord[m])
     return _FromLocal.apply(local, spec)
 
 

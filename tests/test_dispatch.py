@@ -4,6 +4,7 @@ process (float64, 1e-10) with check_sharded: outputs, input gradients, parameter
 from __future__ import annotations
 
 import random
+import sys
 import warnings
 
 import pytest
@@ -236,18 +237,33 @@ def test_views_and_indexing(dist, world, mesh_shape):
     assert all(dist.run(world, _views, mesh_shape, 40 + world))
 
 
-def _bad_view():
-    mesh = get_mesh((2,))
-    x = df.distribute_tensor(torch.zeros(4, 6), mesh, [Shard(1)], sharding_shapes={0: (1, 5)})
+def test_view_that_splits_rows_reshards_or_is_refused(dist):
+    """A reshape whose shards would straddle groups moves them to the nearest compatible layout (with a
+    warning); when no layout works it is refused with a message naming the op and the sharded dim."""
+    results = dist.run(4, _relayout_view_4)
+    for warned, msg in results:
+        assert warned
+        assert msg is not None and "aten.view" in msg and "sharded dim 1" in msg and "fallback" in msg
+
+
+def _relayout_view_4():
+    rank, world = rank_and_world()
+    mesh = get_mesh((4,))
+    full = torch.arange(24.0, dtype=D).reshape(4, 6)
+    x = df.distribute_tensor(full, mesh, [Shard(1)], sharding_shapes={0: (1, 2, 0, 3)})
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        y = x.reshape(24)  # dim 1 is the inner dim of the merge: its rows would interleave
+    assert torch.equal(y.full_tensor(), full.reshape(24))
+    assert y.placements == (Shard(0),)
+    warned = any("re-sharded" in str(m.message) for m in w)
+    mesh2 = get_mesh((2, 2), ("a", "b"))
+    z = df.distribute_tensor(full, mesh2, [Shard(0), Shard(1)], sharding_shapes={0: (1, 3), 1: (2, 4)})
     try:
-        x.reshape(24)
+        z.reshape(24)  # both dims sharded: no layout keeps whole rows
     except df.UnsupportedShardedOp as e:
-        return str(e)
-
-
-def test_view_that_splits_rows_is_refused_clearly(dist):
-    msg = dist.run(2, _bad_view)[0]
-    assert "aten.view" in msg and "sharded dim 1" in msg and "fallback" in msg
+        return warned, str(e)
+    return warned, None
 
 
 # -------------------------------------------------------------------------------------------------
@@ -346,15 +362,20 @@ def test_matmul(dist, world, mesh_shape):
 # -------------------------------------------------------------------------------------------------
 def _unsupported():
     mesh = get_mesh((rank_and_world()[1],))
-    full = torch.arange(10.0, dtype=D).reshape(5, 2)
-    x = df.distribute_tensor(full, mesh, [Shard(0)], sharding_shapes={0: (3,) + (1,) * (mesh.shape[0] - 2) + (2 - (mesh.shape[0] - 2),)} if mesh.shape[0] > 1 else None)
+    full = torch.arange(10.0, dtype=D)
+    x = df.distribute_tensor(full, mesh, [Shard(0)], sharding_shapes={0: (7, 3)})
     try:
         torch.cumsum(x, 0)
         raise AssertionError("cumsum over a sharded dim must not run silently")
     except df.UnsupportedShardedOp as e:
         msg = str(e)
-    ok_local = torch.cumsum(x, 1).full_tensor()  # an unsharded dim runs locally
-    assert torch.equal(ok_local, torch.cumsum(full, 1))
+    x2 = df.distribute_tensor(full.reshape(5, 2), mesh, [Shard(0)])
+    assert torch.equal(torch.cumsum(x2, 1).full_tensor(), torch.cumsum(full.reshape(5, 2), 1))  # unsharded dim: local
+    with warnings.catch_warnings(record=True) as w2:  # a 2-D tensor can move its shard off the cumsum dim
+        warnings.simplefilter("always")
+        assert torch.equal(torch.cumsum(x2, 0).full_tensor(), torch.cumsum(full.reshape(5, 2), 0))
+    assert any("moved the shard off" in str(m.message) for m in w2) or mesh.shape[0] == 1
+    sys.modules["domainflow.fallback"]._warned.clear()  # warnings are once per op per process
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         with df.fallback("gather"):
@@ -372,7 +393,7 @@ def test_unsupported_op_error_and_fallback(dist):
     sharded dims and how to register a handler; fallback('gather') computes it, warning once per op."""
     for msg, n_warn in dist.run(2, _unsupported):
         assert "aten.cumsum" in msg
-        assert "dim 0 over mesh dim 0" in msg
+        assert "dim 0 over mesh dim 0" in msg and "shape (10,)" in msg
         assert "register_aten(torch.ops.aten.cumsum" in msg
         assert n_warn == 1
 

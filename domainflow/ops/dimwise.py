@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import _unsupported_or_fallback, common_mesh, shard_tensors, to_spec
+from .. import shapes
+from ..fallback import fallback as _fallback_mode
+from ..dispatch import _unsupported_or_fallback, common_mesh, relayout, shard_tensors, to_spec, warn_relayout
+from ..spec import mesh_shape
 from ..placements import Partial, Replicate, Shard
 from ..registry import register_aten
 from ..shard_tensor import ShardTensor
@@ -76,18 +79,42 @@ def _global_spec(spec: ShardSpec, local_shape) -> ShardSpec:
     return spec.with_(shape=shape)
 
 
+def layout_avoiding(spec: ShardSpec, dims, shape) -> ShardSpec | None:
+    """``spec`` with every shard on one of ``dims`` moved to another dim (the largest free one, chunk
+    sizes), or None when no dim is free."""
+    pl, sz = list(spec.placements), list(spec.sizes)
+    taken = {p.dim for p in pl if isinstance(p, Shard)}
+    for m, p in enumerate(pl):
+        if isinstance(p, Shard) and p.dim in dims:
+            free = [d for d in range(len(shape)) if d not in dims and d not in taken]
+            if not free:
+                return None  # only replicating would do: that is the opt-in gather fallback
+            d = max(free, key=lambda k: shape[k])
+            taken.add(d)
+            pl[m], sz[m] = Shard(d), shapes.chunk_sizes(shape[d], mesh_shape(spec.mesh)[m])
+    return ShardSpec.build(spec.mesh, pl, shape, sz)
+
+
 @register_aten(*_DIM_OPS)
 def dim_local(func, args, kwargs):
     n_t = _DIM_OPS[func][2]
     tensors = list(args[:n_t])
     sts = shard_tensors(tensors)
     mesh = common_mesh(sts, func)
-    ref = _no_partial(sts[0]._spec)
     ndim = sts[0].ndim
     dims = _dims_of(func, args, kwargs, ndim)
-    hit = [d for d in dims if ref.mesh_dim_of(d) is not None]
-    if hit:
-        return _unsupported_or_fallback(func, args, kwargs, f"it works along dim(s) {hit}, which are sharded")
+    # lay every operand out like one that does not shard the dims the op works along; in backward
+    # passes a gradient can arrive sharded on such a dim (laid out like some other operand)
+    usable = [s for s in sts if not any(s._spec.mesh_dim_of(d) is not None for d in dims)]
+    if usable:
+        ref = _no_partial(usable[0]._spec)
+    else:
+        ref = layout_avoiding(_no_partial(sts[0]._spec), set(dims), tuple(sts[0].shape))
+        if _fallback_mode.current() == "gather" or ref is None:
+            return _unsupported_or_fallback(func, args, kwargs, f"it works along dim(s) {dims}, which are sharded")
+        warn_relayout(func, f"moved the shard off dim(s) {dims}, which the op works along")
+    if len(usable) != len(sts) and usable:
+        warn_relayout(func, "laid an operand sharded along the op's dim out like the others")
     if func is aten.logsumexp.default:
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
         local = torch.logsumexp(to_spec(sts[0], ref), dims, keepdim)
@@ -127,6 +154,11 @@ def layer_norm_backward(func, args, kwargs):
     grad, x, normalized_shape, mean, rstd, weight, bias, mask = args
     sts = shard_tensors([grad, x, mean, rstd])
     spec = _no_partial(x._spec) if isinstance(x, ShardTensor) else _no_partial(sts[0]._spec)
+    axis = len(spec.shape) - len(normalized_shape)
+    if any(spec.mesh_dim_of(d) is not None for d in range(axis, len(spec.shape))):
+        spec = layout_avoiding(spec, set(range(axis, len(spec.shape))), tuple(spec.shape))
+        if spec is None:
+            return _unsupported_or_fallback(func, args, kwargs, "it normalises over a sharded dim")
     lg, lx = _align([grad, x], spec.mesh, spec)
     stat_spec = spec.with_(shape=list(mean.shape))
     lm, lr = _align([mean, rstd], spec.mesh, stat_spec)
@@ -148,6 +180,16 @@ _INDEX_OPS = {
     aten.scatter_add.default: (0, 2, 3),
     aten.scatter_reduce.two: (0, 2, 3),
     aten.index_select.default: (0,),
+    aten.index_add.default: (0, 3),
+    aten.index_add_.default: (0, 3),
+    aten.index_copy.default: (0, 3),
+    aten.index_copy_.default: (0, 3),
+    aten.index_fill.int_Scalar: (0,),
+    aten.index_fill_.int_Scalar: (0,),
+    aten.scatter_.src: (0, 2, 3),
+    aten.scatter_.value: (0, 2),
+    aten.scatter_add_.default: (0, 2, 3),
+    aten.scatter_reduce_.two: (0, 2, 3),
 }
 
 
@@ -180,4 +222,14 @@ def index_along_unsharded_dim(func, args, kwargs):
         if i not in pos and isinstance(a, ShardTensor):
             local_args[i] = a._local
     out = func(*local_args, **kwargs)
-    return ShardTensor(out, _global_spec(ref, out.shape))
+    out_spec = _global_spec(ref, out.shape)
+    if torch.Tag.inplace in func.tags:
+        self_ = args[0]
+        if isinstance(self_, ShardTensor):
+            if local_args[0] is not self_._local or self_._spec != out_spec:
+                # e.g. the zeros that an index op's backward scatters into: replicated before, now
+                # laid out like the sharded operands (a view of the old chunk, so no copy)
+                relayout(self_, local_args[0], out_spec)
+            return self_
+        return _unsupported_or_fallback(func, args, kwargs, "an in-place index op on a plain tensor")
+    return ShardTensor(out, out_spec)

@@ -31,49 +31,67 @@ def _local_in(t, spec: ShardSpec, dst: ShardSpec) -> torch.Tensor:
 def plan_contraction(a_spec: ShardSpec, b_spec: ShardSpec, nb: int):
     """Layouts for ``a[*B, M, K] @ b[*B, K, N]`` (nb batch dims). Returns (a_dst, b_dst, out spec)."""
     mesh = a_spec.mesh
-    M, K, N = nb, nb + 1, nb  # dim indices: a's M at nb, a's K at nb+1; b's K at nb, b's N at nb+1
+    # dim indices: a's M at nb, a's K at nb+1; b's K at nb, b's N at nb+1
+    M = nb
     out_shape = list(a_spec.shape[:nb]) + [a_spec.shape[M], b_spec.shape[nb + 1]]
     a_pl, a_sz = list(a_spec.placements), list(a_spec.sizes)
     b_pl, b_sz = list(b_spec.placements), list(b_spec.sizes)
     o_pl, o_sz = [], []
     for m in range(mesh.ndim):
-        pa, pb = a_pl[m], b_pl[m]
-        # pending partials: keep when the other side is replicated, else reduce
-        if isinstance(pa, Partial) or isinstance(pb, Partial):
-            if isinstance(pa, Partial) and pa.reduce_op == "sum" and pb == _R:
-                o_pl.append(pa), o_sz.append(None)
-                continue
-            if isinstance(pb, Partial) and pb.reduce_op == "sum" and pa == _R:
-                o_pl.append(pb), o_sz.append(None)
-                continue
-            if isinstance(pa, Partial):
-                a_pl[m], a_sz[m], pa = _R, None, _R
-            if isinstance(pb, Partial):
-                b_pl[m], b_sz[m], pb = _R, None, _R
-        da = pa.dim if isinstance(pa, Shard) else None
-        db = pb.dim if isinstance(pb, Shard) else None
-        if da is not None and da < nb:  # batch dim: b follows a
-            b_pl[m], b_sz[m] = Shard(da), a_sz[m]
-            o_pl.append(Shard(da)), o_sz.append(a_sz[m])
-        elif db is not None and db < nb:
-            a_pl[m], a_sz[m] = Shard(db), b_sz[m]
-            o_pl.append(Shard(db)), o_sz.append(b_sz[m])
-        elif da == K or db == nb:  # contracted dim sharded on either side: both sharded alike -> Partial
-            sizes = a_sz[m] if da == K else b_sz[m]
-            a_pl[m], a_sz[m] = Shard(K), sizes
-            b_pl[m], b_sz[m] = Shard(nb), sizes
-            o_pl.append(Partial("sum")), o_sz.append(None)
-        elif da == M:
-            b_pl[m], b_sz[m] = _R, None
-            o_pl.append(Shard(nb)), o_sz.append(a_sz[m])
-        elif db == nb + 1:
-            a_pl[m], a_sz[m] = _R, None
-            o_pl.append(Shard(nb + 1)), o_sz.append(b_sz[m])
-        else:
-            o_pl.append(_R), o_sz.append(None)
+        _contract_mesh_dim(m, a_pl, a_sz, b_pl, b_sz, o_pl, o_sz, nb)
+        # a tensor dim may be sharded by one mesh dim only: on a clash replicate this mesh dim
+        if _clash(a_pl, m) or _clash(b_pl, m) or _clash(o_pl, m):
+            a_pl[m] = b_pl[m] = o_pl[m] = _R
+            a_sz[m] = b_sz[m] = o_sz[m] = None
     a_dst = ShardSpec.build(mesh, a_pl, a_spec.shape, a_sz)
     b_dst = ShardSpec.build(mesh, b_pl, b_spec.shape, b_sz)
     return a_dst, b_dst, ShardSpec(mesh, o_pl, out_shape, o_sz)
+
+
+def _clash(placements, m) -> bool:
+    """True when mesh dim ``m`` shards a tensor dim that another mesh dim already shards."""
+    p = placements[m]
+    return isinstance(p, Shard) and any(isinstance(q, Shard) and q.dim == p.dim
+                                        for k, q in enumerate(placements) if k != m)
+
+
+def _contract_mesh_dim(m, a_pl, a_sz, b_pl, b_sz, o_pl, o_sz, nb):
+    """The contraction rule for one mesh dim (updates the operand targets, appends the output's)."""
+    M, K = nb, nb + 1
+    pa, pb = a_pl[m], b_pl[m]
+    # pending partials: keep when the other side is replicated, else reduce
+    if isinstance(pa, Partial) or isinstance(pb, Partial):
+        if isinstance(pa, Partial) and pa.reduce_op == "sum" and pb == _R:
+            o_pl.append(pa), o_sz.append(None)
+            return
+        if isinstance(pb, Partial) and pb.reduce_op == "sum" and pa == _R:
+            o_pl.append(pb), o_sz.append(None)
+            return
+        if isinstance(pa, Partial):
+            a_pl[m], a_sz[m], pa = _R, None, _R
+        if isinstance(pb, Partial):
+            b_pl[m], b_sz[m], pb = _R, None, _R
+    da = pa.dim if isinstance(pa, Shard) else None
+    db = pb.dim if isinstance(pb, Shard) else None
+    if da is not None and da < nb:  # batch dim: b follows a
+        b_pl[m], b_sz[m] = Shard(da), a_sz[m]
+        o_pl.append(Shard(da)), o_sz.append(a_sz[m])
+    elif db is not None and db < nb:
+        a_pl[m], a_sz[m] = Shard(db), b_sz[m]
+        o_pl.append(Shard(db)), o_sz.append(b_sz[m])
+    elif da == K or db == nb:  # contracted dim sharded on either side: both sharded alike -> Partial
+        sizes = a_sz[m] if da == K else b_sz[m]
+        a_pl[m], a_sz[m] = Shard(K), sizes
+        b_pl[m], b_sz[m] = Shard(nb), sizes
+        o_pl.append(Partial("sum")), o_sz.append(None)
+    elif da == M:
+        b_pl[m], b_sz[m] = _R, None
+        o_pl.append(Shard(nb)), o_sz.append(a_sz[m])
+    elif db == nb + 1:
+        a_pl[m], a_sz[m] = _R, None
+        o_pl.append(Shard(nb + 1)), o_sz.append(b_sz[m])
+    else:
+        o_pl.append(_R), o_sz.append(None)
 
 
 def _partial_rank_zero(spec: ShardSpec) -> bool:
@@ -183,11 +201,10 @@ class _LocalLinear(torch.autograd.Function):
 
 
 def _linear_function(func, args, kwargs):
-    from ..dispatch import run_function_default
+    from ..dispatch import bind, run_function_default
 
-    x = args[0]
-    weight = args[1] if len(args) > 1 else kwargs.get("weight")
-    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    a = bind(args, kwargs, ("self", "weight", "bias"), bias=None)
+    x, weight, bias = a["self"], a["weight"], a["bias"]
     plain = all(t is None or type(t) is not ShardTensor for t in (weight, bias))
     if (not isinstance(x, ShardTensor) or not plain or x.ndim < 2 or x._spec.has_partial
             or x._spec.mesh_dim_of(x.ndim - 1) is not None):

@@ -12,7 +12,7 @@ import math
 import torch
 
 from .. import comm, shapes
-from ..dispatch import run_function_default, to_spec
+from ..dispatch import bind, run_function_default, to_spec
 from ..placements import Partial, Replicate, Shard
 from ..registry import register_aten, register_function
 from ..shard_tensor import ShardTensor
@@ -72,9 +72,13 @@ def _sharded_reduced(spec: ShardSpec, red) -> bool:
 def sum_mean(func, args, kwargs):
     x = args[0]
     is_mean = func in (aten.mean.default, aten.mean.dim)
-    if func in (aten.sum.default, aten.mean.default, aten.nansum.default):
+    if func in (aten.sum.default, aten.mean.default):
         dims, keepdim = None, False
         dtype = kwargs.get("dtype", args[1] if len(args) > 1 else None)
+    elif func is aten.nansum.default:
+        dims = _dims_arg(x, args[1] if len(args) > 1 else kwargs.get("dim"))
+        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+        dtype = kwargs.get("dtype")
     else:
         dims = _dims_arg(x, args[1] if len(args) > 1 else kwargs.get("dim"))
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
@@ -219,7 +223,9 @@ def indexed_reduction(func, args, kwargs):
     keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
     if dim is None:  # argmax over the flattened tensor
         flat_idx, _ = _flat_candidates(x, kind)
-        return ShardTensor(flat_idx, ShardSpec(spec.mesh, (_R,) * spec.mesh.ndim, (), (None,) * spec.mesh.ndim))
+        shape = (1,) * x.ndim if keepdim else ()
+        return ShardTensor(flat_idx.reshape(shape), ShardSpec(spec.mesh, (_R,) * spec.mesh.ndim, shape,
+                                                              (None,) * spec.mesh.ndim))
     dim %= max(x.ndim, 1)
     red, where = shapes.reduced_dim_map(x.ndim, [dim], keepdim)
     out_shape = _out_shape(spec.shape, red, keepdim)
@@ -253,6 +259,16 @@ def indexed_reduction(func, args, kwargs):
     return (ShardTensor(bv, out_spec), ShardTensor(idx, out_spec)) if want_values else ShardTensor(idx, out_spec)
 
 
+def _better(val, gi, best_val, best_gi, kind) -> bool:
+    """torch's order for argmax/argmin: NaN beats everything, then the extreme value, ties (and NaNs)
+    go to the smallest flat index."""
+    if math.isnan(val) or math.isnan(best_val):
+        return math.isnan(val) and (not math.isnan(best_val) or gi < best_gi)
+    if val == best_val:
+        return gi < best_gi
+    return val > best_val if kind == "max" else val < best_val
+
+
 def _flat_candidates(x: ShardTensor, kind):
     spec = x._spec
     local = x._local
@@ -274,10 +290,7 @@ def _flat_candidates(x: ShardTensor, kind):
             rows = comm.all_gather_uneven(cand.view(1, 3), 0, [1] * spec.mesh.shape[m], spec.mesh, m)
             best = None
             for empty, val, gi in rows.tolist():
-                if empty:
-                    continue
-                if best is None or (val > best[1] if kind == "max" else val < best[1]) or \
-                        (val == best[1] and gi < best[2]) or (math.isnan(val) and not math.isnan(best[1])):
+                if not empty and (best is None or _better(val, gi, best[1], best[2], kind)):
                     best = (0.0, val, gi)
             cand = torch.tensor(best if best else [1.0, 0.0, 0.0], dtype=torch.float64, device=dev)
     return torch.tensor(int(cand[2].item()), dtype=torch.int64, device=dev), cand[1]
@@ -324,7 +337,8 @@ class _SumMean(torch.autograd.Function):
         ctx.spec, ctx.keepdim = x._spec, keepdim
         red, _ = shapes.reduced_dim_map(x.ndim, dims, keepdim)
         ctx.red = sorted(red)
-        ctx.scale = 1.0 / math.prod(x.shape[d] for d in red) if mean and red else 1.0
+        count = math.prod(x.shape[d] for d in red) if mean and red else 1
+        ctx.scale = 1.0 / count if count else math.nan  # torch: mean over nothing is NaN
         ctx.in_dtype = x.dtype
         op = aten.mean.dim if mean else aten.sum.dim_IntList
         with torch.no_grad():
@@ -355,14 +369,13 @@ class _SumMean(torch.autograd.Function):
 def _sum_mean_function(func, args, kwargs):
     """torch.sum/mean and Tensor.sum/mean on a ShardTensor: an autograd node whose backward expands the
     gradient locally (sharded like the input) when a sharded dim is reduced."""
-    x = args[0]
-    if not (torch.is_grad_enabled() and isinstance(x, ShardTensor) and x.requires_grad):
+    if len(args) > 1 and isinstance(args[1], torch.dtype):  # sum(input, dtype)
+        a = bind(args[:1], kwargs, ("self",), dim=None, keepdim=False, dtype=args[1])
+    else:
+        a = bind(args, kwargs, ("self", "dim", "keepdim"), dim=None, keepdim=False, dtype=None)
+    x, dim, keepdim, dtype = a["self"], a["dim"], a["keepdim"], a["dtype"]
+    if not (torch.is_grad_enabled() and isinstance(x, ShardTensor) and x.requires_grad) or "out" in a:
         return run_function_default(func, args, kwargs)
-    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-    keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
-    dtype = kwargs.get("dtype", args[3] if len(args) > 3 else None)
-    if len(args) > 1 and isinstance(args[1], torch.dtype):
-        dim, dtype = None, args[1]
     dims = _dims_arg(x, dim)
     red, _ = shapes.reduced_dim_map(x.ndim, dims, keepdim)
     is_mean = func in (torch.mean, torch.Tensor.mean)
@@ -391,8 +404,11 @@ class _Prod(torch.autograd.Function):
         local = x._local if dtype is None else x._local.to(dtype)
         rd = sorted(red)
         zeros = (local == 0).sum(rd, keepdim=True)
-        nonzero_prod = torch.where(local == 0, torch.ones_like(local), local).prod(rd[0], keepdim=True) if len(rd) == 1 \
-            else torch.where(local == 0, torch.ones_like(local), local).reshape(_keep_shape(local.shape, rd)).prod(-1, keepdim=False).reshape(_ones_at(local.shape, rd))
+        nonzero = torch.where(local == 0, torch.ones_like(local), local)
+        if len(rd) == 1:
+            nonzero_prod = nonzero.prod(rd[0], keepdim=True)
+        else:  # all dims (prod takes one dim or none)
+            nonzero_prod = nonzero.prod().reshape([1] * local.ndim)
         for m, p in enumerate(spec.placements):
             if isinstance(p, Shard) and p.dim in red:
                 zeros = comm.all_reduce(zeros, "sum", spec.mesh, m)
@@ -422,24 +438,16 @@ class _Prod(torch.autograd.Function):
         return ShardTensor(g * others, grad_spec(spec)), None, None, None
 
 
-def _keep_shape(shape, rd):
-    perm_outer = [n for d, n in enumerate(shape) if d not in rd]
-    return perm_outer + [math.prod(shape[d] for d in rd)]
-
-
-def _ones_at(shape, rd):
-    return [1 if d in rd else n for d, n in enumerate(shape)]
-
-
 def _prod_function(func, args, kwargs):
-    x = args[0]
-    dim = kwargs.get("dim", args[1] if len(args) > 1 and not isinstance(args[1], torch.dtype) else None)
-    keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
-    dtype = kwargs.get("dtype", args[1] if len(args) > 1 and isinstance(args[1], torch.dtype) else
-                       (args[3] if len(args) > 3 else None))
-    red, _ = shapes.reduced_dim_map(x.ndim, None if dim is None else [dim], keepdim) if isinstance(x, ShardTensor) else (None, None)
-    if (not isinstance(x, ShardTensor) or not (torch.is_grad_enabled() and x.requires_grad)
-            or not _sharded_reduced(x._spec, red) or x._spec.has_partial):
+    if len(args) > 1 and isinstance(args[1], torch.dtype):  # prod(input, dtype)
+        a = bind(args[:1], kwargs, ("self",), dim=None, keepdim=False, dtype=args[1])
+    else:
+        a = bind(args, kwargs, ("self", "dim", "keepdim"), dim=None, keepdim=False, dtype=None)
+    x, dim, keepdim, dtype = a["self"], a["dim"], a["keepdim"], a["dtype"]
+    if not (torch.is_grad_enabled() and isinstance(x, ShardTensor) and x.requires_grad) or "out" in a:
+        return run_function_default(func, args, kwargs)
+    red, _ = shapes.reduced_dim_map(x.ndim, None if dim is None else [dim], keepdim)
+    if not _sharded_reduced(x._spec, red) or x._spec.has_partial:
         return run_function_default(func, args, kwargs)
     return _Prod.apply(x, dim, keepdim, dtype)
 

@@ -26,8 +26,13 @@ def _no_partial(spec: ShardSpec) -> ShardSpec:
                aten.view_as_real.default, aten.view_as_complex.default, aten.conj_physical.default,
                aten._conj.default, aten.resolve_conj.default, aten.resolve_neg.default)
 def same_layout(func, args, kwargs):
-    """Unary ops that keep shape and layout (Partial values stay pending)."""
+    """Unary ops that keep shape and layout (Partial sums stay pending, except through a cast to an
+    integer or bool dtype, which does not commute with the sum)."""
     x = args[0]
+    dtype = kwargs.get("dtype")
+    if x._spec.has_partial and dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+        spec = _no_partial(x._spec)
+        return ShardTensor(func(to_spec(x, spec), *args[1:], **kwargs), spec)
     return ShardTensor(func(x._local, *args[1:], **kwargs), x._spec)
 
 
@@ -50,15 +55,18 @@ def new_factory(func, args, kwargs):
     return ShardTensor(out, replicated_spec(x._spec.mesh, out.shape))
 
 
-@register_aten(aten.fill_.Scalar, aten.zero_.default, aten.normal_.default, aten.uniform_.default,
-               aten.bernoulli_.float, aten.exponential_.default, aten.random_.default, getattr(aten.random_, "from"),
-               aten.random_.to)
+@register_aten(aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, aten.normal_.default,
+               aten.uniform_.default, aten.bernoulli_.float, aten.exponential_.default, aten.random_.default,
+               getattr(aten.random_, "from"), aten.random_.to)
 def fill_inplace(func, args, kwargs):
+    """Overwrite every element: a Partial tensor simply becomes replicated (no reduction needed)."""
     x = args[0]
+    rest = [replicate_local(a) if isinstance(a, ShardTensor) else a for a in args[1:]]
+    func(x._local, *rest, **kwargs)
     if x._spec.has_partial:
-        return _unsupported_or_fallback(func, args, kwargs, "filling a Partial tensor in place would be summed "
-                                        "over ranks; redistribute it to Replicate first")
-    func(x._local, *args[1:], **kwargs)
+        from ..dispatch import relayout
+
+        relayout(x, x._local, _no_partial(x._spec))
     return x
 
 

@@ -6,14 +6,17 @@ that communicates is ``select`` of one index of a sharded dim (a broadcast from 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import comm, shapes
-from ..dispatch import _unsupported_or_fallback, to_spec
+from ..dispatch import _unsupported_or_fallback, to_spec, warn_relayout
+from ..errors import UnsupportedShardedOp
 from ..placements import Replicate, Shard
-from ..registry import register_aten
+from ..registry import REGISTRY, register_aten
 from ..shard_tensor import ShardTensor
-from ..spec import ShardSpec
+from ..spec import ShardSpec, mesh_shape
 
 aten = torch.ops.aten
 _R = Replicate()
@@ -62,6 +65,35 @@ def view(func, args, kwargs):
 _view_layouts: dict = {}
 
 
+def _compatible_layout(spec: ShardSpec, out_shape) -> ShardSpec | None:
+    """``spec``, or the nearest layout whose shards survive reshaping to ``out_shape``: each failing
+    shard moves to the outermost dim of its reshape group with sizes in whole units of that group's
+    inner extent (chunked). None when no such layout exists."""
+    src = tuple(spec.shape)
+    pl, sz = list(spec.placements), list(spec.sizes)
+    changed = False
+    for m, p in enumerate(spec.placements):
+        if not isinstance(p, Shard) or shapes.view_shard_map(src, out_shape, p.dim, spec.sizes[m]) is not None:
+            continue
+        group = next((g for g in shapes.view_groups(src, out_shape) if p.dim in g[0]), None)
+        real_i = [d for d in group[0] if src[d] != 1] if group else []
+        real_j = [d for d in group[1] if out_shape[d] != 1] if group else []
+        if not real_i or not real_j:
+            return None
+        outer, e = real_i[0], real_j[0]
+        if outer != p.dim and any(isinstance(q, Shard) and q.dim == outer for q in pl):
+            return None
+        inner_src = math.prod(src[d] for d in group[0] if d > outer)
+        inner_dst = math.prod(out_shape[d] for d in group[1] if d > e)
+        unit = inner_dst // math.gcd(inner_src, inner_dst)
+        if src[outer] % unit:
+            return None
+        pl[m] = Shard(outer)
+        sz[m] = tuple(unit * c for c in shapes.chunk_sizes(src[outer] // unit, mesh_shape(spec.mesh)[m]))
+        changed = True
+    return ShardSpec.build(spec.mesh, pl, src, sz) if changed else spec
+
+
 def _view_layout(x: ShardTensor, size):
     """The output spec of reshaping ``x`` to ``size``, or a reason string when rows would split."""
     spec = x._spec
@@ -76,13 +108,22 @@ def _view_layout(x: ShardTensor, size):
     if ones:
         x = gathered = _replicate_dims(x, ones)
         spec = x._spec
+    src = tuple(spec.shape)
+    moved = _compatible_layout(spec, out_shape)
+    if moved is not None and moved != spec:
+        # rows of a shard would straddle the reshape's groups (typical for gradients that arrive laid
+        # out like another operand): move them to the nearest layout the reshape keeps sharded
+        warn_relayout(aten.view.default, f"re-sharded a {src} tensor so that reshaping it to {out_shape} "
+                                         f"keeps whole rows on each rank")
+        x = gathered = ShardTensor(to_spec(x, moved), moved)
+        spec = moved
     pl, sz = list(spec.placements), list(spec.sizes)
     for m, p in enumerate(spec.placements):
         if not isinstance(p, Shard):
             continue
-        hit = shapes.view_shard_map(tuple(spec.shape), out_shape, p.dim, spec.sizes[m])
+        hit = shapes.view_shard_map(src, out_shape, p.dim, spec.sizes[m])
         if hit is None:
-            return (f"reshaping {tuple(spec.shape)} -> {out_shape} splits the rows of sharded dim {p.dim} across "
+            return (f"reshaping {src} -> {out_shape} splits the rows of sharded dim {p.dim} across "
                     f"output dims (only the outermost dim of a merged/split group can stay sharded); move the "
                     f"sharded dim outward first (e.g. permute) or redistribute")
         pl[m], sz[m] = Shard(hit[0]), hit[1]
@@ -211,12 +252,13 @@ def select(func, args, kwargs):
     sz = [None if mm == m else s for mm, s in enumerate(spec.sizes)]
     out = _spec(spec, pl, shape, sz)
     k = spec.coord[m]
-    if k == owner:
-        piece = x._local.select(dim, index - offs[k]).contiguous()
-    else:
-        piece = x._local.new_empty(out.local_shape)
     _remember(out, ("select", dim, index, n), (m, spec.sizes[m]))
-    return ShardTensor(comm.broadcast(piece, owner, spec.mesh, m), out)
+    if k == owner:
+        # the owner keeps a true view, so `x[i] = v` (select, then an in-place write) lands in x
+        view = x._local.select(dim, index - offs[k])
+        comm.broadcast(view.contiguous(), owner, spec.mesh, m)
+        return ShardTensor(view, out)
+    return ShardTensor(comm.broadcast(x._local.new_empty(out.local_shape), owner, spec.mesh, m), out)
 
 
 @register_aten(aten.split.Tensor, aten.split_with_sizes.default)
@@ -338,3 +380,31 @@ def select_backward(func, args, kwargs):
     if off <= index < off + in_sizes[k]:
         local.select(dim, index - off).copy_(g)
     return ShardTensor(local, out)
+
+
+_OUT_OF_PLACE = {
+    aten.squeeze_.default: aten.squeeze.default, aten.squeeze_.dim: aten.squeeze.dim,
+    aten.squeeze_.dims: aten.squeeze.dims, aten.unsqueeze_.default: aten.unsqueeze.default,
+    aten.t_.default: aten.t.default, aten.transpose_.default: aten.transpose.int,
+}
+
+
+@register_aten(*_OUT_OF_PLACE)
+def inplace_view(func, args, kwargs):
+    """``x.squeeze_(1)`` and friends: the out-of-place view gives the new layout; the wrapper's own
+    shape is then updated in place (as torch does for wrapper subclasses)."""
+    from torch.utils._python_dispatch import return_and_correct_aliasing
+
+    from ..dispatch import relayout
+
+    x = args[0]
+    out_of_place = _OUT_OF_PLACE[func]
+    res = REGISTRY.aten[out_of_place](out_of_place, args, kwargs)
+    relayout(x, res._local, res._spec)
+    return return_and_correct_aliasing(func, args, kwargs, x)
+
+
+@register_aten(aten.as_strided_.default, aten.resize_.default)
+def inplace_restride(func, args, kwargs):
+    raise UnsupportedShardedOp(func, "a sharded tensor has no single block of memory to re-stride or resize; "
+                               "build a new ShardTensor instead")
