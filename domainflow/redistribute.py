@@ -48,16 +48,44 @@ def redistribute_local(local: torch.Tensor, src: ShardSpec, dst: ShardSpec) -> t
     """Turn this rank's chunk under ``src`` into its chunk under ``dst`` (same mesh, same global shape)."""
     if src == dst:
         return local
+    steps = _plans.get((src, dst))
+    if steps is None:
+        steps = plan_redistribute(src, dst)
+        if len(_plans) > 16384:
+            _plans.clear()
+        _plans[(src, dst)] = steps
+    mesh = src.mesh
+    for kind, m, *args in steps:
+        if kind == "reduce":
+            local = comm.all_reduce(local, args[0], mesh, m)
+        elif kind == "all_to_all":
+            local = comm.all_to_all_dims(local, *args, mesh, m)
+        elif kind == "gather":
+            local = comm.all_gather_uneven(local, args[0], args[1], mesh, m)
+        elif kind == "narrow":
+            local = local.narrow(*args)
+        else:  # "partial"
+            local = partial_from_replicate(local, args[0], args[1])
+    return local
+
+
+_plans: dict = {}
+
+
+def plan_redistribute(src: ShardSpec, dst: ShardSpec) -> tuple:
+    """The steps from layout ``src`` to ``dst`` on this rank, as (kind, mesh dim, *arguments) tuples;
+    pure layout arithmetic, cached per (src, dst) by :func:`redistribute_local`."""
     if src.mesh is not dst.mesh and src.mesh != dst.mesh:
         raise ValueError("redistribute cannot move a tensor between device meshes")
     mesh = src.mesh
     cur = src
     coord = src.coord
+    steps = []
 
     # 1. Partial -> reduce (the only step that changes values).
     for m, (a, b) in enumerate(zip(src.placements, dst.placements)):
         if isinstance(a, Partial) and a != b:
-            local = comm.all_reduce(local, a.reduce_op, mesh, m)
+            steps.append(("reduce", m, a.reduce_op))
             cur = _set(cur, m, _R)
 
     # 2. Shard -> Shard on the same mesh dim: all-to-all (other tensor dim, or other sizes).
@@ -67,29 +95,27 @@ def redistribute_local(local: torch.Tensor, src: ShardSpec, dst: ShardSpec) -> t
         if a.dim == b.dim and cur.sizes[m] == dst.sizes[m]:
             continue
         me, n = coord[m], mesh_shape(mesh)[m]
+        shape = list(cur.local_shape)
         if a.dim == b.dim:
             ov = shapes.overlap_splits(cur.sizes[m], dst.sizes[m])
-            shape = list(local.shape)
             recv = [shape[:a.dim] + [ov[r][me]] + shape[a.dim + 1:] for r in range(n)]
-            local = comm.all_to_all_dims(local, a.dim, ov[me], a.dim, recv, mesh, m)
+            steps.append(("all_to_all", m, a.dim, ov[me], a.dim, recv))
             cur = _set(cur, m, b, dst.sizes[m])
         elif cur.mesh_dim_of(b.dim) is None:
-            shape = list(local.shape)
-            if shape[b.dim] != cur.shape[b.dim]:
-                continue  # target dim still cut by another mesh dim: handled by gather + slice below
             recv = []
             for r in range(n):
-                s = list(shape)
-                s[a.dim] = cur.sizes[m][r]
-                s[b.dim] = dst.sizes[m][me]
-                recv.append(s)
-            local = comm.all_to_all_dims(local, b.dim, dst.sizes[m], a.dim, recv, mesh, m)
+                s_ = list(shape)
+                s_[a.dim] = cur.sizes[m][r]
+                s_[b.dim] = dst.sizes[m][me]
+                recv.append(s_)
+            steps.append(("all_to_all", m, b.dim, dst.sizes[m], a.dim, recv))
             cur = _set(cur, m, b, dst.sizes[m])
+        # else: the target dim is still cut by another mesh dim: gather + slice below
 
     # 3. Shard -> anything else: gather along the mesh dim.
     for m, (a, b) in enumerate(zip(cur.placements, dst.placements)):
         if isinstance(a, Shard) and (a != b or cur.sizes[m] != dst.sizes[m]):
-            local = comm.all_gather_uneven(local, a.dim, cur.sizes[m], mesh, m)
+            steps.append(("gather", m, a.dim, cur.sizes[m]))
             cur = _set(cur, m, _R)
 
     # 4. Replicate -> Shard (local slice) or -> Partial.
@@ -98,11 +124,11 @@ def redistribute_local(local: torch.Tensor, src: ShardSpec, dst: ShardSpec) -> t
             continue
         if isinstance(b, Shard):
             k = coord[m]
-            local = local.narrow(b.dim, sum(dst.sizes[m][:k]), dst.sizes[m][k])
+            steps.append(("narrow", m, b.dim, sum(dst.sizes[m][:k]), dst.sizes[m][k]))
             cur = _set(cur, m, b, dst.sizes[m])
         elif isinstance(b, Partial):
-            local = partial_from_replicate(local, b, coord[m])
+            steps.append(("partial", m, b, coord[m]))
             cur = _set(cur, m, b)
     if cur != dst:  # pragma: no cover - a planning bug, never a user error
         raise AssertionError(f"redistribute planned {cur} instead of {dst}")
-    return local
+    return tuple(steps)

@@ -161,9 +161,17 @@ class ShardTensor(torch.Tensor):
 
     def full_tensor(self) -> torch.Tensor:
         """The whole global tensor on every rank (uneven all-gather / all-reduce). Differentiable."""
-        if self._spec.is_replicated:
+        spec = self._spec
+        if spec.is_replicated:
             return self.to_local()
-        return self.redistribute(_ALL_REPLICATE[self._spec.mesh.ndim]).to_local()
+        if not (torch.is_grad_enabled() and self.requires_grad):
+            full = _full_specs.get(spec)
+            if full is None:
+                full = _full_specs[spec] = target_spec(spec, _ALL_REPLICATE[spec.mesh.ndim])
+                if len(_full_specs) > 16384:
+                    _full_specs.clear()
+            return redistribute_local(self._local, spec, full)
+        return self.redistribute(_ALL_REPLICATE[spec.mesh.ndim]).to_local()
 
     def to_dtensor(self):
         """A DTensor of the same data; needs DTensor's layout (chunk sizes on every Shard)."""
@@ -193,6 +201,7 @@ class ShardTensor(torch.Tensor):
 
 
 _redistribute_targets: dict = {}
+_full_specs: dict = {}
 
 
 def spec_strides(spec: ShardSpec) -> tuple[int, ...]:

@@ -369,12 +369,15 @@ class _SumMean(torch.autograd.Function):
 def _sum_mean_function(func, args, kwargs):
     """torch.sum/mean and Tensor.sum/mean on a ShardTensor: an autograd node whose backward expands the
     gradient locally (sharded like the input) when a sharded dim is reduced."""
+    first = args[0] if args else kwargs.get("input")
+    if not (type(first) is ShardTensor and first.requires_grad and torch.is_grad_enabled()):
+        return run_function_default(func, args, kwargs)  # no gradient: the aten-level rule suffices
     if len(args) > 1 and isinstance(args[1], torch.dtype):  # sum(input, dtype)
         a = bind(args[:1], kwargs, ("self",), dim=None, keepdim=False, dtype=args[1])
     else:
         a = bind(args, kwargs, ("self", "dim", "keepdim"), dim=None, keepdim=False, dtype=None)
     x, dim, keepdim, dtype = a["self"], a["dim"], a["keepdim"], a["dtype"]
-    if not (torch.is_grad_enabled() and isinstance(x, ShardTensor) and x.requires_grad) or "out" in a:
+    if "out" in a:
         return run_function_default(func, args, kwargs)
     dims = _dims_arg(x, dim)
     red, _ = shapes.reduced_dim_map(x.ndim, dims, keepdim)
@@ -439,12 +442,15 @@ class _Prod(torch.autograd.Function):
 
 
 def _prod_function(func, args, kwargs):
+    first = args[0] if args else kwargs.get("input")
+    if not (type(first) is ShardTensor and first.requires_grad and torch.is_grad_enabled()):
+        return run_function_default(func, args, kwargs)  # no gradient: the aten-level rule suffices
     if len(args) > 1 and isinstance(args[1], torch.dtype):  # prod(input, dtype)
         a = bind(args[:1], kwargs, ("self",), dim=None, keepdim=False, dtype=args[1])
     else:
         a = bind(args, kwargs, ("self", "dim", "keepdim"), dim=None, keepdim=False, dtype=None)
     x, dim, keepdim, dtype = a["self"], a["dim"], a["keepdim"], a["dtype"]
-    if not (torch.is_grad_enabled() and isinstance(x, ShardTensor) and x.requires_grad) or "out" in a:
+    if "out" in a:
         return run_function_default(func, args, kwargs)
     red, _ = shapes.reduced_dim_map(x.ndim, None if dim is None else [dim], keepdim)
     if not _sharded_reduced(x._spec, red) or x._spec.has_partial:

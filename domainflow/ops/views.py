@@ -1,7 +1,9 @@
 """View and indexing ops: reshape/permute/squeeze/expand/slice/select and friends.
 
-Layouts follow arithmetically (``shapes.view_shard_map``, ``shapes.slice_sizes``); the only op here
-that communicates is ``select`` of one index of a sharded dim (a broadcast from its owner).
+Layouts follow arithmetically (``shapes.view_shard_map``, ``shapes.slice_sizes``). Communication
+happens only for ``select`` of one index of a sharded dim (a broadcast from its owner, which keeps a
+true view so ``x[i] = v`` writes into ``x``), and for a reshape whose shards would straddle its groups
+(moved to the nearest compatible layout, with a warning; typical for gradients in backward).
 """
 
 from __future__ import annotations
