@@ -193,7 +193,7 @@ def vector_norm(func, args, kwargs):
     if ordv in (math.inf, -math.inf):
         kind = "max" if ordv > 0 else "min"
         local = (a.amax(rd, keepdim=keepdim) if kind == "max" else a.amin(rd, keepdim=keepdim)) if a.numel() else \
-            torch.full(_local_out(a.shape, red, keepdim), _fill_for(a.dtype, kind), dtype=a.dtype, device=a.device)
+            torch.full(_out_shape(a.shape, red, keepdim), _fill_for(a.dtype, kind), dtype=a.dtype, device=a.device)
         post = None
     elif ordv == 0:
         kind, local, post = "sum", (a != 0).to(a.dtype).sum(rd, keepdim=keepdim), None
@@ -205,10 +205,6 @@ def vector_norm(func, args, kwargs):
     if post is not None:
         local = local.pow(1.0 / post)
     return ShardTensor(local, _out_spec(spec, red, where, keepdim, None, _out_shape(spec.shape, red, keepdim)))
-
-
-def _local_out(shape, red, keepdim):
-    return [1 if d in red else n for d, n in enumerate(shape) if keepdim or d not in red]
 
 
 @register_aten(aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default)
@@ -366,19 +362,28 @@ class _SumMean(torch.autograd.Function):
         return ShardTensor(g.to(ctx.in_dtype), in_grad_spec), None, None, None, None
 
 
-def _sum_mean_function(func, args, kwargs):
-    """torch.sum/mean and Tensor.sum/mean on a ShardTensor: an autograd node whose backward expands the
-    gradient locally (sharded like the input) when a sharded dim is reduced."""
+def _differentiable_reduction_args(args, kwargs):
+    """(x, dim, keepdim, dtype) of a sum/mean/prod call on a ShardTensor that needs a gradient, else
+    None (the call then runs through the aten-level rules)."""
     first = args[0] if args else kwargs.get("input")
     if not (type(first) is ShardTensor and first.requires_grad and torch.is_grad_enabled()):
-        return run_function_default(func, args, kwargs)  # no gradient: the aten-level rule suffices
+        return None
     if len(args) > 1 and isinstance(args[1], torch.dtype):  # sum(input, dtype)
         a = bind(args[:1], kwargs, ("self",), dim=None, keepdim=False, dtype=args[1])
     else:
         a = bind(args, kwargs, ("self", "dim", "keepdim"), dim=None, keepdim=False, dtype=None)
-    x, dim, keepdim, dtype = a["self"], a["dim"], a["keepdim"], a["dtype"]
     if "out" in a:
-        return run_function_default(func, args, kwargs)
+        return None
+    return a["self"], a["dim"], a["keepdim"], a["dtype"]
+
+
+def _sum_mean_function(func, args, kwargs):
+    """torch.sum/mean and Tensor.sum/mean on a ShardTensor: an autograd node whose backward expands the
+    gradient locally (sharded like the input) when a sharded dim is reduced."""
+    parsed = _differentiable_reduction_args(args, kwargs)
+    if parsed is None:
+        return run_function_default(func, args, kwargs)  # no gradient: the aten-level rule suffices
+    x, dim, keepdim, dtype = parsed
     dims = _dims_arg(x, dim)
     red, _ = shapes.reduced_dim_map(x.ndim, dims, keepdim)
     is_mean = func in (torch.mean, torch.Tensor.mean)
@@ -442,16 +447,10 @@ class _Prod(torch.autograd.Function):
 
 
 def _prod_function(func, args, kwargs):
-    first = args[0] if args else kwargs.get("input")
-    if not (type(first) is ShardTensor and first.requires_grad and torch.is_grad_enabled()):
-        return run_function_default(func, args, kwargs)  # no gradient: the aten-level rule suffices
-    if len(args) > 1 and isinstance(args[1], torch.dtype):  # prod(input, dtype)
-        a = bind(args[:1], kwargs, ("self",), dim=None, keepdim=False, dtype=args[1])
-    else:
-        a = bind(args, kwargs, ("self", "dim", "keepdim"), dim=None, keepdim=False, dtype=None)
-    x, dim, keepdim, dtype = a["self"], a["dim"], a["keepdim"], a["dtype"]
-    if "out" in a:
+    parsed = _differentiable_reduction_args(args, kwargs)
+    if parsed is None:
         return run_function_default(func, args, kwargs)
+    x, dim, keepdim, dtype = parsed
     red, _ = shapes.reduced_dim_map(x.ndim, None if dim is None else [dim], keepdim)
     if not _sharded_reduced(x._spec, red) or x._spec.has_partial:
         return run_function_default(func, args, kwargs)
