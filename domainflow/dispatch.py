@@ -75,6 +75,23 @@ def to_spec(x: ShardTensor, dst: ShardSpec) -> torch.Tensor:
     return x._local if x._spec == dst else redistribute_local(x._local, x._spec, dst)
 
 
+def local_as(t, spec: ShardSpec) -> torch.Tensor | None:
+    """This rank's chunk of ``t`` laid out like ``spec`` (same placements and sizes; ``t`` may differ in
+    shape along unsharded dims). ``t`` is a ShardTensor (redistributed if needed), a plain tensor
+    holding the full value (sliced along the sharded dims where it has the full extent, else used
+    as it is, e.g. broadcast), or None."""
+    if t is None:
+        return None
+    if isinstance(t, ShardTensor):
+        return to_spec(t, spec if t.shape == spec.shape else spec.with_(shape=t.shape))
+    coord = spec.coord
+    for m, p in enumerate(spec.placements):
+        if isinstance(p, Shard) and t.ndim == spec.ndim and t.shape[p.dim] == spec.shape[p.dim]:
+            k = coord[m]
+            t = t.narrow(p.dim, sum(spec.sizes[m][:k]), spec.sizes[m][k])
+    return t
+
+
 def replicate_local(x: ShardTensor) -> torch.Tensor:
     """The full tensor on this rank (gathers / reduces as needed)."""
     s = x._spec

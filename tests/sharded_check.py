@@ -13,7 +13,7 @@ import torch
 
 import domainflow as df
 from dist_pool import worker_cache
-from domainflow import Partial, Replicate, Shard, ShardTensor
+from domainflow import Partial, Replicate, ShardTensor
 
 F64_TOL = 1e-10
 F32_TOL = 1e-5

@@ -96,7 +96,6 @@ def test_view_shard_map_agrees_with_real_reshape():
         dim = rng.randrange(len(src))
         parts = rng.randint(1, 4)
         sizes = _rand_sizes(rng, src[dim], parts)
-        ids = torch.arange(math.prod(src)).reshape(src)
         owner = torch.repeat_interleave(torch.arange(parts), torch.tensor(sizes)).view(
             [-1 if d == dim else 1 for d in range(len(src))]).expand(src)
         for dst in _reshapes(rng, src):

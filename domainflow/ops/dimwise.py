@@ -8,7 +8,8 @@ import torch
 
 from .. import shapes
 from ..fallback import fallback as _fallback_mode
-from ..dispatch import _unsupported_or_fallback, common_mesh, relayout, shard_tensors, to_spec, warn_relayout
+from ..dispatch import (_unsupported_or_fallback, common_mesh, local_as, relayout, shard_tensors, to_spec,
+                        warn_relayout)
 from ..spec import mesh_shape
 from ..placements import Partial, Replicate, Shard
 from ..registry import register_aten
@@ -51,23 +52,6 @@ def _dims_of(func, args, kwargs, ndim):
     if func is aten.roll.default and len(val) == 0:
         return list(range(ndim))  # roll without dims works on the flattened tensor
     return [d % ndim for d in val] if ndim else []
-
-
-def _align(tensors, mesh, spec: ShardSpec):
-    """Local chunks of same-shaped operands laid out like ``spec``."""
-    out = []
-    for t in tensors:
-        if isinstance(t, ShardTensor):
-            dst = spec.with_(shape=t.shape)
-            out.append(to_spec(t, dst))
-        else:
-            local = t
-            for m, p in enumerate(spec.placements):
-                if isinstance(p, Shard) and t.shape[p.dim] == spec.shape[p.dim]:
-                    k = spec.coord[m]
-                    local = local.narrow(p.dim, sum(spec.sizes[m][:k]), spec.sizes[m][k])
-            out.append(local)
-    return out
 
 
 def _no_partial(spec: ShardSpec) -> ShardSpec:
@@ -124,7 +108,7 @@ def dim_local(func, args, kwargs):
         pl = [Shard(pos[p.dim]) if isinstance(p, Shard) else p for p in pl]
         shape = [1 if d in dims else ref.shape[d] for d in keep]
         return ShardTensor(local, ShardSpec(mesh, pl, shape, sz))
-    locs = _align(tensors, mesh, ref)
+    locs = [local_as(t, ref) for t in tensors]
     out = func(*locs, *args[n_t:], **kwargs)
     if isinstance(out, torch.Tensor):
         return ShardTensor(out, _global_spec(ref, out.shape))
@@ -159,9 +143,9 @@ def layer_norm_backward(func, args, kwargs):
         spec = layout_avoiding(spec, set(range(axis, len(spec.shape))), tuple(spec.shape))
         if spec is None:
             return _unsupported_or_fallback(func, args, kwargs, "it normalises over a sharded dim")
-    lg, lx = _align([grad, x], spec.mesh, spec)
+    lg, lx = local_as(grad, spec), local_as(x, spec)
     stat_spec = spec.with_(shape=list(mean.shape))
-    lm, lr = _align([mean, rstd], spec.mesh, stat_spec)
+    lm, lr = local_as(mean, stat_spec), local_as(rstd, stat_spec)
     lw = weight._local if isinstance(weight, ShardTensor) else weight
     lb = bias._local if isinstance(bias, ShardTensor) else bias
     gi, gw, gb = func(lg, lx, normalized_shape, lm, lr, lw, lb, mask)
@@ -202,7 +186,7 @@ def index_along_unsharded_dim(func, args, kwargs):
     others = [a for i, a in enumerate(args) if i not in pos and isinstance(a, ShardTensor)]
     if not sts or any(not o._spec.is_replicated for o in others):
         return _unsupported_or_fallback(func, args, kwargs, "the index operand is sharded")
-    mesh = common_mesh(sts + others, func)
+    common_mesh(sts + others, func)  # operands on one mesh, or a clear error
     dim = args[1] % args[0].ndim
     sharded = [s for s in sts if not _no_partial(s._spec).is_replicated]
     ref = _no_partial((sharded or sts)[0]._spec)
@@ -217,7 +201,7 @@ def index_along_unsharded_dim(func, args, kwargs):
         a = args[i]
         spec = ref.with_(shape=[a.shape[d] if d == dim or ref.mesh_dim_of(d) is None else ref.shape[d]
                                 for d in range(a.ndim)])
-        local_args[i] = _align([a], mesh, spec)[0]
+        local_args[i] = local_as(a, spec)
     for i, a in enumerate(args):
         if i not in pos and isinstance(a, ShardTensor):
             local_args[i] = a._local

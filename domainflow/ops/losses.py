@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import _unsupported_or_fallback, common_mesh, replicate_local, replicated_spec, shard_tensors, to_spec
+from ..dispatch import (_unsupported_or_fallback, common_mesh, local_as, replicate_local, replicated_spec,
+                        shard_tensors, to_spec)
 from ..placements import Partial, Replicate, Shard
 from ..registry import register_aten
 from ..shard_tensor import ShardTensor
@@ -18,24 +19,6 @@ from ..spec import ShardSpec
 aten = torch.ops.aten
 _R = Replicate()
 _NONE, _MEAN, _SUM = 0, 1, 2
-
-
-def _aligned(tensors, spec: ShardSpec):
-    """Local chunks of same-shaped operands laid out like ``spec`` (plain tensors sliced locally)."""
-    out = []
-    for t in tensors:
-        if t is None:
-            out.append(None)
-        elif isinstance(t, ShardTensor):
-            out.append(to_spec(t, spec))
-        else:
-            local = t
-            for m, p in enumerate(spec.placements):
-                if isinstance(p, Shard):
-                    k = spec.coord[m]
-                    local = local.narrow(p.dim, sum(spec.sizes[m][:k]), spec.sizes[m][k])
-            out.append(local)
-    return out
 
 
 def _ref_spec(func, tensors) -> ShardSpec:
@@ -69,8 +52,8 @@ def elementwise_loss(func, args, kwargs):
         return _unsupported_or_fallback(func, tuple(args), kwargs, "input and target shapes differ")
     spec = _ref_spec(func, [t for t in tensors])
     # weights of other shapes broadcast: slice them only where they are full along a sharded dim
-    locs = _aligned(tensors[:2], spec) + [
-        None if w is None else (_aligned([w], spec)[0] if w.shape == spec.shape else
+    locs = [local_as(t, spec) for t in tensors[:2]] + [
+        None if w is None else (local_as(w, spec) if w.shape == spec.shape else
                                 (replicate_local(w) if isinstance(w, ShardTensor) else w)) for w in tensors[2:]]
     extra = args[red_pos + 1:]  # e.g. huber's delta
     if reduction == _NONE:
@@ -96,9 +79,9 @@ def elementwise_loss_backward(func, args, kwargs):
     grad, x, target = args[0], args[1], args[2]
     reduction = args[3]
     spec = _ref_spec(func, [x, target])
-    lx, lt = _aligned([x, target], spec)
+    lx, lt = local_as(x, spec), local_as(target, spec)
     if reduction == _NONE:
-        (lg,) = _aligned([grad], spec)
+        lg = local_as(grad, spec)
     else:
         lg = replicate_local(grad) if isinstance(grad, ShardTensor) else grad
     out = func(lg, lx, lt, _SUM if reduction != _NONE else _NONE, *args[4:], **kwargs)

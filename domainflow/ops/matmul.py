@@ -170,8 +170,6 @@ class _LocalLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias):
-        from .. import comm  # noqa: F401  (collectives happen in backward)
-
         spec = x._spec
         local = x._local
         ctx.save_for_backward(local, weight)

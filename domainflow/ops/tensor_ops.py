@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from .. import shapes
-from ..dispatch import (_unsupported_or_fallback, common_mesh, pointwise, replicate_local, replicated_spec,
-                        shard_tensors, to_spec, wrap)
-from ..placements import Partial, Replicate, Shard
+from ..dispatch import common_mesh, local_as, pointwise, replicate_local, replicated_spec, shard_tensors, to_spec
+from ..placements import Partial, Replicate
 from ..registry import register_aten
 from ..shard_tensor import ShardTensor
 from ..spec import ShardSpec
@@ -94,22 +93,13 @@ def equal(func, args, kwargs):
         return False
     ref = sts[0]._spec
     ref = _no_partial(ref)
-    la = to_spec(a, ref) if isinstance(a, ShardTensor) else _narrow_to(a, ref)
-    lb = to_spec(b, ref) if isinstance(b, ShardTensor) else _narrow_to(b, ref)
+    la, lb = local_as(a, ref), local_as(b, ref)
     from .. import comm
 
     ok = torch.tensor([1 if torch.equal(la, lb) else 0], dtype=torch.int64, device=la.device)
     for m in range(ref.mesh.ndim):
         ok = comm.all_reduce(ok, "min", ref.mesh, m)
     return bool(ok.item())
-
-
-def _narrow_to(t: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-    for m, p in enumerate(spec.placements):
-        if isinstance(p, Shard):
-            k = spec.coord[m]
-            t = t.narrow(p.dim, sum(spec.sizes[m][:k]), spec.sizes[m][k])
-    return t
 
 
 @register_aten(aten.is_same_size.default)
@@ -135,7 +125,7 @@ def cat(func, args, kwargs):
         shape = list(ref.shape)
         shape[dim] = t.shape[dim]
         spec = ShardSpec(mesh, ref.placements, shape, ref.sizes)
-        locals_.append(to_spec(t, spec) if isinstance(t, ShardTensor) else _narrow_to(t, spec))
+        locals_.append(local_as(t, spec))
         total += t.shape[dim]
     out_shape = list(ref.shape)
     out_shape[dim] = total
@@ -177,7 +167,7 @@ def _cat_sharded_dim(tensors, dim, m, mesh):
         shape = list(ref_spec.shape)
         shape[dim] = length
         spec = ShardSpec(mesh, pl, shape, sz)
-        locals_.append(to_spec(t, spec) if isinstance(t, ShardTensor) else _narrow_to(t, spec))
+        locals_.append(local_as(t, spec))
         start += length
     shape = list(ref_spec.shape)
     shape[dim] = start
