@@ -234,7 +234,9 @@ def slice_(func, args, kwargs):
 
 @register_aten(aten.select.int)
 def select(func, args, kwargs):
-    """``x.select(dim, i)``: local on an unsharded dim; on a sharded dim its owner broadcasts the slice."""
+    """``x.select(dim, i)``: local on an unsharded dim; on a sharded dim its owner broadcasts the slice
+    (a replicated result). The owner's chunk stays a view of ``x``, so ``x[i] = v`` writes into ``x``;
+    the other ranks hold copies, so a later in-place change to ``x`` shows only on the owner's view."""
     x, dim, index = args[0], args[1] % args[0].ndim, args[2]
     spec = x._spec
     n = spec.shape[dim]
