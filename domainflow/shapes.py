@@ -213,3 +213,25 @@ def reduced_dim_map(ndim: int, dims: Sequence[int] | None, keepdim: bool) -> tup
         where[d] = k
         k += 1
     return red, where
+
+
+def part_range(rank: int, world: int, parts: int) -> tuple[int, int]:
+    """The spatial parts ``[start, stop)`` that rank ``rank`` of a ``world``-rank domain reads from a
+    store partitioned into ``parts`` parts (DESIGN.md: ``[r*P//W, (r+1)*P//W)``)."""
+    if not 0 < world <= parts:
+        raise ValueError(f"a store with {parts} spatial parts serves domain sizes 1..{parts}, not {world}; "
+                         f"re-ingest with more parts (--parts) or use a smaller domain")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside a domain of {world} ranks")
+    return rank * parts // world, (rank + 1) * parts // world
+
+
+def rows_per_rank(part_offsets: Sequence[int], world: int) -> Sizes:
+    """Rows each rank of a ``world``-rank domain holds, from the store's part offsets (P+1 values):
+    the sharding sizes of a sample, known without communication."""
+    parts = len(part_offsets) - 1
+    out = []
+    for r in range(world):
+        a, b = part_range(r, world, parts)
+        out.append(int(part_offsets[b]) - int(part_offsets[a]))
+    return tuple(out)
