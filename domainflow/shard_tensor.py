@@ -432,7 +432,9 @@ def distribute_tensor(tensor: torch.Tensor, mesh: DeviceMesh, placements, shardi
 def scatter_tensor(tensor: torch.Tensor | None, src: int, mesh: DeviceMesh, placements,
                    sharding_shapes=None) -> ShardTensor:
     """Global rank ``src`` holds ``tensor`` and sends each rank only its own piece (other ranks may pass
-    None). Shape, dtype and sizes travel in a small header, so only ``src`` needs to know them."""
+    None). Shape, dtype and sizes travel in a small header, so only ``src`` needs to know them.
+    A data-loading op: the result is differentiable from here on, but gradients do not flow back to
+    ``tensor`` on ``src`` (the other ranks have no tensor to attach a backward to)."""
     import torch.distributed as dist
 
     me = dist.get_rank() if dist.is_initialized() else 0

@@ -285,3 +285,33 @@ def _dtensor_interop():
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_dtensor_interop(dist, world):
     assert all(dist.run(world, _dtensor_interop))
+
+
+# -------------------------------------------------------------------------------------------------
+def _mesh_errors():
+    rank, world = rank_and_world()
+    out = {}
+    try:
+        df.init_mesh((world + 1,), ("domain",))
+    except ValueError as e:
+        out["size"] = str(e)
+    try:
+        df.init_mesh((world,), ("dp", "domain"))
+    except ValueError as e:
+        out["names"] = str(e)
+    mesh = get_mesh((world,))
+    # "chunk" with a global shape: torch.chunk sizes, no communication
+    from domainflow import comm, shapes
+
+    sizes = shapes.chunk_sizes(7, world)
+    comm.stats.reset()
+    x = ShardTensor.from_local(torch.zeros(sizes[rank], 2), mesh, [Shard(0)], sharding_shapes="chunk", shape=(7, 2))
+    out["chunk_sizes_ok"] = x._spec.sizes[0] == sizes and sum(comm.stats.calls.values()) == 0
+    return out
+
+
+def test_init_mesh_errors_and_chunk_layout(dist):
+    for out in dist.run(2, _mesh_errors):
+        assert "needs 3 ranks but the job has 2" in out["size"] and "torchrun" in out["size"]
+        assert "names" in out["names"]
+        assert out["chunk_sizes_ok"]
