@@ -111,7 +111,7 @@ def report(result: dict, out_dir: str) -> int:
     print(f"\ndomainflow demo: {sum(result['sizes'])} surface points, domain = {result['world']} ranks, "
           f"uneven shards {result['sizes']}")
     print(f"{'step':>5} {'loss (sharded)':>16} {'loss (1 process)':>17} {'|diff|':>9}")
-    for s in sorted({0, 1, 2, len(losses) // 2, len(losses) - 1}):
+    for s in sorted({k for k in (0, 1, 2, len(losses) // 2, len(losses) - 1) if 0 <= k < len(losses)}):
         print(f"{s:>5} {losses[s]:>16.10f} {ref[s]:>17.10f} {abs(losses[s] - ref[s]):>9.1e}")
     print(f"max |parameter difference| after {len(losses)} steps: {result['max_param_diff']:.2e} (float64)")
     print(f"relative L2 error of Cp: model {result['rel_l2_cp']:.4f}, mean-field baseline "

@@ -354,18 +354,84 @@ def _as_shard(grad, spec: ShardSpec) -> "ShardTensor":
 
 
 class _FromLocal(torch.autograd.Function):
+    """Wrap local chunks. The gradient of a ShardTensor is dL/d(its global value); for a Partial
+    placement the local chunk is one term of that value, so backward applies d(value)/d(term):
+    1 for sum, 1/n for avg, (term == reduced) for max/min, reduced/term for product."""
+
     @staticmethod
     def forward(ctx, local, spec):
         ctx.spec = spec
+        if any(isinstance(p, Partial) and p.reduce_op != "sum" for p in spec.placements):
+            ctx.save_for_backward(local.detach())
         return ShardTensor(local.view_as(local), spec)
 
     @staticmethod
     def backward(ctx, grad):
-        target = grad_spec(ctx.spec)
+        spec = ctx.spec
+        target = grad_spec(spec)
         g = _as_shard(grad, target)
         if g._spec != target:
             g = _redistribute_to(g, target)
-        return g._local, None
+        local = g._local
+        if ctx.saved_tensors:
+            local = local * _term_derivative(ctx.saved_tensors[0], spec)
+        return local, None
+
+
+def _term_derivative(term: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """d(reduced value)/d(this rank's term) for a chunk with Partial placements, reducing over the
+    Partial mesh dims in order (one or two all-reduces per non-sum Partial mesh dim)."""
+    factor = torch.ones_like(term)
+    current = term
+    for m, p in enumerate(spec.placements):
+        if not isinstance(p, Partial):
+            continue
+        op, n = p.reduce_op, mesh_shape(spec.mesh)[m]
+        if op == "sum":
+            current = comm.all_reduce(current, "sum", spec.mesh, m)
+            continue
+        if op == "avg":
+            factor = factor / n
+            current = comm.all_reduce(current, "avg", spec.mesh, m)
+        elif op in ("max", "min"):
+            reduced = comm.all_reduce(current, op, spec.mesh, m)
+            factor = factor * (current == reduced).to(term.dtype)  # every tied term gets the gradient
+            current = reduced
+        else:  # product: d prod / d t_k = product of the other terms (zero-safe)
+            zeros = comm.all_reduce((current == 0).to(term.dtype), "sum", spec.mesh, m)
+            nonzero = comm.all_reduce(torch.where(current == 0, torch.ones_like(current), current), "product",
+                                      spec.mesh, m)
+            safe = torch.where(current == 0, torch.ones_like(current), current)
+            others = torch.where(zeros == 0, nonzero / safe,
+                                 torch.where((zeros == 1) & (current == 0), nonzero, torch.zeros_like(nonzero)))
+            factor = factor * others
+            current = torch.where(zeros > 0, torch.zeros_like(nonzero), nonzero)
+    return factor
+
+
+class _Distribute(torch.autograd.Function):
+    """distribute_tensor: every rank holds the same (replicated) tensor; its gradient is the
+    gradient of the whole tensor on every rank, like any replicated operand's."""
+
+    @staticmethod
+    def forward(ctx, tensor, dst):
+        ctx.dst = dst
+        coord = mesh_coordinate(dst.mesh)
+        piece = tensor.detach()
+        for m, p in enumerate(dst.placements):
+            if isinstance(p, Shard):
+                k = coord[m]
+                piece = piece.narrow(p.dim, sum(dst.sizes[m][:k]), dst.sizes[m][k])
+            elif isinstance(p, Partial):
+                piece = partial_from_replicate(piece, p, coord[m])  # sum/product: identity off coordinate 0
+        return ShardTensor(piece, dst)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dst = ctx.dst
+        g = _as_shard(grad, grad_spec(dst))
+        full = g._spec.with_(placements=_ALL_REPLICATE[dst.mesh.ndim], sizes=(None,) * dst.mesh.ndim)
+        return (g._local if g._spec == full else redistribute_local(g._local, g._spec, full)), None
 
 
 class _ToLocal(torch.autograd.Function):
@@ -398,35 +464,24 @@ class _Redistribute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        src = ctx.src
-        target = grad_spec(src)
+        # gradients are dL/d(global value): the same value in any layout, so redistribute back
+        target = grad_spec(ctx.src)
         g = _as_shard(grad, target)
-        out = _redistribute_to(g, target) if g._spec != target else g
-        # avg-partials: each of the n partial values contributes 1/n of the result
-        for m, p in enumerate(src.placements):
-            if isinstance(p, Partial) and p.reduce_op == "avg":
-                out = ShardTensor(out._local / mesh_shape(src.mesh)[m], out._spec)
-        return out, None
+        return (_redistribute_to(g, target) if g._spec != target else g), None
 
 
 # --------------------------------------------------------------------------------------------
 # module-level constructors
 # --------------------------------------------------------------------------------------------
 def distribute_tensor(tensor: torch.Tensor, mesh: DeviceMesh, placements, sharding_shapes=None) -> ShardTensor:
-    """Every rank holds the full ``tensor`` and keeps its own piece (no communication). Differentiable."""
+    """Every rank holds the full ``tensor`` and keeps its own piece (no communication).
+
+    Differentiable: ``tensor`` is a replicated operand, so every rank's ``tensor.grad`` is the gradient
+    of the whole tensor (gathered in backward), as for a plain tensor used with ShardTensors."""
     placements = normalize_placements(placements, tensor.ndim, mesh.ndim)
     full = ShardSpec(mesh, (Replicate(),) * mesh.ndim, tensor.shape, (None,) * mesh.ndim)
     dst = target_spec(full, placements, sharding_shapes if sharding_shapes is not None else "chunk")
-    coord = mesh_coordinate(mesh)
-    piece = tensor
-    for m, p in enumerate(dst.placements):
-        if isinstance(p, Shard):
-            k = coord[m]
-            piece = piece.narrow(p.dim, sum(dst.sizes[m][:k]), dst.sizes[m][k])
-    for m, p in enumerate(dst.placements):
-        if isinstance(p, Partial) and coord[m] != 0 and p.reduce_op in ("sum", "product"):
-            piece = piece * 0 if p.reduce_op == "sum" else piece * 0 + 1  # keeps the autograd link
-    return _FromLocal.apply(piece, dst)
+    return _Distribute.apply(tensor, dst)
 
 
 def scatter_tensor(tensor: torch.Tensor | None, src: int, mesh: DeviceMesh, placements,

@@ -61,7 +61,8 @@ class ShardSpec:
         kinds = {type(p) for p in self.placements}
         self.is_replicated = kinds <= {Replicate}
         self.has_partial = Partial in kinds
-        self._hash = hash((id(mesh), self.placements, self.shape, self.sizes))
+        # by value: mesh["domain"] looked up twice, or a deep copy, gives equal but distinct meshes
+        self._hash = hash((mesh, self.placements, self.shape, self.sizes))
         self._local_shape = None
         self._offsets = None
 
@@ -98,8 +99,9 @@ class ShardSpec:
 
     def __eq__(self, other) -> bool:
         return (self is other) or (
-            isinstance(other, ShardSpec) and self._hash == other._hash and self.mesh is other.mesh
-            and self.placements == other.placements and self.shape == other.shape and self.sizes == other.sizes
+            isinstance(other, ShardSpec) and self._hash == other._hash and self.placements == other.placements
+            and self.shape == other.shape and self.sizes == other.sizes
+            and (self.mesh is other.mesh or self.mesh == other.mesh)
         )
 
     def __repr__(self) -> str:

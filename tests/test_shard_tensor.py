@@ -269,10 +269,8 @@ def _dtensor_interop():
     back = ShardTensor.from_dtensor(dt)
     assert back._spec == x._spec
     (back.full_tensor() * 2).sum().backward()
-    # distribute_tensor's backward gives each rank the gradient of the piece it kept
-    mine = torch.zeros_like(full)
-    mine.narrow(0, x.offsets[0], x.to_local().shape[0]).fill_(2.0)
-    assert torch.equal(leaf.grad, mine)
+    # distribute_tensor's input is replicated: every rank gets the gradient of the whole tensor
+    assert torch.equal(leaf.grad, torch.full_like(full, 2.0))
     uneven = x.redistribute([Shard(0)], sharding_shapes={0: (7,) + (0,) * (mesh.shape[0] - 1)})
     if mesh.shape[0] > 1:
         with pytest.raises(df.ShardingShapeError):
