@@ -401,12 +401,17 @@ def _term_derivative(term: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
             zeros = comm.all_reduce((current == 0).to(term.dtype), "sum", spec.mesh, m)
             nonzero = comm.all_reduce(torch.where(current == 0, torch.ones_like(current), current), "product",
                                       spec.mesh, m)
-            safe = torch.where(current == 0, torch.ones_like(current), current)
-            others = torch.where(zeros == 0, nonzero / safe,
-                                 torch.where((zeros == 1) & (current == 0), nonzero, torch.zeros_like(nonzero)))
-            factor = factor * others
+            factor = factor * product_of_others(current, zeros, nonzero)
             current = torch.where(zeros > 0, torch.zeros_like(nonzero), nonzero)
     return factor
+
+
+def product_of_others(x: torch.Tensor, zeros: torch.Tensor, nonzero_product: torch.Tensor) -> torch.Tensor:
+    """d(product)/dx for each factor x, zero-safe: given the number of zero factors and the product of
+    the non-zero ones, it is product/x with no zero, the non-zero product at the only zero, else 0."""
+    safe = torch.where(x == 0, torch.ones_like(x), x)
+    return torch.where(zeros == 0, nonzero_product / safe,
+                       torch.where((zeros == 1) & (x == 0), nonzero_product, torch.zeros_like(nonzero_product)))
 
 
 class _Distribute(torch.autograd.Function):

@@ -15,7 +15,7 @@ from .. import comm, shapes
 from ..dispatch import bind, run_function_default, to_spec
 from ..placements import Partial, Replicate, Shard
 from ..registry import register_aten, register_function
-from ..shard_tensor import ShardTensor
+from ..shard_tensor import ShardTensor, product_of_others
 from ..spec import ShardSpec
 
 aten = torch.ops.aten
@@ -441,9 +441,7 @@ class _Prod(torch.autograd.Function):
         if not ctx.keepdim:
             for d in rd:
                 g = g.unsqueeze(d)
-        safe = torch.where(local == 0, torch.ones_like(local), local)
-        others = torch.where(zeros == 0, nz / safe, torch.where((zeros == 1) & (local == 0), nz, torch.zeros_like(nz)))
-        return ShardTensor(g * others, grad_spec(spec)), None, None, None
+        return ShardTensor(g * product_of_others(local, zeros, nz), grad_spec(spec)), None, None, None
 
 
 def _prod_function(func, args, kwargs):
