@@ -5,16 +5,43 @@ each rank's uneven chunk and a dispatch engine adds the collectives each op need
 PyTorch model gives the single-device answer.
 """
 
-from .errors import (CollectiveError, DomainflowError, ShardingMismatchError, ShardingShapeError,
-                     UnsupportedShardedOp)
-from .fallback import fallback
-from .mesh import init_mesh
-from .placements import Partial, Placement, Replicate, Shard
-from .registry import REGISTRY, register_aten, register_function
-from .shard_tensor import ShardTensor, distribute_tensor, scatter_tensor
-from .spec import ShardSpec
-from . import comm
-from . import ops as _ops  # noqa: F401  (registers the built-in handlers)
+# Names load on first use (PEP 562), so that ``import domainflow.preprocess`` in an ingest worker does not
+# pay for importing torch; the first access to any of them loads the engine and its built-in handlers.
+_EXPORTS = {
+    "CollectiveError": "errors", "DomainflowError": "errors", "ShardingMismatchError": "errors",
+    "ShardingShapeError": "errors", "UnsupportedShardedOp": "errors", "fallback": "fallback",
+    "init_mesh": "mesh", "Partial": "placements", "Placement": "placements", "Replicate": "placements",
+    "Shard": "placements", "REGISTRY": "registry", "register_aten": "registry", "register_function": "registry",
+    "ShardTensor": "shard_tensor", "distribute_tensor": "shard_tensor", "scatter_tensor": "shard_tensor",
+    "ShardSpec": "spec",
+}
+_SUBMODULES = ("comm", "ops", "shapes", "dispatch", "redistribute", "launch", "spec")
+
+
+def _bind_exports():
+    """Bind every exported name (called once the engine has loaded). Also undoes Python's binding of a
+    submodule over an export of the same name (``domainflow.fallback`` the module vs the function)."""
+    import importlib
+
+    for export, module in _EXPORTS.items():
+        globals()[export] = getattr(importlib.import_module("." + module, __name__), export)
+
+
+def __getattr__(name):
+    import importlib
+
+    if name in _EXPORTS:
+        importlib.import_module(".shard_tensor", __name__)  # the engine, dispatch and built-in handlers
+        _bind_exports()
+        return globals()[name]
+    if name in _SUBMODULES:
+        return importlib.import_module("." + name, __name__)
+    raise AttributeError(f"module 'domainflow' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))
+
 
 __all__ = [
     "CollectiveError", "DomainflowError", "Partial", "Placement", "REGISTRY", "Replicate", "Shard",

@@ -18,6 +18,125 @@ def _demo(args) -> int:
     return report(results[0], args.out)
 
 
+def _floats(text: str, n: int, what: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) != n:
+        raise argparse.ArgumentTypeError(f"{what} takes {n} comma-separated numbers, got {text!r}")
+    return vals
+
+
+def _synth(args) -> int:
+    if args.kind == "drivaerml":
+        from .preprocess.synth_drivaerml import synth_drivaerml
+
+        paths = synth_drivaerml(args.out, runs=args.runs, cells=args.cells, seed=args.seed,
+                                volume_cells=args.volume_cells, volume_pieces=args.volume_pieces,
+                                first_run=args.first_run, progress=not args.quiet)
+        print(f"wrote {len(paths)} DrivaerML-layout runs under {args.out}")
+    else:
+        from .preprocess.synth_climate import synth_climate
+
+        path = synth_climate(args.out, grid=tuple(args.grid), steps=args.steps, seed=args.seed,
+                             dt_hours=args.dt_hours, time_chunk=args.time_chunk, overwrite=args.overwrite,
+                             progress=not args.quiet)
+        print(f"wrote a {args.grid[0]}x{args.grid[1]} climate time series of {args.steps} steps to {path}")
+    return 0
+
+
+def _ingest(args) -> int:
+    common = dict(split=_floats(args.split, 3, "--split"), split_file=args.split_file, workers=args.workers,
+                  scheduler=args.scheduler, overwrite=args.overwrite, progress=not args.quiet,
+                  chunk_bytes=args.chunk_bytes)
+    if args.kind == "drivaerml":
+        from .preprocess.ingest_mesh import MeshOptions, ingest_drivaerml
+        from .preprocess.reference import Reference
+
+        ref = Reference(u_inf=args.u_inf, rho_inf=args.rho_inf, p_inf=args.p_inf, l_ref=args.l_ref)
+        locations = tuple(x for x in args.locations.split(",") if x)
+        opts = MeshOptions(parts=args.parts, method=args.partition, reference=ref, locations=locations,
+                           volume_points=args.volume_points, seed=args.seed, on_error=args.on_error, **common)
+        report = ingest_drivaerml(args.raw, args.store, opts)
+    else:
+        from .preprocess.ingest_grid import GridOptions, ingest_climate
+
+        if args.on_error != "stop":
+            raise SystemExit("error: --on-error skip is for mesh runs; a skipped time block would leave a hole "
+                             "in the time axis")
+        variables = tuple(x for x in args.variables.split(",") if x) if args.variables else None
+        opts = GridOptions(variables=variables, time_block=args.time_block, **common)
+        report = ingest_climate(args.raw, args.store, opts)
+    print(report.summary())
+    return 0
+
+
+def _inspect(args) -> int:
+    from .preprocess.inspect_store import describe
+
+    print(describe(args.store, domains=tuple(args.domain)))
+    return 0
+
+
+def _add_synth(sub):
+    synth = sub.add_parser("synth", help="generate a synthetic raw data set in a real layout")
+    kinds = synth.add_subparsers(dest="kind", required=True)
+    d = kinds.add_parser("drivaerml", help="car-like bluff bodies in the DrivaerML run-folder layout")
+    d.add_argument("out", help="folder to write run_<i>/ folders into")
+    d.add_argument("--runs", type=int, default=8)
+    d.add_argument("--cells", type=int, default=20000, help="surface cells per run (approximate)")
+    d.add_argument("--volume-cells", type=int, default=None, help="volume cells per run (default: --cells)")
+    d.add_argument("--volume-pieces", type=int, default=2, help="split volume files into N .part pieces")
+    d.add_argument("--first-run", type=int, default=1)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--quiet", action="store_true", help="no progress bar")
+    c = kinds.add_parser("climate", help="an ERA5-like (time, latitude, longitude) Zarr from a small simulation")
+    c.add_argument("out", help="path of the Zarr store to write")
+    c.add_argument("--grid", type=int, nargs=2, metavar=("H", "W"), default=(32, 64))
+    c.add_argument("--steps", type=int, default=120)
+    c.add_argument("--dt-hours", type=float, default=6)
+    c.add_argument("--time-chunk", type=int, default=8)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--overwrite", action="store_true")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _add_ingest(sub):
+    from .preprocess.reference import DRIVAERML
+
+    ingest = sub.add_parser("ingest", help="raw files -> a spatially partitioned Zarr store (resumable)")
+    kinds = ingest.add_subparsers(dest="kind", required=True)
+    parsers = [kinds.add_parser("drivaerml", help="DrivaerML-layout run folders -> a mesh store"),
+               kinds.add_parser("climate", help="a (time, lat, lon) climate Zarr -> a grid store")]
+    for p in parsers:
+        p.add_argument("raw", help="raw data (run folders, or a climate Zarr)")
+        p.add_argument("store", help="the store to write (a folder ending in .zarr)")
+        p.add_argument("--workers", type=int, default=1, help="dask worker processes on this machine")
+        p.add_argument("--scheduler", default=None, help="address of a running dask.distributed scheduler")
+        p.add_argument("--split", default="0.8,0.1,0.1", help="train,val,test fractions (default 0.8,0.1,0.1)")
+        p.add_argument("--split-file", default=None, help='JSON {"train": [...], "val": [...], "test": [...]}')
+        p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="target chunk size (default 1 MiB)")
+        p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
+                       help="stop (default; the partial store resumes) or skip bad runs and record them")
+        p.add_argument("--overwrite", action="store_true", help="replace an existing store")
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
+    d, c = parsers
+    d.add_argument("--parts", type=int, default=64, help="spatial parts per run, a power of two (default 64)")
+    d.add_argument("--partition", choices=("rcb", "morton", "slab"), default="rcb")
+    d.add_argument("--locations", default="surface,volume", help="surface,volume (default) or one of them")
+    d.add_argument("--volume-points", type=int, default=None, help="cap volume cells per run (random subset)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the split and the volume subsample")
+    d.add_argument("--u-inf", type=float, default=DRIVAERML.u_inf,
+                   help=f"free-stream speed, m/s (default {DRIVAERML.u_inf}, the DrivaerML paper's 140 km/h)")
+    d.add_argument("--rho-inf", type=float, default=DRIVAERML.rho_inf,
+                   help="density (default 1: OpenFOAM writes kinematic pressure and shear)")
+    d.add_argument("--p-inf", type=float, default=DRIVAERML.p_inf, help="free-stream pressure (default 0)")
+    d.add_argument("--l-ref", type=float, default=DRIVAERML.l_ref, help="reference length, m (default: wheelbase)")
+    c.add_argument("--variables", default=None, help="comma-separated variables (default: all (time, lat, lon))")
+    c.add_argument("--time-block", type=int, default=None, help="time steps per task (default: source chunk)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="domainflow", description="Domain-parallel scientific ML.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -28,10 +147,31 @@ def main(argv=None) -> int:
     demo.add_argument("--lr", type=float, default=3e-3)
     demo.add_argument("--split", type=float, default=0.62, help="fraction of points on rank 0 (uneven shards)")
     demo.add_argument("--out", default="demo_output")
+    _add_synth(sub)
+    _add_ingest(sub)
+    insp = sub.add_parser("inspect", help="describe a store: runs, arrays, stats, splits, partition balance")
+    insp.add_argument("store")
+    insp.add_argument("--domain", type=int, nargs="+", default=[1, 2, 3, 4, 8],
+                      help="domain sizes to show the partition balance for")
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        return _demo(args)
-    return 2
+    run = {"demo": _demo, "synth": _synth, "ingest": _ingest, "inspect": _inspect}[args.command]
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        if args.command == "ingest":
+            print("interrupted; the store is a valid partial store: rerun the same command to resume",
+                  file=sys.stderr)
+        return 130
+    except (ValueError, RuntimeError, OSError) as exc:
+        from .preprocess.errors import IngestError, RunError
+
+        if args.command == "demo" and not isinstance(exc, IngestError):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        if isinstance(exc, RunError):
+            print("the store is left partial and valid; fix the problem and rerun the same command to resume "
+                  "(or pass --on-error skip)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

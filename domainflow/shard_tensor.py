@@ -554,3 +554,8 @@ def _all_coords(mesh_shape) -> list[tuple[int, ...]]:
 
 
 from . import dispatch as _dispatch  # noqa: E402  (dispatch needs ShardTensor defined first)
+from . import ops as _ops  # noqa: E402,F401  (registers the built-in handlers)
+
+import domainflow as _package  # noqa: E402
+
+_package._bind_exports()

@@ -1,0 +1,19 @@
+"""Errors raised by ingest: each names the file or store and says how to fix it."""
+
+from __future__ import annotations
+
+
+class IngestError(ValueError):
+    """Bad raw input (corrupt or truncated file, missing array or file, NaN/Inf) or an incompatible store."""
+
+
+class RunError(IngestError):
+    """One run (or time block) could not be ingested; ``run`` names it so ``--on-error skip`` can record it."""
+
+    def __init__(self, run: str, message: str):
+        super().__init__(f"{run}: {message}")
+        self.run = run
+        self.reason = message
+
+    def __reduce__(self):  # crosses process boundaries (dask workers) intact
+        return (RunError, (self.run, self.reason))

@@ -1,0 +1,286 @@
+"""``domainflow ingest drivaerml RAW STORE``: DrivaerML-layout run folders -> a partitioned mesh store.
+
+Per run (one dask task each): read only the needed cell arrays of the surface (and volume, joining
+``.part`` pieces), compute cell centres, normals and areas, non-dimensionalise, refuse NaN/Inf, partition
+the rows into P spatially compact contiguous parts, and write the run into scratch before moving it into
+``runs/<id>`` in one rename. The coordinator then merges the train runs' statistics (in run order, so
+1 or N workers give identical stores), records splits, fields and references, and marks the store
+complete last. A rerun resumes: published runs are kept, the rest are redone.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import IngestError, RunError
+from .parallel import run_tasks
+from .partition import METHODS, check_parts, partition
+from .reference import DRIVAERML, Reference
+from .report import IngestReport
+from .splits import check_fractions, read_split_file, split_runs
+from .stats import RunningStats, merge_all
+from .store_writer import StoreWriter, write_array
+from .vtk_io import (cell_centres, check_finite, locate, read_cells, read_csv_row, surface_geometry,
+                     whole_file)
+
+LOCATIONS = ("surface", "volume")
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """A stored field: its name, the raw array it comes from, components, and how it is made dimensionless."""
+
+    name: str
+    source: str
+    components: int
+    quantity: str  # pressure | shear | pressure_variance | velocity | viscosity
+
+    def scale_offset(self, ref: Reference) -> tuple[float, float]:
+        """stored = (raw - offset) / scale."""
+        q = ref.q_inf
+        return {"pressure": (q, ref.p_inf), "shear": (q, 0.0), "pressure_variance": (q * q, 0.0),
+                "velocity": (ref.u_inf, 0.0), "viscosity": (ref.u_inf * ref.l_ref, 0.0)}[self.quantity]
+
+    def attrs(self, location: str, ref: Reference) -> dict:
+        scale, offset = self.scale_offset(ref)
+        return {"location": location, "components": self.components, "units": "1", "source": self.source,
+                "quantity": self.quantity, "scale": scale, "offset": offset}
+
+
+FIELDS = {
+    "surface": (FieldSpec("Cp", "pMeanTrim", 1, "pressure"),
+                FieldSpec("Cf", "wallShearStressMeanTrim", 3, "shear"),
+                FieldSpec("CpPrime2", "pPrime2MeanTrim", 1, "pressure_variance")),
+    "volume": (FieldSpec("U", "UMeanTrim", 3, "velocity"),
+               FieldSpec("Cp", "pMeanTrim", 1, "pressure"),
+               FieldSpec("nut", "nutMeanTrim", 1, "viscosity")),
+}
+_CP_CHECK = "CpMeanTrim"  # the file's own Cp, compared with ours to catch a wrong reference
+
+
+@dataclass
+class MeshOptions:
+    """Everything that shapes the store's contents (compared on resume) plus how to run."""
+
+    parts: int = 64
+    method: str = "rcb"
+    reference: Reference = DRIVAERML
+    locations: tuple[str, ...] = ("surface", "volume")
+    volume_points: int | None = None
+    seed: int = 0
+    split: tuple[float, float, float] = (0.8, 0.1, 0.1)
+    split_file: str | None = None
+    chunk_bytes: int = 1 << 20
+    workers: int = 1
+    scheduler: str | None = None
+    on_error: str = "stop"
+    overwrite: bool = False
+    progress: bool = True
+
+    def validate(self):
+        check_parts(self.parts)
+        if self.method not in METHODS:
+            raise IngestError(f"unknown partition method {self.method!r}; choose one of {METHODS}")
+        bad = [loc for loc in self.locations if loc not in LOCATIONS]
+        if bad or not self.locations:
+            raise IngestError(f"--locations must name some of {LOCATIONS}, got {list(self.locations)}")
+        if self.volume_points is not None and self.volume_points < 1:
+            raise IngestError(f"--volume-points must be a positive cap, got {self.volume_points}")
+        if self.on_error not in ("stop", "skip"):
+            raise IngestError(f"--on-error must be 'stop' or 'skip', got {self.on_error!r}")
+        self.split = check_fractions(self.split)
+
+    def config(self) -> dict:
+        return {"parts": self.parts, "partition": self.method, "reference": self.reference.to_attrs(),
+                "locations": list(self.locations), "volume_points": self.volume_points, "seed": self.seed,
+                "split": list(self.split), "split_file": read_split_file(self.split_file),
+                "chunk_bytes": self.chunk_bytes}
+
+
+# -- discovery ---------------------------------------------------------------------------------------
+def discover_runs(raw: Path) -> dict[str, Path]:
+    """``run_<i>`` folders under ``raw``, in numeric order."""
+    raw = Path(raw)
+    if not raw.is_dir():
+        raise IngestError(f"raw data folder {raw} does not exist")
+    found = {}
+    for p in raw.iterdir():
+        if p.is_dir() and p.name.startswith("run_") and p.name[4:].isdigit():
+            found[p.name] = p
+    if not found:
+        raise IngestError(f"{raw} holds no run_<i> folders; expected the DrivaerML layout "
+                          f"(run_<i>/boundary_<i>.vtp, ...); `domainflow synth drivaerml` writes an example")
+    return dict(sorted(found.items(), key=lambda kv: int(kv[0][4:])))
+
+
+# -- one run (a dask task) ------------------------------------------------------------------------
+def _files(run_dir: Path, run_id: str) -> dict[str, Path]:
+    i = run_id[4:]
+    return {"surface": run_dir / f"boundary_{i}.vtp", "volume": run_dir / f"volume_{i}.vtu",
+            "forces": run_dir / f"force_mom_{i}.csv", "forces_constref": run_dir / f"force_mom_constref_{i}.csv",
+            "geometry": run_dir / f"geo_parameters_{i}.csv", "stl": run_dir / f"drivaer_{i}.stl"}
+
+
+def ingest_run(run_dir: str, run_id: str, store: str, opts: MeshOptions) -> dict:
+    """Ingest one run folder into ``store``; returns its summary (stats, sizes, timing, peak memory)."""
+    t0 = time.perf_counter()
+    try:
+        summary = _ingest_run(Path(run_dir), run_id, StoreWriter(store), opts)
+    except IngestError as exc:
+        if opts.on_error == "skip":
+            return {"run": run_id, "error": str(exc)}
+        if isinstance(exc, RunError):
+            raise
+        raise RunError(run_id, str(exc)) from None
+    summary["seconds"] = time.perf_counter() - t0
+    summary["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return summary
+
+
+def _ingest_run(run_dir: Path, run_id: str, writer: StoreWriter, opts: MeshOptions) -> dict:
+    import zarr
+
+    files = _files(run_dir, run_id)
+    needed = ["forces", "forces_constref", "geometry"] + list(opts.locations)
+    missing = [files[k] for k in needed if locate(files[k]) is None]
+    if missing:
+        present = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+        raise RunError(run_id, f"missing file(s) {[str(m) for m in missing]}; the folder holds {present}")
+    ref = opts.reference
+    attrs = {"run": int(run_id[4:]), "run_id": run_id, **ref.to_attrs(),
+             "forces": read_csv_row(files["forces"]), "forces_constref": read_csv_row(files["forces_constref"]),
+             "geometry": read_csv_row(files["geometry"])}
+    raw_bytes = 0
+    folder = writer.new_run_folder(run_id)
+    group = zarr.open_group(folder, mode="w", zarr_format=3)
+    stats, cells, warnings = {}, {}, []
+    for loc in opts.locations:
+        with whole_file(files[loc], scratch=writer.scratch) as path:
+            raw_bytes += path.stat().st_size
+            rows, arrays = _read_location(loc, path, files[loc], run_id, opts, warnings)
+        cells[loc] = len(rows["coords"])
+        stats.update({f"{loc}/{k}": v for k, v in _write_location(group, loc, rows, arrays, opts).items()})
+    group.attrs.update({**attrs, "cells": cells, "stats": stats, "complete": True})
+    writer.publish_run(folder, run_id)
+    return {"run": run_id, "stats": stats, "cells": cells, "raw_bytes": raw_bytes, "warnings": warnings}
+
+
+def _read_location(loc, path, shown_as, run_id, opts, warnings):
+    specs = FIELDS[loc]
+    optional = (_CP_CHECK,) if loc == "surface" else ()
+    mesh, raw = read_cells(path, [s.source for s in specs], shown_as=shown_as, optional=optional)
+    rows = {}
+    if loc == "surface":
+        rows["coords"], rows["normals"], rows["areas"] = surface_geometry(mesh, shown_as)
+    else:
+        rows["coords"] = cell_centres(mesh)
+    rows["order"] = np.arange(mesh.n_cells, dtype=np.int64)
+    fields = {}
+    for spec in specs:
+        values = np.asarray(raw[spec.source], dtype=np.float64).reshape(mesh.n_cells, -1)
+        if values.shape[1] != spec.components:
+            raise IngestError(f"{shown_as}: array {spec.source!r} has {values.shape[1]} components, "
+                              f"expected {spec.components}")
+        check_finite(values, f"{shown_as} array {spec.source!r}")
+        scale, offset = spec.scale_offset(opts.reference)
+        fields[spec.name] = (values - offset) / scale
+    for k, v in rows.items():
+        check_finite(v, f"{shown_as} {k}")
+    if _CP_CHECK in raw:
+        _compare_cp(fields["Cp"][:, 0], np.asarray(raw[_CP_CHECK], dtype=np.float64), shown_as, opts, warnings)
+    if loc == "volume" and opts.volume_points and mesh.n_cells > opts.volume_points:
+        keep = np.sort(np.random.default_rng([opts.seed, int(run_id[4:])])
+                       .choice(mesh.n_cells, opts.volume_points, replace=False))
+        rows = {k: v[keep] for k, v in rows.items()}
+        fields = {k: v[keep] for k, v in fields.items()}
+    return rows, fields
+
+
+def _compare_cp(ours, theirs, name, opts, warnings):
+    """Our Cp should match the file's CpMeanTrim; a constant ratio means the reference values differ."""
+    if not np.isfinite(theirs).all() or np.abs(ours).max() == 0:
+        return
+    ratio = float(np.dot(theirs, ours) / np.dot(ours, ours))
+    if abs(ratio - 1) > 0.01:
+        u = opts.reference.u_inf / np.sqrt(ratio) if ratio > 0 else float("nan")
+        warnings.append(f"{name}: Cp from pMeanTrim with U_inf={opts.reference.u_inf} is {1 / ratio:.3f}x the "
+                        f"file's CpMeanTrim; the data were made dimensionless with U_inf ~ {u:.3f} "
+                        f"(pass --u-inf / --rho-inf to match)")
+
+
+def _write_location(group, loc, rows, fields, opts) -> dict:
+    """Partition, reorder and write one location; returns its per-array statistics."""
+    part = partition(rows["coords"], opts.parts, opts.method)
+    order = part.order
+    sub = group.create_group(loc)
+    stats = {}
+    for name in ("coords", "normals", "areas"):
+        if name in rows:
+            values = rows[name][order].astype(np.float32)
+            write_array(sub, name, values, opts.chunk_bytes)
+            stats[name] = RunningStats.of(values).to_attrs()
+    write_array(sub, "order", rows["order"][order], opts.chunk_bytes)
+    write_array(sub, "parts", part.offsets.astype(np.int64), opts.chunk_bytes)
+    write_array(sub, "part_boxes", part.boxes.astype(np.float32), opts.chunk_bytes)
+    fgroup = sub.create_group("fields")
+    for name, values in fields.items():
+        values = values[order].astype(np.float32)
+        write_array(fgroup, name, values, opts.chunk_bytes)
+        stats[name] = RunningStats.of(values).to_attrs()
+    return stats
+
+
+# -- the whole ingest -----------------------------------------------------------------------------
+def ingest_drivaerml(raw, store, opts: MeshOptions | None = None, **kw) -> IngestReport:
+    """Ingest every ``run_<i>`` folder of ``raw`` into the mesh store ``store`` (resuming if partial)."""
+    opts = opts or MeshOptions(**kw)
+    opts.validate()
+    t0 = time.perf_counter()
+    raw, store = Path(raw), Path(store)
+    runs = discover_runs(raw)
+    splits = split_runs(list(runs), opts.split, opts.seed, opts.split_file)
+    wanted = [r for k in ("train", "val", "test") for r in splits[k]]
+    wanted = [r for r in runs if r in set(wanted)]
+    writer = StoreWriter(store)
+    state = writer.open("mesh", str(raw.resolve()), opts.parts, opts.config(), overwrite=opts.overwrite)
+    report = IngestReport(store=store, state=state)
+    if state == "complete":
+        report.seconds = time.perf_counter() - t0
+        return report
+    done = writer.finished_runs()
+    report.kept = [r for r in wanted if r in done]
+    todo = [(str(runs[r]), r, str(store), opts) for r in wanted if r not in done]
+    summaries = {r: {"stats": done[r]["stats"], "cells": done[r]["cells"]} for r in report.kept}
+    try:
+        for out in run_tasks(ingest_run, todo, workers=opts.workers, scheduler=opts.scheduler,
+                             desc=f"ingest {raw.name}", progress=opts.progress):
+            if "error" in out:
+                report.skipped[out["run"]] = out["error"]
+                continue
+            report.tasks.append(out)
+            report.written.append(out["run"])
+            report.warnings += out["warnings"]
+            summaries[out["run"]] = out
+    finally:
+        report.seconds = time.perf_counter() - t0
+    ok = {k: [r for r in v if r in summaries] for k, v in splits.items()}
+    if not ok["train"]:
+        raise IngestError(f"no train run was ingested ({len(report.skipped)} skipped); nothing to compute "
+                          f"normalisation statistics from")
+    stats = {}
+    for key in sorted({k for s in summaries.values() for k in s["stats"]}):
+        merged = merge_all(RunningStats.from_attrs(summaries[r]["stats"][key]) for r in ok["train"]
+                           if key in summaries[r]["stats"])
+        if merged is not None:
+            stats[key] = merged.to_attrs()
+    fields = {f"{loc}/{s.name}": s.attrs(loc, opts.reference) for loc in opts.locations for s in FIELDS[loc]}
+    writer.complete({"fields": fields, "stats": stats, "splits": ok, "reference": opts.reference.to_attrs(),
+                     "skipped": report.skipped})
+    report.seconds = time.perf_counter() - t0
+    return report
+

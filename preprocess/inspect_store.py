@@ -1,0 +1,125 @@
+"""``domainflow inspect STORE``: what a store holds and how evenly it splits over a domain of W ranks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from domainflow.shapes import balanced_sizes, rows_per_rank
+
+from .errors import IngestError
+
+
+def _disk_bytes(path: Path) -> int:
+    total = 0
+    for folder, _, files in os.walk(path):
+        total += sum(os.path.getsize(os.path.join(folder, f)) for f in files)
+    return total
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return ""
+
+
+def _fmt_vec(values, width=4) -> str:
+    vals = list(values)
+    shown = ", ".join(f"{v:.4g}" for v in vals[:width])
+    return f"[{shown}{', ...' if len(vals) > width else ''}]"
+
+
+def describe(path, domains=(1, 2, 3, 4, 8)) -> str:
+    """A human-readable report of the store at ``path``."""
+    import zarr
+
+    path = Path(path)
+    try:
+        root = zarr.open_group(path, mode="r")
+        head = dict(root.attrs["domainflow"])
+    except Exception:
+        raise IngestError(f"{path} is not a domainflow store (no zarr group with attrs['domainflow']); "
+                          f"create one with `domainflow ingest`") from None
+    lines = [f"{path}: {head.get('kind')} store, format {head.get('format')}, "
+             f"{'complete' if head.get('complete') else 'INCOMPLETE'}",
+             f"  source: {head.get('source')}", f"  stored: {_fmt_bytes(_disk_bytes(path))} on disk"]
+    if not head.get("complete"):
+        lines.append("  the ingest that writes it was interrupted or is still running; rerun the same "
+                     "`domainflow ingest` command to resume")
+    config = root.attrs.get("ingest", {}).get("config", {})
+    if head.get("kind") == "mesh":
+        lines += _describe_mesh(root, head, config, domains)
+    elif head.get("kind") == "grid":
+        lines += _describe_grid(root, config, domains)
+    if root.attrs.get("stats"):
+        lines.append("  normalisation statistics (train split): key count mean std min max")
+        for key, s in root.attrs["stats"].items():
+            lines.append(f"    {key:<24} {s['count']:>10,} {_fmt_vec(s['mean'])} {_fmt_vec(s['std'])} "
+                         f"{_fmt_vec(s['min'])} {_fmt_vec(s['max'])}")
+    return "\n".join(lines)
+
+
+def _describe_mesh(root, head, config, domains) -> list[str]:
+    P = int(head["parts"])
+    lines = [f"  parts: {P} ({config.get('partition', '?')}); reference: {config.get('reference', {})}"]
+    splits = root.attrs.get("splits", {})
+    runs = sorted(root["runs"].group_keys(), key=lambda s: (len(s), s))
+    lines.append(f"  runs: {len(runs)} published" + ("; splits: " + ", ".join(f"{k} {len(v)}" for k, v in
+                                                                              splits.items()) if splits else ""))
+    skipped = root.attrs.get("skipped", {})
+    for run, why in skipped.items():
+        lines.append(f"  skipped {run}: {why}")
+    if not runs:
+        return lines
+    first = root["runs"][runs[0]]
+    lines.append(f"  arrays of {runs[0]} (every run has the same arrays, its own row count):")
+    for loc in ("surface", "volume"):
+        if loc not in first:
+            continue
+        for name, arr in sorted(first[loc].arrays()):
+            lines.append(f"    {loc + '/' + name:<26} {str(arr.shape):<14} {str(arr.dtype):<8} chunks {arr.chunks}")
+        for name, arr in sorted(first[loc]["fields"].arrays()):
+            lines.append(f"    {loc + '/fields/' + name:<26} {str(arr.shape):<14} {str(arr.dtype):<8} chunks {arr.chunks}")
+    for loc in ("surface", "volume"):
+        offsets = {r: np.asarray(root["runs"][r][loc]["parts"][...]) for r in runs if loc in root["runs"][r]}
+        if not offsets:
+            continue
+        cells = np.array([o[-1] for o in offsets.values()])
+        lines.append(f"  {loc} cells per run: min {cells.min():,} mean {cells.mean():,.0f} max {cells.max():,}")
+        lines.append(f"  {loc} partition balance (rows per rank over all runs; imbalance = max / mean):")
+        for W in domains:
+            if W > P:
+                continue
+            per = np.array([rows_per_rank(o, W) for o in offsets.values()])
+            imb = max((p.max() / p.mean()) if p.mean() else 1.0 for p in per)
+            lines.append(f"    domain {W}: min {per.min():,} max {per.max():,} rows per rank, worst imbalance "
+                         f"{imb:.3f}")
+    return lines
+
+
+def _describe_grid(root, config, domains) -> list[str]:
+    lines = []
+    if "data" not in root:
+        return lines + ["  no data array yet"]
+    data = root["data"]
+    T, C, H, W = data.shape
+    variables = config.get("variables", [])
+    lines.append(f"  data {data.shape} {data.dtype} chunks {data.chunks}; variables {variables}")
+    time = root["time"]
+    lines.append(f"  time: {T} steps, {np.asarray(time[:1])[0]} .. {np.asarray(time[-1:])[0]} "
+                 f"{time.attrs.get('units', '')}")
+    lat, lon = np.asarray(root["lat"][...]), np.asarray(root["lon"][...])
+    lines.append(f"  lat {H}: {lat[0]:.3f} .. {lat[-1]:.3f}; lon {W}: {lon[0]:.3f} .. {lon[-1]:.3f}; "
+                 f"periodic in lon: {root.attrs.get('grid', {}).get('periodic_lon', '?')}")
+    for k, ranges in root.attrs.get("splits", {}).items():
+        lines.append(f"  split {k}: {sum(b - a for a, b in ranges)} steps in {ranges}")
+    lines.append("  lat rows per rank (balanced split of the rows over a domain of W ranks):")
+    for Wd in domains:
+        if Wd <= H:
+            sizes = balanced_sizes(H, Wd)
+            lines.append(f"    domain {Wd}: {min(sizes)}..{max(sizes)} rows per rank")
+    return lines

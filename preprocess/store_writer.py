@@ -1,0 +1,178 @@
+"""Writing a domainflow store (format in DESIGN.md) so that nothing is lost and nothing half-written is read.
+
+- The root group's ``attrs["domainflow"]["complete"]`` is set last; until then the store is a resumable
+  partial store.
+- A mesh run is written into a scratch folder next to the store (``<store>.ingest-tmp/``) and moved into
+  ``runs/<id>`` with one ``os.replace``, so a run is either absent or whole; a killed task leaves only
+  scratch, which the next ingest deletes.
+- A grid time block writes whole chunks of ``data`` (zarr's local store writes each chunk file atomically)
+  and then a small JSON marker with its statistics; blocks without a marker are redone.
+- Each writer task writes whole chunks only and no two tasks share a chunk: zarr-python loses data when
+  tasks write parts of the same chunk or shard concurrently.
+
+Only the coordinating process writes root attributes; tasks return what they learnt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from .errors import IngestError
+
+FORMAT = 1
+TARGET_CHUNK_BYTES = 1 << 20
+
+
+def chunk_rows(row_bytes: int, target: int = TARGET_CHUNK_BYTES) -> int:
+    """Rows per chunk so a chunk holds about ``target`` bytes (at least one row)."""
+    return max(1, int(target) // max(1, int(row_bytes)))
+
+
+def write_array(group, name: str, values: np.ndarray, target: int = TARGET_CHUNK_BYTES, attrs: dict | None = None):
+    """Create ``group[name]`` holding ``values``, chunked along rows into ~``target``-byte chunks."""
+    values = np.ascontiguousarray(values)
+    row_bytes = values.dtype.itemsize * int(np.prod(values.shape[1:], dtype=np.int64))
+    chunks = (min(max(1, len(values)), chunk_rows(row_bytes, target)),) + tuple(values.shape[1:])
+    arr = group.create_array(name, shape=values.shape, chunks=chunks, dtype=values.dtype,
+                             attributes=attrs or {})
+    if values.size:
+        arr[...] = values
+    return arr
+
+
+def _json_safe(obj):
+    """Attrs must be JSON: numpy scalars/arrays to Python numbers/lists."""
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+class StoreWriter:
+    """Opens, resumes and completes one store at ``path`` (a local folder)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.scratch = self.path.with_name(self.path.name + ".ingest-tmp")
+
+    # -- opening -----------------------------------------------------------------------------------
+    def open(self, kind: str, source: str, parts: int, config: dict, overwrite: bool = False) -> str:
+        """Start or resume; returns "new", "resume" or "complete" (nothing to do).
+
+        ``config`` holds every option that changes the store's contents; resuming or re-running with
+        different options is refused, so one store never mixes two ingests.
+        """
+        import zarr
+
+        config = _json_safe(config)
+        if overwrite:
+            self._remove_all()
+        if self.path.exists() and not (self.path / "zarr.json").exists():
+            if any(self.path.iterdir()):
+                raise IngestError(f"{self.path} exists and is not a zarr store; choose another STORE path "
+                                  f"or delete it")
+        if (self.path / "zarr.json").exists():
+            root = zarr.open_group(self.path, mode="r+")
+            head = dict(root.attrs.get("domainflow", {}))
+            if head.get("kind") != kind or head.get("format") != FORMAT:
+                raise IngestError(f"{self.path} holds a {head.get('kind')!r} store of format {head.get('format')}, "
+                                  f"not a {kind!r} store of format {FORMAT}; pass --overwrite to replace it or "
+                                  f"choose another STORE path")
+            old = dict(root.attrs.get("ingest", {}).get("config", {}))
+            if old != config:
+                diff = {k: (old.get(k), config.get(k)) for k in sorted(set(old) | set(config))
+                        if old.get(k) != config.get(k)}
+                what = "; ".join(f"{k}: store has {a!r}, this ingest asks {b!r}" for k, (a, b) in diff.items())
+                raise IngestError(f"{self.path} was written by an ingest with different options ({what}); rerun "
+                                  f"with the store's options to resume, or pass --overwrite to start again")
+            if head.get("complete"):
+                return "complete"
+            self._clean_scratch()
+            return "resume"
+        self._remove_all()
+        root = zarr.open_group(self.path, mode="w", zarr_format=3)
+        root.attrs.update({
+            "domainflow": {"format": FORMAT, "kind": kind, "complete": False, "source": str(source), "parts": parts},
+            "ingest": {"config": config},
+        })
+        if kind == "mesh":
+            root.create_group("runs")
+        return "new"
+
+    def _remove_all(self):
+        for p in (self.path, self.scratch):
+            if p.exists():
+                shutil.rmtree(p)
+
+    def _clean_scratch(self):
+        """Delete what killed tasks left behind; finished work lives in the store or in markers."""
+        runs = self.scratch / "runs"
+        if runs.exists():
+            shutil.rmtree(runs)
+
+    # -- mesh runs ---------------------------------------------------------------------------------
+    def finished_runs(self) -> dict[str, dict]:
+        """Run id -> attrs of each run already published (complete by construction)."""
+        import zarr
+
+        root = zarr.open_group(self.path, mode="r")
+        out = {}
+        for name, grp in root["runs"].groups():
+            attrs = dict(grp.attrs)
+            if attrs.get("complete"):
+                out[name] = attrs
+        return out
+
+    def new_run_folder(self, run_id: str) -> Path:
+        """A fresh scratch folder for a task to build run ``run_id`` in."""
+        folder = self.scratch / "runs" / f"{run_id}.{uuid.uuid4().hex[:8]}"
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def publish_run(self, folder: Path, run_id: str) -> None:
+        """Move a finished run group into ``runs/<run_id>`` in one rename."""
+        dest = self.path / "runs" / run_id
+        if dest.exists():  # only after an interrupted --overwrite of this very run
+            shutil.rmtree(dest)
+        os.replace(folder, dest)
+
+    # -- grid blocks -------------------------------------------------------------------------------
+    def block_marker(self, name: str) -> Path:
+        return self.scratch / "blocks" / f"{name}.json"
+
+    def mark_block(self, name: str, info: dict) -> None:
+        path = self.block_marker(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{uuid.uuid4().hex[:8]}.partial")
+        tmp.write_text(json.dumps(_json_safe(info)))
+        os.replace(tmp, path)
+
+    def finished_blocks(self) -> dict[str, dict]:
+        folder = self.scratch / "blocks"
+        if not folder.exists():
+            return {}
+        return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+
+    # -- completion --------------------------------------------------------------------------------
+    def complete(self, attrs: dict) -> None:
+        """Write the summary attrs (fields, stats, splits, ...) and then, last, mark the store complete."""
+        import zarr
+
+        root = zarr.open_group(self.path, mode="r+")
+        root.attrs.update(_json_safe(attrs))
+        head = dict(root.attrs["domainflow"])
+        head["complete"] = True
+        root.attrs["domainflow"] = head
+        if self.scratch.exists():
+            shutil.rmtree(self.scratch)

@@ -1,0 +1,179 @@
+"""Reading raw VTK files for ingest: only the named cell arrays, split ``.part`` files, clear errors.
+
+VTK reports problems by printing, not raising; every read here runs under pyvista's error catcher so a
+corrupt or truncated file becomes an :class:`IngestError` that names the file and what VTK said.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .errors import IngestError
+
+_PIECE = re.compile(r"\.(\d+)\.part$")
+
+
+def _quiet_vtk():
+    """Stop VTK printing to stderr; errors still reach the catcher, which raises them."""
+    from vtkmodules.vtkCommonCore import vtkLogger, vtkObject
+
+    vtkLogger.SetStderrVerbosity(vtkLogger.VERBOSITY_OFF)
+    vtkObject.GlobalWarningDisplayOn()
+
+
+def pieces_of(path: Path) -> list[Path]:
+    """The byte pieces ``<name>.00.part, <name>.01.part, ...`` of a file shipped split, in order."""
+    found = {}
+    for p in path.parent.glob(path.name + ".*.part"):
+        m = _PIECE.search(p.name)
+        if m:
+            found[int(m.group(1))] = p
+    if not found:
+        return []
+    missing = [i for i in range(max(found) + 1) if i not in found]
+    if missing:
+        raise IngestError(f"{path}: split into .part files but piece(s) {missing} are missing "
+                          f"(found {sorted(found)}); download the missing pieces")
+    return [found[i] for i in sorted(found)]
+
+
+def locate(path: Path) -> Path | None:
+    """``path`` if it exists, else ``path`` if it exists split into pieces (returned as is), else None."""
+    if path.exists() or pieces_of(path):
+        return path
+    return None
+
+
+@contextlib.contextmanager
+def whole_file(path: Path, scratch: Path | None = None):
+    """Yield a readable path for ``path``; if it ships as ``.NN.part`` pieces, concatenate them (bytes,
+    like ``cat``) into a temporary file that is removed afterwards."""
+    path = Path(path)
+    if path.exists():
+        yield path
+        return
+    pieces = pieces_of(path)
+    if not pieces:
+        raise IngestError(f"{path} is missing (neither the file nor {path.name}.00.part pieces exist)")
+    folder = Path(tempfile.mkdtemp(prefix="domainflow-parts-", dir=scratch))
+    try:
+        joined = folder / path.name
+        with open(joined, "wb") as out:
+            for piece in pieces:
+                with open(piece, "rb") as src:
+                    shutil.copyfileobj(src, out, length=16 << 20)
+        yield joined
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def read_cells(path: Path, arrays: list[str], shown_as: Path | None = None, optional: tuple[str, ...] = ()):
+    """Read a VTK XML mesh keeping only the CELL arrays ``arrays`` (and those of ``optional`` that exist);
+    returns (mesh, {name: ndarray}).
+
+    ``shown_as`` is the name used in errors (the original file when ``path`` is a joined temporary).
+    """
+    import pyvista as pv
+
+    _quiet_vtk()
+    name = shown_as or path
+    try:
+        reader = pv.get_reader(str(path))
+    except Exception as exc:  # unknown extension, unreadable file
+        raise IngestError(f"{name}: cannot be read as VTK ({exc})") from None
+    try:
+        with pv.VtkErrorCatcher(raise_errors=True, send_to_logging=False):
+            present_cell = list(reader.cell_array_names)
+            present_point = list(reader.point_array_names)
+            absent = [a for a in arrays if a not in present_cell]
+            if absent:
+                hint = ""
+                as_points = [a for a in absent if a in present_point]
+                if as_points:
+                    hint = f" ({as_points} exist as POINT data; the DrivaerML layout stores them as CELL data)"
+                raise IngestError(f"{name}: missing cell array(s) {absent}{hint}; cell arrays present: "
+                                  f"{present_cell}, point arrays present: {present_point}")
+            arrays = list(arrays) + [a for a in optional if a in present_cell and a not in arrays]
+            reader.disable_all_cell_arrays()
+            reader.disable_all_point_arrays()
+            for a in arrays:
+                reader.enable_cell_array(a)
+            mesh = reader.read()
+    except IngestError:
+        raise
+    except Exception as exc:
+        said = " ".join(line.strip() for line in str(exc).splitlines()
+                        if line.strip() and not line.startswith("ERROR: In "))[:300]
+        raise IngestError(f"{name}: corrupt or truncated VTK file (VTK: {said})") from None
+    if mesh is None or mesh.n_cells == 0:
+        raise IngestError(f"{name}: VTK read no cells; the file is empty, truncated or not a mesh")
+    out = {}
+    for a in arrays:
+        if a not in mesh.cell_data:
+            raise IngestError(f"{name}: cell array {a!r} listed in the header but could not be read; the file is "
+                              f"corrupt")
+        values = np.asarray(mesh.cell_data[a])
+        if len(values) != mesh.n_cells:
+            raise IngestError(f"{name}: array {a!r} has {len(values)} values for {mesh.n_cells} cells")
+        out[a] = values
+    return mesh, out
+
+
+def check_finite(values: np.ndarray, what: str) -> None:
+    """Refuse NaN/Inf, naming the array, how many and the first bad row."""
+    bad = ~np.isfinite(values)
+    if bad.any():
+        rows = bad.reshape(len(values), -1).any(axis=1)
+        first = int(np.argmax(rows))
+        raise IngestError(f"{what}: {int(rows.sum())} of {len(values)} cells hold NaN/Inf (first at cell {first}); "
+                          f"fix or drop this run (--on-error skip records it and carries on)")
+
+
+def surface_geometry(mesh, name) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cell centres, unit normals (from each polygon's own winding) and areas of a surface mesh."""
+    centres = np.asarray(mesh.cell_centers().points, dtype=np.float64)
+    with_normals = mesh.compute_normals(cell_normals=True, point_normals=False, split_vertices=False,
+                                        consistent_normals=False, auto_orient_normals=False)
+    if with_normals.n_cells != mesh.n_cells:
+        raise IngestError(f"{name}: the surface holds non-polygon cells (normals changed the cell count "
+                          f"{mesh.n_cells} -> {with_normals.n_cells}); the surface must be polygons only")
+    normals = np.asarray(with_normals.cell_data["Normals"], dtype=np.float64)
+    areas = np.asarray(mesh.compute_cell_sizes(length=False, area=True, volume=False).cell_data["Area"],
+                       dtype=np.float64)
+    if (areas <= 0).any():
+        n = int((areas <= 0).sum())
+        raise IngestError(f"{name}: {n} surface cells have zero or negative area; the mesh is degenerate")
+    return centres, normals, areas
+
+
+def cell_centres(mesh) -> np.ndarray:
+    return np.asarray(mesh.cell_centers().points, dtype=np.float64)
+
+
+def read_csv_row(path: Path) -> dict[str, float]:
+    """A one-row CSV (header + values) such as DrivaerML's force and geometry files, as {column: value}."""
+    if not path.exists():
+        raise IngestError(f"{path} is missing")
+    with open(path, newline="") as f:
+        rows = [r for r in csv.reader(f) if any(c.strip() for c in r)]
+    if len(rows) != 2:
+        raise IngestError(f"{path}: expected a header line and one row of values, found {len(rows)} non-empty lines")
+    header, values = [h.strip() for h in rows[0]], [v.strip() for v in rows[1]]
+    if len(header) != len(values):
+        raise IngestError(f"{path}: {len(header)} column names but {len(values)} values")
+    out = {}
+    for h, v in zip(header, values):
+        try:
+            out[h] = float(v)
+        except ValueError:
+            raise IngestError(f"{path}: column {h!r} holds {v!r}, not a number") from None
+        if not np.isfinite(out[h]):
+            raise IngestError(f"{path}: column {h!r} is {v}")
+    return out
