@@ -60,11 +60,12 @@ def _ingest(args) -> int:
                            volume_points=args.volume_points, seed=args.seed, on_error=args.on_error, **common)
         report = ingest_drivaerml(args.raw, args.store, opts)
     else:
+        from .preprocess.errors import IngestError
         from .preprocess.ingest_grid import GridOptions, ingest_climate
 
         if args.on_error != "stop":
-            raise SystemExit("error: --on-error skip is for mesh runs; a skipped time block would leave a hole "
-                             "in the time axis")
+            raise IngestError("--on-error skip is for mesh runs; a skipped time block would leave a hole in the "
+                              "time axis (fix the source and rerun: finished blocks are kept)")
         variables = tuple(x for x in args.variables.split(",") if x) if args.variables else None
         opts = GridOptions(variables=variables, time_block=args.time_block, **common)
         report = ingest_climate(args.raw, args.store, opts)

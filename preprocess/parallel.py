@@ -62,7 +62,7 @@ def _distributed(func, calls, address, bar):
     except ImportError:
         raise RuntimeError("--scheduler needs dask.distributed: pip install 'domainflow[cluster]'") from None
     try:
-        client = Client(address, timeout="30s", set_as_default=False)
+        client = Client(address, timeout="30s")
     except OSError as exc:
         raise RuntimeError(f"cannot reach the dask scheduler at {address!r} ({exc}); start one with "
                            f"`dask scheduler` and `dask worker ADDRESS`, or leave out --scheduler") from None

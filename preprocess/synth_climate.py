@@ -15,13 +15,14 @@ Flow (kinematic, analytic at any time):
   moves with the Rossby-Haurwitz dispersion relation c = w - 2 (Omega + w) / (n (n + 1)) (angular phase
   speed), w being the angular velocity of the steering flow aloft (2.5 x the 10 m jet, which friction
   slows) as felt by that wave (weighted by its kinetic energy): westward relative to the flow, faster for
-  large scales (m = 1, n = 2 is a fast ~3-day wave; short waves are nearly stationary).
+  large scales (m = 1, n = 2 is a fast ~3-day wave; the short waves drift only a few degrees a day).
 - Winds u10 = -(1/a) dpsi/dphi, v10 = (1/(a cos phi)) dpsi/dlambda, evaluated analytically (exact
   Legendre derivatives), so the flow is non-divergent and smooth across the seam and the poles.
-- msl = 101325 + rho f psi (geostrophic balance, f = 2 Omega sin phi). For the zonal jet this is applied
-  in differential form, dp = rho f dpsi (exact balance, independent of psi's arbitrary constant), and the
-  global area mean is removed so the mean msl stays 101325 Pa. psi is multiplied by f, never divided, so
-  no equatorial cap is needed: msl is flat near the equator, where geostrophy fails, as observed.
+- msl = 101325 + rho f psi (geostrophic balance, f = 2 Omega sin phi; for the waves it neglects the
+  variation of f, as usual). For the zonal jet it is applied in differential form, dp = rho f dpsi (exact
+  balance, independent of psi's arbitrary constant), and the global area mean is removed so the mean msl
+  stays 101325 Pa. psi is multiplied by f, never divided, so no equatorial cap is needed: msl is flat near
+  the equator, where geostrophy fails, as observed.
 
 Tracers (prognostic, the only state): air-mass temperature T and total column water vapour q, stepped
 with internal sub-steps (each <= one grid cell of displacement and within the explicit diffusion limit):
@@ -76,7 +77,6 @@ KAPPA = 1.0e5  # tracer diffusivity, m^2/s
 TAU_T = 4 * 86400.0  # temperature relaxation time, s
 TAU_Q = 2 * 86400.0  # water vapour relaxation time, s
 SPINUP_S = 4 * 86400.0
-YEAR_S = 365.25 * 86400.0
 STEERING_FACTOR = 2.5  # steering-level (~500 hPa) wind / 10 m wind: friction slows the surface flow
 MAX_CELLS_PER_SUBSTEP = 1.0  # semi-Lagrangian trajectory length per sub-step, in grid cells
 _DENSE = 4096  # latitude points of the model-grid-independent reference grid
@@ -121,15 +121,18 @@ def legendre(m: int, n: int, phi: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
     cur = dfact * cos ** (m - 1)  # P_m^m / cos
     for k in range(m + 1, n + 1):
         prev, cur = cur, ((2 * k - 1) * x * cur - (k + m - 1) * prev) / (k - m)
-    # (1 - x^2) dP_n/dx = n x P_n - (n + m) P_{n-1};  dP/dphi = cos dP/dx.
-    dp = n * x * cur - (n + m) * prev
+    # (x^2 - 1) dP_n/dx = n x P_n - (n + m) P_{n-1};  dP/dphi = cos dP/dx.
+    dp = (n + m) * prev - n * x * cur
     return cur * cos, dp, cur
 
 
 def _jet_u(phi: np.ndarray) -> np.ndarray:
     """10 m zonal-mean wind (m/s): midlatitude westerlies, trade easterlies, polar easterlies; 0 at poles."""
-    deg = np.rad2deg(phi)
-    g = lambda centre, width: np.exp(-(((np.abs(deg) - centre) / width) ** 2))  # noqa: E731
+    deg = np.abs(np.rad2deg(phi))
+
+    def g(centre, width):
+        return np.exp(-(((deg - centre) / width) ** 2))
+
     return np.cos(phi) * (12.0 * g(47.0, 12.0) - 7.0 * g(15.0, 10.0) - 10.0 * g(75.0, 8.0))
 
 
@@ -153,15 +156,15 @@ def rossby_haurwitz_speed(n: int, omega_bg: float) -> float:
     return omega_bg - 2.0 * (OMEGA + omega_bg) / (n * (n + 1))
 
 
-def _dense_phi() -> tuple[np.ndarray, float]:
-    dphi = math.pi / _DENSE
-    return math.pi / 2 - (np.arange(_DENSE) + 0.5) * dphi, dphi
+def _dense_phi() -> np.ndarray:
+    """Fine cell-centred latitudes (radians, descending) for grid-independent profiles and maxima."""
+    return math.pi / 2 - (np.arange(_DENSE) + 0.5) * (math.pi / _DENSE)
 
 
 def doppler_rotation(m: int, n: int) -> float:
     """Angular velocity (rad/s) of the steering flow (STEERING_FACTOR x the 10 m jet) as felt by wave
     (m, n): u / (a cos phi) weighted by the wave's kinetic energy. The wave rides on this rotation."""
-    phi, _ = _dense_phi()
+    phi = _dense_phi()
     _, dp, pc = legendre(m, n, phi)
     weight = (dp ** 2 + (m * pc) ** 2) * np.cos(phi)
     steering = STEERING_FACTOR * _jet_u(phi)
@@ -171,7 +174,7 @@ def doppler_rotation(m: int, n: int) -> float:
 def wave_modes(seed: int) -> tuple[WaveMode, ...]:
     """Seeded waves m = 1..5; amplitudes set so each wave's peak wind is 1.5-4 m/s."""
     rng = np.random.default_rng([int(seed), 0x5EED])
-    phi, _ = _dense_phi()
+    phi = _dense_phi()
     modes = []
     for m in range(1, 6):
         n = m + int(rng.integers(1, 4))
@@ -191,10 +194,9 @@ class Flow:
         self.grid = grid
         self.modes = modes
         phi = grid.phi
-        dense, _ = _dense_phi()
         # Jet msl from dp/dphi = rho f dpsi/dphi = -rho a f u (exact geostrophic balance, whatever constant
         # psi_jet carries), integrated on the dense grid (grid independent), then sampled.
-        order = dense[::-1]
+        order = _dense_phi()[::-1]
         integrand = -RHO_AIR * EARTH_RADIUS * 2 * OMEGA * np.sin(order) * _jet_u(order)
         p_d = np.concatenate([[0.0], np.cumsum(0.5 * (integrand[1:] + integrand[:-1]) * np.diff(order))])
         p_d -= np.sum(p_d * np.cos(order)) / np.sum(np.cos(order))  # global area mean 0: mean msl is P0
@@ -281,7 +283,7 @@ class TracerModel:
         """Radiative-equilibrium air-mass temperature (K) with the seasonal cycle."""
         return self.t_static + 12.0 * season(t) * self.sphi * np.abs(self.sphi)
 
-    def substep(self, t: float) -> float:
+    def substep(self) -> float:
         """Largest sub-step (s): <= MAX_CELLS_PER_SUBSTEP cells of travel, within the diffusion limit."""
         cell = EARTH_RADIUS * self.dphi
         return min(MAX_CELLS_PER_SUBSTEP * cell / max(self.flow.max_speed, 1e-6),
@@ -289,7 +291,7 @@ class TracerModel:
 
     def advance(self, t: float, dt: float) -> None:
         """Integrate from t to t + dt with equal sub-steps."""
-        n = max(1, math.ceil(dt / self.substep(t) - 1e-9))
+        n = max(1, math.ceil(dt / self.substep() - 1e-9))
         h = dt / n
         for i in range(n):
             self._step(t + i * h, h)
@@ -349,7 +351,7 @@ class TracerModel:
 
     def _diffuse_lat(self, fields: np.ndarray, dt: float) -> np.ndarray:
         """Explicit conservative latitude diffusion, zero flux through the poles."""
-        grad = np.diff(fields, axis=1)  # (k, H-1, W): interior interfaces (row j - row j+1 ordering)
+        grad = np.diff(fields, axis=1)  # (k, H-1, W): row j+1 - row j at the interior interfaces
         flux = np.zeros((fields.shape[0], fields.shape[1] + 1, fields.shape[2]))
         flux[:, 1:-1] = self.c_edge[1:-1, None] * grad
         coef = KAPPA * dt / (EARTH_RADIUS * self.dphi) ** 2
@@ -446,7 +448,7 @@ def _create_store(path: Path, grid: Grid, steps: int, time_chunk: int, dt_hours:
         "Conventions": "CF-1.6",
         "source": "domainflow.preprocess.synth_climate: synthetic ERA5-like fields (Rossby-Haurwitz waves "
                   "on a zonal jet, geostrophic msl, advected/relaxed t2m and tcwv)",
-        "history": f"{datetime.now().isoformat(timespec='seconds')} synth_climate(grid=({h}, {w}), "
+        "history": f"created by domainflow.preprocess.synth_climate.synth_climate(grid=({h}, {w}), "
                    f"steps={steps}, seed={seed}, dt_hours={dt_hours}, time_chunk={time_chunk})",
     })
     coords = {
@@ -509,7 +511,7 @@ def synth_climate(out, grid=(32, 64), steps=48, seed=0, dt_hours=6, time_chunk=8
     """Simulate ``steps`` outputs every ``dt_hours`` from 2020-01-01 00:00 on an (H, W) = ``grid`` lat-lon
     grid and write them as a Zarr v3 store at ``out`` (atomically); return its path.
 
-    Arrays: VARIABLES, each (time, latitude, longitude) float32 chunked (time_chunk, H, W), plus the
+    Arrays: VARIABLES, each (time, latitude, longitude) float32 chunked (min(time_chunk, steps), H, W), plus the
     coordinates ``time`` (int64 hours since 1900-01-01), ``latitude`` (descending) and ``longitude``.
     Raises ValueError for bad arguments, or if ``out`` exists and ``overwrite`` is False.
     """

@@ -84,34 +84,32 @@ def read_cells(path: Path, arrays: list[str], shown_as: Path | None = None, opti
 
     _quiet_vtk()
     name = shown_as or path
-    try:
-        reader = pv.get_reader(str(path))
-    except Exception as exc:  # unknown extension, unreadable file
-        raise IngestError(f"{name}: cannot be read as VTK ({exc})") from None
-    try:
-        with pv.VtkErrorCatcher(raise_errors=True, send_to_logging=False):
+    with pv.VtkErrorCatcher(raise_errors=False, send_to_logging=False) as caught:
+        try:
+            reader = pv.get_reader(str(path))
             present_cell = list(reader.cell_array_names)
             present_point = list(reader.point_array_names)
-            absent = [a for a in arrays if a not in present_cell]
-            if absent:
-                hint = ""
-                as_points = [a for a in absent if a in present_point]
-                if as_points:
-                    hint = f" ({as_points} exist as POINT data; the DrivaerML layout stores them as CELL data)"
-                raise IngestError(f"{name}: missing cell array(s) {absent}{hint}; cell arrays present: "
-                                  f"{present_cell}, point arrays present: {present_point}")
-            arrays = list(arrays) + [a for a in optional if a in present_cell and a not in arrays]
-            reader.disable_all_cell_arrays()
-            reader.disable_all_point_arrays()
-            for a in arrays:
-                reader.enable_cell_array(a)
+        except Exception as exc:  # unknown extension, unreadable file
+            raise IngestError(f"{name}: cannot be read as VTK ({_first_line(exc)})") from None
+        _raise_caught(caught, name)
+        absent = [a for a in arrays if a not in present_cell]
+        if absent:
+            hint = ""
+            as_points = [a for a in absent if a in present_point]
+            if as_points:
+                hint = f" ({as_points} exist as POINT data; the DrivaerML layout stores them as CELL data)"
+            raise IngestError(f"{name}: missing cell array(s) {absent}{hint}; cell arrays present: "
+                              f"{present_cell}, point arrays present: {present_point}")
+        arrays = list(arrays) + [a for a in optional if a in present_cell and a not in arrays]
+        reader.disable_all_cell_arrays()
+        reader.disable_all_point_arrays()
+        for a in arrays:
+            reader.enable_cell_array(a)
+        try:
             mesh = reader.read()
-    except IngestError:
-        raise
-    except Exception as exc:
-        said = " ".join(line.strip() for line in str(exc).splitlines()
-                        if line.strip() and not line.startswith("ERROR: In "))[:300]
-        raise IngestError(f"{name}: corrupt or truncated VTK file (VTK: {said})") from None
+        except Exception as exc:
+            raise IngestError(f"{name}: corrupt or truncated VTK file ({_first_line(exc)})") from None
+        _raise_caught(caught, name)
     if mesh is None or mesh.n_cells == 0:
         raise IngestError(f"{name}: VTK read no cells; the file is empty, truncated or not a mesh")
     out = {}
@@ -124,6 +122,18 @@ def read_cells(path: Path, arrays: list[str], shown_as: Path | None = None, opti
             raise IngestError(f"{name}: array {a!r} has {len(values)} values for {mesh.n_cells} cells")
         out[a] = values
     return mesh, out
+
+
+def _first_line(exc) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
+def _raise_caught(caught, name) -> None:
+    """Turn the VTK errors seen so far into one IngestError naming the file."""
+    if caught.error_events:
+        said = "; ".join(str(getattr(e, "message", e)).strip().splitlines()[-1][:160]
+                         for e in caught.error_events[:2])
+        raise IngestError(f"{name}: corrupt or truncated VTK file (VTK: {said})")
 
 
 def check_finite(values: np.ndarray, what: str) -> None:

@@ -1,0 +1,147 @@
+"""Ingest throughput: `domainflow ingest drivaerml` with 1 and 2 dask workers against a plain
+single-process script doing the same work (pyvista read -> numpy -> partition -> zarr write).
+
+Run: .venv/bin/python benchmarks/ingest_throughput.py [--runs 8 --cells 120000 --repeats 2]
+Prints a table and writes benchmarks/results/ingest_throughput.json. The synthetic set is generated once
+into a scratch folder. Quote the ratios (same machine state), not the absolute rates.
+
+Targets (issue 3): 2 workers >= 1.7x the cells/s of 1 worker; 1 worker within 1.2x of the plain script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def plain_ingest(raw: Path, out: Path, parts: int) -> int:
+    """What a user would write by hand: read every file whole, compute geometry, partition, write zarr."""
+    import pyvista as pv
+    import zarr
+
+    from domainflow.preprocess.partition import partition
+    from domainflow.preprocess.reference import DRIVAERML
+
+    q = DRIVAERML.q_inf
+    root = zarr.open_group(out, mode="w", zarr_format=3)
+    cells = 0
+    for run in sorted(raw.iterdir(), key=lambda p: int(p.name[4:])):
+        i = run.name[4:]
+        group = root.create_group(run.name)
+        surface = pv.read(run / f"boundary_{i}.vtp")
+        pieces = sorted(run.glob(f"volume_{i}.vtu.*.part"))
+        joined = run / f"joined_{i}.vtu"
+        joined.write_bytes(b"".join(p.read_bytes() for p in pieces))
+        volume = pv.read(joined)
+        joined.unlink()
+        for loc, mesh in (("surface", surface), ("volume", volume)):
+            rows = {"coords": np.asarray(mesh.cell_centers().points)}
+            if loc == "surface":
+                rows["normals"] = np.asarray(mesh.compute_normals(cell_normals=True, point_normals=False,
+                                                                  split_vertices=False, consistent_normals=False)
+                                             ["Normals"])
+                rows["areas"] = np.asarray(mesh.compute_cell_sizes(length=False, volume=False)["Area"])
+                rows["Cp"] = np.asarray(mesh.cell_data["pMeanTrim"]) / q
+                rows["Cf"] = np.asarray(mesh.cell_data["wallShearStressMeanTrim"]) / q
+                rows["CpPrime2"] = np.asarray(mesh.cell_data["pPrime2MeanTrim"]) / q ** 2
+            else:
+                rows["U"] = np.asarray(mesh.cell_data["UMeanTrim"]) / DRIVAERML.u_inf
+                rows["Cp"] = np.asarray(mesh.cell_data["pMeanTrim"]) / q
+                rows["nut"] = np.asarray(mesh.cell_data["nutMeanTrim"]) / (DRIVAERML.u_inf * DRIVAERML.l_ref)
+            part = partition(rows["coords"], parts)
+            g = group.create_group(loc)
+            for name, values in rows.items():
+                values = np.ascontiguousarray(values[part.order], dtype=np.float32)
+                chunk = max(1, (1 << 20) // (values.itemsize * int(np.prod(values.shape[1:]))))
+                arr = g.create_array(name, shape=values.shape, dtype=values.dtype,
+                                     chunks=(min(chunk, len(values)),) + values.shape[1:])
+                arr[...] = values
+                _ = values.astype(np.float64).mean(0), values.std(0)  # the statistics ingest also computes
+            g.create_array("order", shape=part.order.shape, dtype="i8")[...] = part.order
+            g.create_array("parts", shape=part.offsets.shape, dtype="i8")[...] = part.offsets
+            cells += mesh.n_cells
+    return cells
+
+
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=8)
+    ap.add_argument("--cells", type=int, default=120_000, help="surface cells per run (volume the same)")
+    ap.add_argument("--parts", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2, help="best of N for each variant")
+    args = ap.parse_args()
+
+    from domainflow.preprocess.ingest_mesh import ingest_drivaerml
+    from domainflow.preprocess.synth_drivaerml import synth_drivaerml
+
+    scratch = Path(tempfile.mkdtemp(prefix="domainflow-bench-ingest-"))
+    try:
+        raw = scratch / "raw"
+        t_synth, _ = timed(lambda: synth_drivaerml(raw, runs=args.runs, cells=args.cells, seed=0,
+                                                   volume_cells=args.cells, volume_pieces=2))
+        raw_bytes = sum(p.stat().st_size for p in raw.rglob("*") if p.is_file())
+        largest_run = max(sum(p.stat().st_size for p in r.iterdir()) for r in raw.iterdir())
+        rows = {}
+
+        def variant(name, fn):
+            best = None
+            for k in range(args.repeats):
+                out = scratch / f"{name}_{k}.zarr"
+                seconds, result = timed(lambda: fn(out))
+                shutil.rmtree(out, ignore_errors=True)
+                shutil.rmtree(out.with_name(out.name + ".ingest-tmp"), ignore_errors=True)
+                if best is None or seconds < best[0]:
+                    best = (seconds, result)
+            return best
+
+        s, cells = variant("plain", lambda out: plain_ingest(raw, out, args.parts))
+        rows["plain script"] = {"seconds": s, "cells": cells, "peak_rss": resource.getrusage(
+            resource.RUSAGE_SELF).ru_maxrss * 1024}
+        for workers in (1, 2):
+            s, report = variant(f"w{workers}", lambda out: ingest_drivaerml(raw, out, parts=args.parts,
+                                                                            workers=workers, progress=False))
+            rows[f"ingest, {workers} worker{'s' if workers > 1 else ''}"] = {
+                "seconds": s, "cells": report.cells, "peak_rss": report.peak_rss}
+        for r in rows.values():
+            r["cells_per_s"] = r["cells"] / r["seconds"]
+        base1 = rows["ingest, 1 worker"]["cells_per_s"]
+        speedup = rows["ingest, 2 workers"]["cells_per_s"] / base1
+        vs_plain = rows["plain script"]["cells_per_s"] / base1
+        print(f"{args.runs} runs x ({args.cells:,} surface + {args.cells:,} volume cells), {raw_bytes / 2**20:.0f} MiB "
+              f"raw (largest run {largest_run / 2**20:.1f} MiB); synth took {t_synth:.1f} s\n")
+        print(f"{'variant':<20} {'seconds':>8} {'cells/s':>12} {'peak RSS/worker':>16} {'/ run raw':>10}")
+        for name, r in rows.items():
+            print(f"{name:<20} {r['seconds']:>8.2f} {r['cells_per_s']:>12,.0f} {r['peak_rss'] / 2**20:>12.0f} MiB "
+                  f"{r['peak_rss'] / largest_run:>9.1f}x")
+        print(f"\n2 workers / 1 worker: {speedup:.2f}x (target >= 1.7)   "
+              f"1 worker time / plain time: {vs_plain:.2f}x (target <= 1.2)")
+        out = {"runs": args.runs, "cells_per_run": args.cells, "parts": args.parts, "raw_bytes": raw_bytes,
+               "largest_run_bytes": largest_run, "variants": rows, "speedup_2_vs_1": speedup,
+               "one_worker_time_vs_plain": vs_plain,
+               "targets": {"speedup_2_vs_1": ">= 1.7", "one_worker_time_vs_plain": "<= 1.2"}}
+        RESULTS.mkdir(exist_ok=True)
+        tmp = RESULTS / "ingest_throughput.json.tmp"
+        tmp.write_text(json.dumps(out, indent=2))
+        tmp.replace(RESULTS / "ingest_throughput.json")
+        print(f"wrote {RESULTS / 'ingest_throughput.json'}")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
