@@ -51,9 +51,38 @@ def _local(func, calls, workers, bar):
 
     tasks = [dask.delayed(func, pure=False)(*args) for args in calls]
     keys = {t.key for t in tasks}
-    with _Progress():
-        results = dask.compute(*tasks, scheduler="processes", num_workers=workers)
+    with worker_pool(workers) as pool, _Progress():
+        results = dask.compute(*tasks, scheduler="processes", pool=pool, chunksize=1)  # one run per batch
     yield from results
+
+
+def _init_worker():
+    """One thread per worker process: VTK's SMP filters would otherwise each use every core, so N
+    workers would oversubscribe the machine N-fold."""
+    try:
+        from vtkmodules.vtkCommonCore import vtkSMPTools
+
+        vtkSMPTools.Initialize(1)
+    except ImportError:
+        pass
+    import zarr
+
+    zarr.config.set({"threading.max_workers": 1})
+
+
+def worker_pool(workers: int):
+    """A process pool for dask's local scheduler. On Linux the workers fork from this process: no
+    re-import of ``__main__`` (so ingest works from any script, guarded by ``if __name__ == "__main__"``
+    or not) and no start-up import cost; zarr resets its event loop after a fork. Elsewhere: spawn."""
+    import multiprocessing
+    import sys
+    from concurrent.futures import ProcessPoolExecutor
+
+    method = "fork" if sys.platform.startswith("linux") else "spawn"
+    if method == "fork":  # import the heavy readers once, here, instead of once per worker
+        import pyvista  # noqa: F401
+        import zarr  # noqa: F401
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_init_worker)
 
 
 def _distributed(func, calls, address, bar):

@@ -13,7 +13,8 @@ Methods:
   into P equal row counts. Cheaper; parts are compact but can be L-shaped.
 - ``slab``: sort along one axis (the longest extent unless given) and cut into P equal row counts.
 
-All methods are deterministic: ties are broken by the original row index (stable sorts).
+All methods are deterministic: ties are broken by the original row index. Within an RCB part rows keep
+their original (file) order.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def partition(points: np.ndarray, parts: int, method: str = "rcb", axis: int | N
     check_parts(parts)
     if method not in METHODS:
         raise ValueError(f"unknown partition method {method!r}; choose one of {METHODS}")
-    pts = np.asarray(points, dtype=np.float64)
+    pts = np.asarray(points)
+    if pts.dtype not in (np.float32, np.float64):
+        pts = pts.astype(np.float64)
     if pts.ndim != 2:
         raise ValueError(f"points must be an (N, D) array, got shape {pts.shape}")
     if not np.isfinite(pts).all():
@@ -64,7 +67,7 @@ def partition(points: np.ndarray, parts: int, method: str = "rcb", axis: int | N
         order, offsets = _rcb(pts, parts)
     else:
         if method == "morton":
-            key_order = np.argsort(morton_codes(pts), kind="stable")
+            key_order = np.argsort(morton_codes(pts.astype(np.float64)), kind="stable")
         else:
             ax = int(np.argmax(np.ptp(pts, axis=0))) if axis is None and n else (axis or 0)
             key_order = np.argsort(pts[:, ax], kind="stable")
@@ -74,22 +77,34 @@ def partition(points: np.ndarray, parts: int, method: str = "rcb", axis: int | N
 
 
 def _rcb(pts: np.ndarray, parts: int) -> tuple[np.ndarray, np.ndarray]:
+    cols = [np.ascontiguousarray(pts[:, d]) for d in range(pts.shape[1])]  # fast contiguous reductions
     segments = [np.arange(len(pts), dtype=np.int64)]
     while len(segments) < parts:
         nxt = []
         for idx in segments:
-            if len(idx) == 0:
-                nxt += [idx, idx]
-                continue
-            sub = pts[idx]
-            ax = int(np.argmax(sub.max(axis=0) - sub.min(axis=0)))
-            srt = idx[np.argsort(sub[:, ax], kind="stable")]
-            half = (len(srt) + 1) // 2
-            nxt += [srt[:half], srt[half:]]
+            nxt += list(_bisect(cols, idx))
         segments = nxt
     order = np.concatenate(segments) if segments else np.zeros(0, np.int64)
     offsets = np.concatenate([[0], np.cumsum([len(s) for s in segments])]).astype(np.int64)
     return order, offsets
+
+
+def _bisect(cols: list, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Split rows ``idx`` (ascending) at the median of their bounding box's longest side: the first
+    ``ceil(n/2)`` rows by coordinate, ties to the lower original row. A linear-time selection, not a
+    sort; both halves stay in ascending row order (the file's own locality within a part)."""
+    n = len(idx)
+    if n == 0:
+        return idx, idx
+    sub = [c[idx] for c in cols]
+    ax = int(np.argmax([c.max() - c.min() for c in sub]))
+    v = sub[ax]
+    half = (n + 1) // 2
+    t = np.partition(v, half - 1)[half - 1]
+    take = v < t
+    ties = np.flatnonzero(v == t)[: half - int(take.sum())]
+    take[ties] = True
+    return idx[take], idx[~take]
 
 
 def morton_codes(pts: np.ndarray, bits: int = 21) -> np.ndarray:
@@ -111,9 +126,10 @@ def part_boxes(sorted_pts: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """(P, 2, D) bounding box of each part of already reordered points; NaN for empty parts."""
     parts, d = len(offsets) - 1, sorted_pts.shape[1]
     boxes = np.full((parts, 2, d), np.nan, dtype=np.float32)
-    for k in range(parts):
-        a, b = offsets[k], offsets[k + 1]
-        if b > a:
-            boxes[k, 0] = sorted_pts[a:b].min(axis=0)
-            boxes[k, 1] = sorted_pts[a:b].max(axis=0)
+    nonempty = np.flatnonzero(np.diff(offsets) > 0)
+    for a in range(d):
+        col = np.ascontiguousarray(sorted_pts[:, a])
+        starts = np.asarray(offsets[:-1])[nonempty]
+        boxes[nonempty, 0, a] = np.minimum.reduceat(col, starts) if len(nonempty) else 0
+        boxes[nonempty, 1, a] = np.maximum.reduceat(col, starts) if len(nonempty) else 0
     return boxes
