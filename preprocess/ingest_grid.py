@@ -16,7 +16,6 @@ time order (so 1 or N workers give identical stores) and marks the store complet
 from __future__ import annotations
 
 import math
-import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import IngestError, RunError
-from .parallel import run_tasks
+from .parallel import peak_memory, reset_peak_memory, run_tasks
 from .report import IngestReport
 from .splits import check_fractions, read_split_file, split_times, time_mask
 from .stats import RunningStats, merge_all
@@ -146,7 +145,7 @@ def ingest_block(raw: str, store: str, variables: list[str], t0: int, t1: int, t
     """Copy time steps ``[t0, t1)`` of every variable into ``data`` and mark the block done (a dask task)."""
     import zarr
 
-    start = time.perf_counter()
+    start, rss0 = time.perf_counter(), reset_peak_memory()
     name = f"{t0:09d}-{t1:09d}"
     src = zarr.open_group(raw, mode="r")
     out = zarr.open_group(store, mode="r+")["data"]
@@ -166,7 +165,7 @@ def ingest_block(raw: str, store: str, variables: list[str], t0: int, t1: int, t
     StoreWriter(store).mark_block(name, info)
     return {**info, "name": name, "cells": {"grid": int(block.size)}, "raw_bytes": int(block.nbytes),
             "seconds": time.perf_counter() - start,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "peak_rss": peak_memory(), "start_rss": rss0}
 
 
 def ingest_climate(raw, store, opts: GridOptions | None = None, **kw):

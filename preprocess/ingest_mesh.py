@@ -11,7 +11,6 @@ complete last. A rerun resumes: published runs are kept, the rest are redone.
 from __future__ import annotations
 
 import os
-import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import IngestError, RunError
-from .parallel import run_tasks
+from .parallel import peak_memory, reset_peak_memory, run_tasks
 from .partition import METHODS, check_parts, partition
 from .reference import DRIVAERML, Reference
 from .report import IngestReport
@@ -129,7 +128,7 @@ def _files(run_dir: Path, run_id: str) -> dict[str, Path]:
 
 def ingest_run(run_dir: str, run_id: str, store: str, opts: MeshOptions) -> dict:
     """Ingest one run folder into ``store``; returns its summary (stats, sizes, timing, peak memory)."""
-    t0, started = time.perf_counter(), time.time()
+    t0, started, rss0 = time.perf_counter(), time.time(), reset_peak_memory()
     try:
         summary = _ingest_run(Path(run_dir), run_id, StoreWriter(store), opts)
     except IngestError as exc:
@@ -140,7 +139,7 @@ def ingest_run(run_dir: str, run_id: str, store: str, opts: MeshOptions) -> dict
         raise RunError(run_id, str(exc)) from None
     summary["seconds"] = time.perf_counter() - t0
     summary["started"], summary["pid"] = started, os.getpid()
-    summary["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    summary["peak_rss"], summary["start_rss"] = peak_memory(), rss0
     return summary
 
 

@@ -8,6 +8,7 @@ cost); more workers use dask's process pool, since VTK reading and compression h
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterable, Iterator
 
 
@@ -36,10 +37,11 @@ def run_tasks(func: Callable, calls: Iterable[tuple], *, workers: int = 1, sched
 
 def _local(func, calls, workers, bar):
     if workers == 1:
-        for args in calls:
-            out = func(*args)
-            bar.update(1)
-            yield out
+        with one_core():
+            for args in calls:
+                out = func(*args)
+                bar.update(1)
+                yield out
         return
     import dask
     from dask.callbacks import Callback
@@ -57,17 +59,34 @@ def _local(func, calls, workers, bar):
 
 
 def _init_worker():
-    """One thread per worker process: VTK's SMP filters would otherwise each use every core, so N
-    workers would oversubscribe the machine N-fold."""
-    try:
-        from vtkmodules.vtkCommonCore import vtkSMPTools
+    """One core per worker process: VTK's SMP filters and zarr's codec threads would otherwise each use
+    every core, so N workers would oversubscribe the machine N-fold."""
+    _set_threads(1)
 
-        vtkSMPTools.Initialize(1)
-    except ImportError:
-        pass
+
+def _set_threads(n: int | None) -> tuple:
+    """Set VTK's SMP threads and zarr's codec threads; returns the previous settings."""
     import zarr
+    from vtkmodules.vtkCommonCore import vtkSMPTools
 
-    zarr.config.set({"threading.max_workers": 1})
+    before = (vtkSMPTools.GetEstimatedNumberOfThreads(), zarr.config.get("threading.max_workers"))
+    vtkSMPTools.Initialize(n or 0)
+    zarr.config.set({"threading.max_workers": n})
+    return before
+
+
+@contextlib.contextmanager
+def one_core():
+    """``--workers 1`` means one core, in this process, as each worker process gets."""
+    before = _set_threads(1)
+    try:
+        yield
+    finally:
+        vtkthreads, zarr_workers = before
+        _set_threads(vtkthreads)
+        import zarr
+
+        zarr.config.set({"threading.max_workers": zarr_workers})
 
 
 def worker_pool(workers: int):
@@ -80,8 +99,10 @@ def worker_pool(workers: int):
 
     method = "fork" if sys.platform.startswith("linux") else "spawn"
     if method == "fork":  # import the heavy readers once, here, instead of once per worker
-        import pyvista  # noqa: F401
-        import zarr  # noqa: F401
+        import importlib
+
+        for module in ("pyvista", "zarr"):
+            importlib.import_module(module)
     return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_init_worker)
 
 
@@ -103,3 +124,35 @@ def _distributed(func, calls, address, bar):
             yield out
     finally:
         client.close()
+
+
+def reset_peak_memory() -> int:
+    """Start measuring a task's peak memory: reset the kernel's high-water mark (Linux) and return the
+    resident size now, in bytes."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _status_bytes("VmRSS")
+
+
+def peak_memory() -> int:
+    """Peak resident size since :func:`reset_peak_memory` (Linux), else since the process started."""
+    peak = _status_bytes("VmHWM")
+    if peak:
+        return peak
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _status_bytes(key: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -29,6 +29,11 @@ class IngestReport:
         return max((t["peak_rss"] for t in self.tasks), default=0)
 
     @property
+    def peak_growth(self) -> int:
+        """The most memory one task added on top of what its worker held when it started."""
+        return max((t["peak_rss"] - t.get("start_rss", 0) for t in self.tasks), default=0)
+
+    @property
     def largest_task_bytes(self) -> int:
         return max((t["raw_bytes"] for t in self.tasks), default=0)
 
@@ -40,8 +45,8 @@ class IngestReport:
                  f"skipped {len(self.skipped)}"]
         if self.tasks:
             lines.append(f"  {self.cells:,} cells, {self.cells / max(self.seconds, 1e-9):,.0f} cells/s; peak memory "
-                         f"per worker {self.peak_rss / 2**20:.0f} MiB (largest task's raw input "
-                         f"{self.largest_task_bytes / 2**20:.1f} MiB)")
+                         f"per worker {self.peak_rss / 2**20:.0f} MiB, at most {self.peak_growth / 2**20:.0f} MiB "
+                         f"for one task (largest task's raw input {self.largest_task_bytes / 2**20:.1f} MiB)")
         for run, why in self.skipped.items():
             lines.append(f"  skipped {run}: {why}")
         for w in self.warnings:
