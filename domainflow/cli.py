@@ -47,7 +47,7 @@ def _synth(args) -> int:
 
 
 def _ingest(args) -> int:
-    common = dict(split=_floats(args.split, 3, "--split"), split_file=args.split_file, workers=args.workers,
+    common = dict(split=args.split, split_file=args.split_file, workers=args.workers,
                   scheduler=args.scheduler, overwrite=args.overwrite, progress=not args.quiet,
                   chunk_bytes=args.chunk_bytes)
     if args.kind == "drivaerml":
@@ -115,7 +115,8 @@ def _add_ingest(sub):
         p.add_argument("store", help="the store to write (a folder ending in .zarr)")
         p.add_argument("--workers", type=int, default=1, help="dask worker processes on this machine")
         p.add_argument("--scheduler", default=None, help="address of a running dask.distributed scheduler")
-        p.add_argument("--split", default="0.8,0.1,0.1", help="train,val,test fractions (default 0.8,0.1,0.1)")
+        p.add_argument("--split", default=(0.8, 0.1, 0.1), type=lambda text: _floats(text, 3, "--split"),
+                       help="train,val,test fractions (default 0.8,0.1,0.1)")
         p.add_argument("--split-file", default=None, help='JSON {"train": [...], "val": [...], "test": [...]}')
         p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="target chunk size (default 1 MiB)")
         p.add_argument("--on-error", choices=("stop", "skip"), default="stop",

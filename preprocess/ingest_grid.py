@@ -49,8 +49,12 @@ class GridOptions:
         self.split = check_fractions(self.split)
         if self.time_block is not None and self.time_block < 1:
             raise IngestError(f"--time-block must be at least 1, got {self.time_block}")
-        if self.chunk_bytes < 4:
-            raise IngestError(f"--chunk-bytes must be at least 4, got {self.chunk_bytes}")
+        if self.chunk_bytes < 64:
+            raise IngestError(f"--chunk-bytes must be at least 64 (default 1 MiB), got {self.chunk_bytes}")
+        if self.workers < 1:
+            raise IngestError(f"--workers must be at least 1, got {self.workers}")
+        if self.variables is not None and len(set(self.variables)) != len(self.variables):
+            raise IngestError(f"--variables names a variable more than once: {list(self.variables)}")
 
 
 @dataclass
@@ -124,7 +128,9 @@ def open_source(raw, variables=None) -> GridSource:
         raise IngestError(f"{raw}: coordinate arrays {lat_name!r} and {lon_name!r} are required")
     time_attrs = dict(arrays["time"].attrs) if t is not None else {"units": "steps"}
     time_attrs.pop("_ARRAY_DIMENSIONS", None)
-    var_attrs = {n: {k: v for k, v in gridded[n].attrs.items() if k != "_ARRAY_DIMENSIONS"} for n in names}
+    var_attrs = {n: {k: v for k, v in gridded[n].attrs.items()
+                     if k not in ("_ARRAY_DIMENSIONS", "scale_factor", "add_offset", "_FillValue", "missing_value")}
+                 for n in names}
     return GridSource(raw, names, (T, H, W), int(first.chunks[0]), lat.astype(np.float64), lon.astype(np.float64),
                       np.arange(T, dtype=np.int64) if t is None else t, time_attrs, var_attrs)
 
@@ -138,7 +144,25 @@ def spatial_tile(H: int, W: int, itemsize: int, target: int) -> tuple[int, int]:
     scale = math.sqrt(elems / (H * W))
     hc = min(H, max(1, int(H * scale)))
     wc = min(W, max(1, elems // hc))
+    hc = min(H, max(1, elems // wc))  # never above the target unless one row of one column is
     return hc, wc
+
+
+def unpack(arr, t0: int, t1: int) -> np.ndarray:
+    """Time steps ``[t0, t1)`` of a variable in physical units, float64: CF packing (``scale_factor``,
+    ``add_offset``, as ERA5 netCDF converted by xarray has) undone, fill / missing values as NaN."""
+    values = np.asarray(arr[t0:t1])
+    attrs = arr.attrs
+    missing = [attrs[k] for k in ("_FillValue", "missing_value") if k in attrs and attrs[k] is not None]
+    out = values.astype(np.float64)
+    for m in missing:
+        for x in np.atleast_1d(m):
+            out[values == x] = np.nan
+    if "scale_factor" in attrs:
+        out *= float(attrs["scale_factor"])
+    if "add_offset" in attrs:
+        out += float(attrs["add_offset"])
+    return out
 
 
 def ingest_block(raw: str, store: str, variables: list[str], t0: int, t1: int, train: list) -> dict:
@@ -151,13 +175,14 @@ def ingest_block(raw: str, store: str, variables: list[str], t0: int, t1: int, t
     out = zarr.open_group(store, mode="r+")["data"]
     block = np.empty((t1 - t0, len(variables)) + tuple(out.shape[2:]), dtype=np.float32)
     for c, v in enumerate(variables):
-        values = np.asarray(src[v][t0:t1])
-        bad = ~np.isfinite(values)
+        with np.errstate(over="ignore"):  # values beyond float32 become inf and are reported below
+            block[:, c] = unpack(src[v], t0, t1)
+        bad = ~np.isfinite(block[:, c])
         if bad.any():
-            step = t0 + int(np.argmax(bad.reshape(len(values), -1).any(axis=1)))
-            raise RunError(f"time block {t0}..{t1}", f"{raw}: variable {v!r} holds {int(bad.sum())} NaN/Inf values "
-                           f"(first at time index {step}); fill or mask them before ingest")
-        block[:, c] = values
+            step = t0 + int(np.argmax(bad.reshape(len(bad), -1).any(axis=1)))
+            raise RunError(f"time block {t0}..{t1}", f"{raw}: variable {v!r} holds {int(bad.sum())} NaN/Inf/missing "
+                           f"values or values beyond float32 (first at time index {step}); fill or mask them "
+                           f"before ingest")
     out[t0:t1] = block
     mask = time_mask(train, out.shape[0])[t0:t1]
     stats = {v: RunningStats.of(block[mask, c].reshape(-1)).to_attrs() for c, v in enumerate(variables)}
@@ -175,10 +200,12 @@ def ingest_climate(raw, store, opts: GridOptions | None = None, **kw):
     opts = opts or GridOptions(**kw)
     opts.validate()
     t0 = time.perf_counter()
-    raw, store = Path(raw), Path(store)
+    raw, store = Path(raw).resolve(), Path(store).resolve()  # tasks may run in other working directories
     src = open_source(raw, opts.variables)
     T, H, W = src.shape
-    block = opts.time_block or src.time_chunk
+    # default: the source's time chunks (each task decodes whole source chunks), capped so that one
+    # task's block stays below ~512 MiB when a source stores the whole series as one chunk
+    block = opts.time_block or max(1, min(src.time_chunk, (512 << 20) // (4 * len(src.variables) * H * W)))
     splits = split_times(T, opts.split, opts.split_file)
     hc, wc = spatial_tile(H, W, 4, opts.chunk_bytes)
     config = {"variables": src.variables, "time_block": block, "chunk_bytes": opts.chunk_bytes,

@@ -25,8 +25,8 @@ from .report import IngestReport
 from .splits import check_fractions, read_split_file, split_runs
 from .stats import RunningStats, merge_all
 from .store_writer import StoreWriter, write_array
-from .vtk_io import (cell_centres, check_finite, locate, read_cells, read_csv_row, surface_geometry,
-                     whole_file)
+from .vtk_io import (cell_centres, check_finite, locate, pieces_of, read_cells, read_csv_row,
+                     surface_geometry, whole_file)
 
 LOCATIONS = ("surface", "volume")
 
@@ -87,8 +87,12 @@ class MeshOptions:
         if self.method not in METHODS:
             raise IngestError(f"unknown partition method {self.method!r}; choose one of {METHODS}")
         bad = [loc for loc in self.locations if loc not in LOCATIONS]
-        if bad or not self.locations:
-            raise IngestError(f"--locations must name some of {LOCATIONS}, got {list(self.locations)}")
+        if bad or not self.locations or len(set(self.locations)) != len(self.locations):
+            raise IngestError(f"--locations must name some of {LOCATIONS}, each once, got {list(self.locations)}")
+        if self.workers < 1:
+            raise IngestError(f"--workers must be at least 1, got {self.workers}")
+        if self.chunk_bytes < 64:
+            raise IngestError(f"--chunk-bytes must be at least 64 (default 1 MiB), got {self.chunk_bytes}")
         if self.volume_points is not None and self.volume_points < 1:
             raise IngestError(f"--volume-points must be a positive cap, got {self.volume_points}")
         if self.on_error not in ("stop", "skip"):
@@ -131,7 +135,7 @@ def ingest_run(run_dir: str, run_id: str, store: str, opts: MeshOptions) -> dict
     t0, started, rss0 = time.perf_counter(), time.time(), reset_peak_memory()
     try:
         summary = _ingest_run(Path(run_dir), run_id, StoreWriter(store), opts)
-    except IngestError as exc:
+    except (IngestError, OSError) as exc:
         if opts.on_error == "skip":
             return {"run": run_id, "error": str(exc)}
         if isinstance(exc, RunError):
@@ -153,7 +157,7 @@ def _ingest_run(run_dir: Path, run_id: str, writer: StoreWriter, opts: MeshOptio
         present = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
         raise RunError(run_id, f"missing file(s) {[str(m) for m in missing]}; the folder holds {present}")
     ref = opts.reference
-    attrs = {"run": int(run_id[4:]), "run_id": run_id, **ref.to_attrs(),
+    attrs = {"run": int(run_id[4:]), "run_id": run_id, **ref.to_attrs(), "fingerprint": fingerprint(files, opts),
              "forces": read_csv_row(files["forces"]), "forces_constref": read_csv_row(files["forces_constref"]),
              "geometry": read_csv_row(files["geometry"])}
     raw_bytes = 0
@@ -169,6 +173,18 @@ def _ingest_run(run_dir: Path, run_id: str, writer: StoreWriter, opts: MeshOptio
     group.attrs.update({**attrs, "cells": cells, "stats": stats, "complete": True})
     writer.publish_run(folder, run_id)
     return {"run": run_id, "stats": stats, "cells": cells, "raw_bytes": raw_bytes, "warnings": warnings}
+
+
+def fingerprint(files: dict, opts: MeshOptions) -> dict:
+    """Size and modification time of every raw file a run is built from: a resume redoes a published run
+    whose raw files changed since."""
+    out = {}
+    for key in ["forces", "forces_constref", "geometry"] + list(opts.locations):
+        path = files[key]
+        for p in ([path] if path.exists() else pieces_of(path)):
+            st = p.stat()
+            out[p.name] = [st.st_size, st.st_mtime_ns]
+    return out
 
 
 def _read_location(loc, path, shown_as, run_id, opts, warnings):
@@ -191,6 +207,7 @@ def _read_location(loc, path, shown_as, run_id, opts, warnings):
         check_finite(values, f"{shown_as} array {spec.source!r}")
         scale, offset = spec.scale_offset(opts.reference)
         fields[spec.name] = (values - np.float32(offset)) * np.float32(1.0 / scale)
+        check_finite(fields[spec.name], f"{shown_as} array {spec.source!r} made dimensionless (scale {scale:g})")
     for k, v in rows.items():
         check_finite(v, f"{shown_as} {k}")
     if _CP_CHECK in raw:
@@ -243,7 +260,7 @@ def ingest_drivaerml(raw, store, opts: MeshOptions | None = None, **kw) -> Inges
     opts = opts or MeshOptions(**kw)
     opts.validate()
     t0 = time.perf_counter()
-    raw, store = Path(raw), Path(store)
+    raw, store = Path(raw).resolve(), Path(store).resolve()  # tasks may run in other working directories
     runs = discover_runs(raw)
     splits = split_runs(list(runs), opts.split, opts.seed, opts.split_file)
     wanted = [r for k in ("train", "val", "test") for r in splits[k]]
@@ -255,6 +272,12 @@ def ingest_drivaerml(raw, store, opts: MeshOptions | None = None, **kw) -> Inges
         report.seconds = time.perf_counter() - t0
         return report
     done = writer.finished_runs()
+    for r in list(done):
+        if r not in wanted or done[r].get("fingerprint") != fingerprint(_files(runs[r], r), opts):
+            writer.remove_run(r)  # left RAW, or its raw files changed since it was published
+            why = "is no longer in RAW or the splits" if r not in wanted else "has raw files changed since ingest"
+            report.warnings.append(f"{r} {why}; removed from the partial store (redone if still wanted)")
+            del done[r]
     report.kept = [r for r in wanted if r in done]
     todo = [(str(runs[r]), r, str(store), opts) for r in wanted if r not in done]
     summaries = {r: {"stats": done[r]["stats"], "cells": done[r]["cells"]} for r in report.kept}

@@ -14,6 +14,7 @@ scale the turbulent viscosity (nu_t / (U_inf * l_ref)).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -36,6 +37,11 @@ class Reference:
             v = getattr(self, name)
             if not (v > 0 and v < float("inf")):
                 raise ValueError(f"reference {name} must be a positive finite number, got {v!r}")
+        if not math.isfinite(self.p_inf):
+            raise ValueError(f"reference p_inf must be a finite number, got {self.p_inf!r}")
+        if not (0 < self.q_inf < float("inf")):
+            raise ValueError(f"reference dynamic pressure 0.5 rho U^2 = {self.q_inf!r} is not a positive finite "
+                             f"number; check --u-inf and --rho-inf")
 
     def to_attrs(self) -> dict:
         return {"U_inf": self.u_inf, "rho_inf": self.rho_inf, "p_inf": self.p_inf, "L_ref": self.l_ref,

@@ -53,6 +53,12 @@ def read_split_file(path) -> dict:
     if not isinstance(data, dict) or not set(data) <= set(SPLITS) or "train" not in data:
         raise IngestError(f'split file {path} must be a JSON object with keys "train" (required), "val", "test"; '
                           f"got keys {sorted(data) if isinstance(data, dict) else type(data).__name__}")
+    for k in SPLITS:
+        if not isinstance(data.get(k, []), list):
+            raise IngestError(f"split file {path}: {k!r} must be a list, got {type(data[k]).__name__} {data[k]!r}")
+    if not data["train"]:
+        raise IngestError(f"split file {path}: the train list is empty; statistics are computed over the train "
+                          f"split, so it needs at least one entry")
     return {k: list(data.get(k, [])) for k in SPLITS}
 
 
@@ -73,7 +79,7 @@ def split_runs(runs: list[str], fractions, seed: int, split_file=None) -> dict[s
         dup = sorted({r for r in listed if listed.count(r) > 1}, key=_run_key)
         unknown = sorted(set(listed) - set(runs), key=_run_key)
         if dup:
-            raise IngestError(f"split file {split_file} lists {dup} in more than one split")
+            raise IngestError(f"split file {split_file} lists {dup} more than once")
         if unknown:
             raise IngestError(f"split file {split_file} names runs that are not in RAW: {unknown[:10]}")
         return {k: sorted(v, key=_run_key) for k, v in given.items()}

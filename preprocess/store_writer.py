@@ -63,7 +63,9 @@ class StoreWriter:
     """Opens, resumes and completes one store at ``path`` (a local folder)."""
 
     def __init__(self, path):
-        self.path = Path(path)
+        # resolved: a symlinked store keeps its scratch next to the real folder (same file system, so the
+        # final rename works) and dask workers in other working directories find it
+        self.path = Path(path).resolve()
         self.scratch = self.path.with_name(self.path.name + ".ingest-tmp")
 
     # -- opening -----------------------------------------------------------------------------------
@@ -76,12 +78,10 @@ class StoreWriter:
         import zarr
 
         config = _json_safe(config)
+        source = str(Path(source).resolve())
+        self._check_target(Path(source))
         if overwrite:
             self._remove_all()
-        if self.path.exists() and not (self.path / "zarr.json").exists():
-            if any(self.path.iterdir()):
-                raise IngestError(f"{self.path} exists and is not a zarr store; choose another STORE path "
-                                  f"or delete it")
         if (self.path / "zarr.json").exists():
             root = zarr.open_group(self.path, mode="r+")
             head = dict(root.attrs.get("domainflow", {}))
@@ -89,6 +89,9 @@ class StoreWriter:
                 raise IngestError(f"{self.path} holds a {head.get('kind')!r} store of format {head.get('format')}, "
                                   f"not a {kind!r} store of format {FORMAT}; pass --overwrite to replace it or "
                                   f"choose another STORE path")
+            if head.get("source") != source:
+                raise IngestError(f"{self.path} was ingested from {head.get('source')}, not {source}; rerun with "
+                                  f"the original RAW to resume, or pass --overwrite to start again")
             old = dict(root.attrs.get("ingest", {}).get("config", {}))
             if old != config:
                 diff = {k: (old.get(k), config.get(k)) for k in sorted(set(old) | set(config))
@@ -103,23 +106,53 @@ class StoreWriter:
         self._remove_all()
         root = zarr.open_group(self.path, mode="w", zarr_format=3)
         root.attrs.update({
-            "domainflow": {"format": FORMAT, "kind": kind, "complete": False, "source": str(source), "parts": parts},
+            "domainflow": {"format": FORMAT, "kind": kind, "complete": False, "source": source, "parts": parts},
             "ingest": {"config": config},
         })
         if kind == "mesh":
             root.create_group("runs")
         return "new"
 
+    def _check_target(self, source: Path) -> None:
+        """Refuse a STORE path that is a file, overlaps the raw data, or is a folder we did not write."""
+        if self.path.is_file():
+            raise IngestError(f"STORE {self.path} is a file; give a folder path for the store (e.g. data.zarr)")
+        if self.path == source or self.path in source.parents:
+            raise IngestError(f"STORE {self.path} is or contains the raw data {source}; choose a separate path")
+        if self.path.is_dir() and any(self.path.iterdir()) and not self._is_store():
+            raise IngestError(f"{self.path} exists and is not a domainflow store; choose another STORE path or "
+                              f"delete it yourself (--overwrite replaces only stores that ingest wrote)")
+
+    def _is_store(self) -> bool:
+        import json as _json
+
+        try:
+            meta = _json.loads((self.path / "zarr.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return "domainflow" in meta.get("attributes", {})
+
     def _remove_all(self):
-        for p in (self.path, self.scratch):
-            if p.exists():
-                shutil.rmtree(p)
+        """Delete the store (only ever one that ingest wrote, see _check_target) and its scratch."""
+        if self.path.is_dir():
+            shutil.rmtree(self.path)
+        if self.scratch.exists():
+            shutil.rmtree(self.scratch)
 
     def _clean_scratch(self):
-        """Delete what killed tasks left behind; finished work lives in the store or in markers."""
-        runs = self.scratch / "runs"
-        if runs.exists():
-            shutil.rmtree(runs)
+        """Delete what killed tasks left behind (half-built runs, joined .part files); finished work lives
+        in the store or in block markers, which stay."""
+        if not self.scratch.exists():
+            return
+        for p in self.scratch.iterdir():
+            if p.name != "blocks":
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+    def remove_run(self, run_id: str) -> None:
+        """Drop a published run (its raw files changed, or it left RAW) before the store completes."""
+        dest = self.path / "runs" / run_id
+        if dest.exists():
+            shutil.rmtree(dest)
 
     # -- mesh runs ---------------------------------------------------------------------------------
     def finished_runs(self) -> dict[str, dict]:

@@ -148,6 +148,10 @@ def check_finite(values: np.ndarray, what: str) -> None:
 
 def surface_geometry(mesh, name) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Cell centres, unit normals (from each polygon's own winding) and areas of a surface mesh."""
+    others = {"line": mesh.n_lines, "vertex": mesh.n_verts}
+    if any(others.values()) or not mesh.n_cells:
+        found = ", ".join(f"{n} {k} cells" for k, n in others.items() if n)
+        raise IngestError(f"{name}: a surface must consist of polygons only, found {found or 'no cells'}")
     centres = np.asarray(mesh.cell_centers().points, dtype=np.float64)
     with_normals = mesh.compute_normals(cell_normals=True, point_normals=False, split_vertices=False,
                                         consistent_normals=False, auto_orient_normals=False)
@@ -171,11 +175,17 @@ def read_csv_row(path: Path) -> dict[str, float]:
     """A one-row CSV (header + values) such as DrivaerML's force and geometry files, as {column: value}."""
     if not path.exists():
         raise IngestError(f"{path} is missing")
-    with open(path, newline="") as f:
-        rows = [r for r in csv.reader(f) if any(c.strip() for c in r)]
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            rows = [r for r in csv.reader(f) if any(c.strip() for c in r)]
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise IngestError(f"{path}: not a readable CSV text file ({type(exc).__name__}: {exc})") from None
     if len(rows) != 2:
         raise IngestError(f"{path}: expected a header line and one row of values, found {len(rows)} non-empty lines")
     header, values = [h.strip() for h in rows[0]], [v.strip() for v in rows[1]]
+    repeated = sorted({h for h in header if header.count(h) > 1})
+    if repeated:
+        raise IngestError(f"{path}: column name(s) {repeated} appear more than once in the header")
     if len(header) != len(values):
         raise IngestError(f"{path}: {len(header)} column names but {len(values)} values")
     out = {}

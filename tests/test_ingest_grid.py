@@ -138,6 +138,28 @@ def test_bad_input(raw, tmp_path):
         ingest_climate(raw, tmp_path / "d.zarr", split_file=str(split), **OPTS)
 
 
+def test_cf_packed_variables_are_unpacked_and_fill_values_refused(tmp_path):
+    """ERA5 converted from netCDF by xarray keeps CF packing (int16 + scale_factor/add_offset) and
+    _FillValue; the store holds physical values, and a fill value is missing data, not a number."""
+    g = zarr.open_group(tmp_path / "p.zarr", mode="w")
+    packed = (np.arange(4 * 4 * 8).reshape(4, 4, 8) * 7 - 50).astype(np.int16)
+    a = g.create_array("t2m", shape=packed.shape, dtype="i2", dimension_names=["time", "latitude", "longitude"],
+                       attributes={"scale_factor": 0.01, "add_offset": 250.0, "_FillValue": -32767, "units": "K"})
+    a[...] = packed
+    for name in ("latitude", "longitude"):
+        c = g.create_array(name, shape=(packed.shape[1 if name == "latitude" else 2],), dtype="f8",
+                           dimension_names=[name])
+        c[...] = np.arange(c.shape[0], dtype=float)
+    ingest_climate(tmp_path / "p.zarr", tmp_path / "s.zarr", progress=False, split=(0.5, 0.25, 0.25))
+    root = zarr.open_group(tmp_path / "s.zarr", mode="r")
+    np.testing.assert_allclose(root["data"][:, 0], packed * 0.01 + 250.0, rtol=1e-6)
+    assert "scale_factor" not in root.attrs["fields"]["grid/t2m"] and root.attrs["fields"]["grid/t2m"]["units"] == "K"
+    packed[1, 2, 3] = -32767
+    a[...] = packed
+    with pytest.raises(IngestError, match=r"'t2m' holds 1 NaN/Inf/missing.*time index 1"):
+        ingest_climate(tmp_path / "p.zarr", tmp_path / "s2.zarr", progress=False)
+
+
 def test_split_file_of_time_ranges(raw, tmp_path):
     split = tmp_path / "split.json"
     split.write_text(json.dumps({"train": [[0, 10], [20, 30]], "test": [[10, 20]]}))

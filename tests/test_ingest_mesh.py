@@ -225,6 +225,37 @@ def test_resume_after_an_interrupted_ingest_gives_the_same_store(raw, store, tmp
     assert_same_store(store, path)
 
 
+def test_resume_redoes_a_published_run_whose_raw_files_changed(raw, tmp_path, monkeypatch):
+    """Interrupted after two runs; run_1's surface is then re-exported with other values. The resume must
+    not keep the stale run_1."""
+    src = _copy_raw(raw, tmp_path)
+    path = tmp_path / "changed.zarr"
+    real, calls = ingest_mesh._write_location, []
+
+    def dying(group, loc, *a, **k):
+        calls.append(loc)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(group, loc, *a, **k)
+
+    monkeypatch.setattr(ingest_mesh, "_write_location", dying)
+    with pytest.raises(KeyboardInterrupt):
+        ingest_drivaerml(src, path, **OPTS)
+    monkeypatch.setattr(ingest_mesh, "_write_location", real)
+    f = src / "run_1" / "boundary_1.vtp"
+    mesh = pv.read(f)
+    mesh.cell_data["pMeanTrim"] = np.asarray(mesh.cell_data["pMeanTrim"]) * 2
+    mesh.cell_data["CpMeanTrim"] = np.asarray(mesh.cell_data["CpMeanTrim"]) * 2
+    mesh.save(f)
+    report = ingest_drivaerml(src, path, **OPTS)
+    assert report.kept == ["run_2"] and "run_1" in report.written
+    assert any("run_1 has raw files changed" in w for w in report.warnings)
+    new = zarr.open_group(path, mode="r")["runs/run_1/surface/fields/Cp"][...]
+    order = np.argsort(zarr.open_group(path, mode="r")["runs/run_1/surface/order"][...])
+    np.testing.assert_allclose(np.asarray(new)[order, 0] * DRIVAERML.q_inf, mesh.cell_data["pMeanTrim"], rtol=2e-6,
+                               atol=1e-3)
+
+
 def test_resume_after_sigkill_of_the_command(raw, store, tmp_path):
     """A real kill -9 of `domainflow ingest` between runs; the rerun completes to the same store."""
     path = tmp_path / "killed.zarr"
