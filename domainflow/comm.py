@@ -218,6 +218,11 @@ def all_gather_ints(values: Sequence[int], mesh: DeviceMesh) -> list[list[int]]:
     return out
 
 
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's tensors for ``mesh`` live on (the current CUDA device under NCCL)."""
+    return _device(mesh)
+
+
 def _device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cpu":
         return torch.device("cpu")

@@ -1,0 +1,176 @@
+"""``GridDataset``: (input window, target) pairs of a grid store, each rank reading only its hyperslab.
+
+The store holds ``data (T, C, H, W)`` in per-time-step spatial tiles. Rank (i, j) of a domain sharded over
+lat (and lon) reads ``data[t0:t1, :, lat slab, lon slab]`` only. A ``halo`` of k reads k extra rows on each
+side from disk (wrapping around in longitude on a global grid, clipped at the poles), so a first
+convolution needs no exchange; the widened block is returned next to the ShardTensor.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from .axes import resolve_axes
+from .normalize import Normalizer
+from .prefetch import prefetched
+from .regions import grid_slab
+from .sampling import dp_share, epoch_order
+from .store import Store, StoreError, open_store
+
+DIMS = {"lat": 2, "lon": 3}  # tensor dims of (1, C, lat, lon) samples
+
+
+class GridDataset(torch.utils.data.IterableDataset):
+    """Iterates this dp rank's samples; each is a dict with
+
+    - ``input``: ShardTensor (1, history * C, H, W), the steps ``t - history + 1 .. t`` stacked on channels
+      (oldest first), and ``target``: ShardTensor (1, C, H, W) at ``t + lead``; sharded over lat (tensor
+      dim 2) and, on a 2-D domain, lon (dim 3); z-scored per variable when ``normalize``;
+    - ``input_halo`` (only when ``halo > 0``): this rank's input block widened by up to ``halo`` rows per
+      side as a plain tensor, with ``halo_widths`` {dim: (before, after)} saying how many were added;
+    - ``time`` (index of t), ``weight`` (0 for a padding step that evens out dp ranks).
+
+    ``shard_dims``: ("lat",) or ("lat", "lon"), matched in order with ``domain_axes`` (mesh dim names).
+    A sample's window and target lie inside one range of the split.
+    """
+
+    def __init__(self, store, mesh, split: str = "train", shard_dims=("lat",), lead: int = 1, history: int = 1,
+                 halo: int = 0, variables=None, normalize: bool = True, shuffle: bool = True, seed: int = 0,
+                 prefetch: int = 2, domain_axes=None, dp_axis: str = "dp", dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.store = store if isinstance(store, Store) else open_store(store)
+        self.store.require_kind("grid")
+        self.shard_dims = (shard_dims,) if isinstance(shard_dims, str) else tuple(shard_dims)
+        bad = [d for d in self.shard_dims if d not in DIMS] or len(set(self.shard_dims)) != len(self.shard_dims)
+        if bad or not self.shard_dims:
+            raise ValueError(f"shard_dims must be ('lat',) or ('lat', 'lon'), got {shard_dims!r}")
+        if domain_axes is None:
+            domain_axes = ("domain",) if len(self.shard_dims) == 1 else tuple(f"domain_{d}" for d in self.shard_dims)
+        domain_axes = (domain_axes,) if isinstance(domain_axes, str) else tuple(domain_axes)
+        if len(domain_axes) != len(self.shard_dims):
+            raise ValueError(f"shard_dims {self.shard_dims} need as many domain axes, got {domain_axes}")
+        self.axes = resolve_axes(mesh, domain_axes, dp_axis)
+        if lead < 1 or history < 1 or halo < 0:
+            raise ValueError(f"need lead >= 1, history >= 1 and halo >= 0, got {lead}, {history}, {halo}")
+        self.lead, self.history, self.halo = lead, history, halo
+        self.normalize, self.shuffle, self.seed, self.prefetch, self.dtype = normalize, shuffle, seed, prefetch, dtype
+        self.epoch = 0
+        self.data = self.store.group["data"]
+        T, C, H, W = self.data.shape
+        grid = self.store.attrs.get("grid", {})
+        all_vars = list(grid.get("variables", []))
+        self.variables = list(variables) if variables is not None else all_vars
+        unknown = [v for v in self.variables if v not in all_vars]
+        if unknown:
+            raise StoreError(f"{self.store.path}: no variable(s) {unknown}; it has {all_vars}")
+        self.channels = [all_vars.index(v) for v in self.variables]
+        self.periodic = bool(grid.get("periodic_lon", False))
+        if split not in self.store.splits:
+            raise StoreError(f"{self.store.path} has no split {split!r}; its splits are {sorted(self.store.splits)}")
+        self.times = [t for a, b in self.store.splits[split] for t in range(a + history - 1, b - lead)]
+        extent = {"lat": H, "lon": W}
+        self.slabs = {}
+        for d, coord, size in zip(self.shard_dims, self.axes.coords, self.axes.sizes):
+            self.slabs[d] = grid_slab(extent[d], size, coord, halo, periodic=(d == "lon" and self.periodic))
+        for d in DIMS:
+            if d not in self.slabs:
+                self.slabs[d] = grid_slab(extent[d], 1, 0, halo, periodic=(d == "lon" and self.periodic))
+        self.sizes = {axis: [grid_slab(extent[d], size, k).size for k in range(size)]
+                      for d, axis, size in zip(self.shard_dims, self.axes.names, self.axes.sizes)}
+        from domainflow.comm import mesh_device
+
+        self.device = mesh_device(self.axes.domain)
+        self.normalizer = Normalizer(self.store.stats)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def steps(self) -> list[tuple[int, float]]:
+        order = epoch_order(len(self.times), self.seed, self.epoch, self.shuffle)
+        return [(self.times[i], w) for i, w in dp_share(order, self.axes.dp_rank, self.axes.dp_size)]
+
+    def __len__(self) -> int:
+        return -(-len(self.times) // self.axes.dp_size)
+
+    def __iter__(self):
+        loads = [functools.partial(self.read_region, t, w) for t, w in self.steps()]
+        for raw in prefetched(loads, self.prefetch):
+            yield self.wrap(raw)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.store.bytes_read
+
+    # -- reading ---------------------------------------------------------------------------------------
+    def _read(self, t0: int, t1: int, halo: bool) -> np.ndarray:
+        """data[t0:t1, channels, lat slab, lon slab] (with halo rows when ``halo``), one read per range."""
+        lat, lon = self.slabs["lat"], self.slabs["lon"]
+        lat_reads = lat.reads if halo else ((lat.start, lat.stop),)
+        lon_reads = lon.reads if halo else ((lon.start, lon.stop),)
+        ch = self.channels
+        csel = slice(ch[0], ch[-1] + 1) if ch == list(range(ch[0], ch[-1] + 1)) else None
+        rows = []
+        for a, b in lat_reads:
+            cols = []
+            for c, d in lon_reads:
+                if csel is not None:
+                    block = np.asarray(self.data[t0:t1, csel, a:b, c:d])
+                else:
+                    block = np.asarray(self.data.get_orthogonal_selection(
+                        (slice(t0, t1), ch, slice(a, b), slice(c, d))))
+                cols.append(block)
+            rows.append(np.concatenate(cols, axis=3) if len(cols) > 1 else cols[0])
+        return np.concatenate(rows, axis=2) if len(rows) > 1 else rows[0]
+
+    def read_region(self, t: int, weight: float = 1.0) -> dict:
+        """This rank's input window and target at time ``t`` as numpy arrays (safe on the prefetch thread)."""
+        window = self._read(t - self.history + 1, t + 1, halo=self.halo > 0)
+        target = self._read(t + self.lead, t + self.lead + 1, halo=False)
+        return {"time": t, "weight": weight, "window": window, "target": target}
+
+    def _core(self, block: np.ndarray) -> np.ndarray:
+        """The block without its halo rows."""
+        if self.halo == 0:
+            return block
+        lat, lon = self.slabs["lat"], self.slabs["lon"]
+        return block[:, :, lat.before: block.shape[2] - lat.after, lon.before: block.shape[3] - lon.after]
+
+    def wrap(self, raw: dict) -> dict:
+        from domainflow import Shard, ShardTensor
+
+        placements = [Shard(DIMS[d]) for d in self.shard_dims]
+
+        def tensor(block: np.ndarray) -> torch.Tensor:  # (steps, C, h, w) -> (1, steps * C, h, w), normalised
+            t = torch.from_numpy(np.ascontiguousarray(block)).to(device=self.device, dtype=self.dtype)
+            if self.normalize:
+                t = torch.stack([self._norm(t[:, k], v) for k, v in enumerate(self.variables)], dim=1)
+            return t.reshape(1, -1, t.shape[2], t.shape[3])
+
+        window = tensor(raw["window"])
+        out = {"time": raw["time"], "weight": torch.tensor(raw["weight"], dtype=self.dtype, device=self.device)}
+        core = tensor(self._core(raw["window"])) if self.halo else window
+        out["input"] = ShardTensor.from_local(core, self.axes.domain, placements, sharding_shapes=self.sizes)
+        out["target"] = ShardTensor.from_local(tensor(raw["target"]), self.axes.domain, placements,
+                                               sharding_shapes=self.sizes)
+        if self.halo:
+            out["input_halo"] = window
+            out["halo_widths"] = {DIMS[d]: (self.slabs[d].before, self.slabs[d].after) for d in DIMS}
+        return out
+
+    def _norm(self, x: torch.Tensor, var: str) -> torch.Tensor:
+        s = self.store.stats[f"grid/{var}"]
+        std = s["std"][0] if s["std"][0] > 0 else 1.0
+        return (x - s["mean"][0]) / std
+
+    def denormalize(self, x, channel_dim: int = 1):
+        """Undo the z-score of a (.., C, ..) prediction whose channels are ``variables`` (in that order)."""
+        mean = torch.tensor([self.store.stats[f"grid/{v}"]["mean"][0] for v in self.variables], dtype=x.dtype,
+                            device=self.device)
+        std = torch.tensor([self.store.stats[f"grid/{v}"]["std"][0] or 1.0 for v in self.variables],
+                           dtype=x.dtype, device=self.device)
+        shape = [1] * x.ndim
+        shape[channel_dim] = len(self.variables)
+        return x * std.reshape(shape) + mean.reshape(shape)

@@ -1,0 +1,161 @@
+"""``MeshDataset``: samples of a mesh store, each rank reading only its own spatial region of a run.
+
+Rank r of a W-rank domain reads rows ``[parts[r*P//W], parts[(r+1)*P//W])`` of every array of a run: one
+contiguous, spatially compact range (the store's rows are sorted by part). All ranks know every rank's
+row count from the run's ``parts`` offsets, so the ShardTensors are built without communication.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from domainflow.shapes import rows_per_rank
+
+from .axes import resolve_axes
+from .normalize import Normalizer
+from .prefetch import prefetched
+from .regions import mesh_rows
+from .sampling import dp_share, epoch_order
+from .store import Store, StoreError, open_store
+
+GEOMETRY = ("coords", "normals", "areas", "order")
+
+
+class MeshDataset(torch.utils.data.IterableDataset):
+    """Iterates this dp rank's samples of ``split``; each is a dict with
+
+    - one ShardTensor per name in ``inputs`` (geometry: coords, normals, areas, order) and ``fields`` (stored
+      fields such as Cp, Cf), shape (N, C), sharded on dim 0 over the domain axis, z-scored with the store's
+      train statistics when ``normalize`` (``order`` never is);
+    - replicated per-run values as plain tensors: ``U_inf``, ``params`` (design parameters in
+      ``param_names`` order), ``forces`` and ``forces_constref`` (dicts), ``run`` (its id) and ``weight``
+      (1, or 0 for a padding step that evens out the dp ranks; multiply the loss by it).
+
+    ``prefetch`` samples are read ahead on a background thread (0: read inline); the order depends only on
+    ``seed`` and the epoch (``set_epoch``), so prefetch never changes what is read.
+    """
+
+    def __init__(self, store, mesh, split: str | None = "train", location: str = "surface",
+                 fields=("Cp", "Cf"), inputs=("coords", "normals"), normalize: bool = True, shuffle: bool = True,
+                 seed: int = 0, prefetch: int = 2, domain_axis: str = "domain", dp_axis: str = "dp",
+                 dtype: torch.dtype = torch.float32, runs=None):
+        super().__init__()
+        self.store = store if isinstance(store, Store) else open_store(store)
+        self.store.require_kind("mesh")
+        self.axes = resolve_axes(mesh, (domain_axis,), dp_axis)
+        self.location, self.fields, self.inputs = location, tuple(fields), tuple(inputs)
+        self.normalize, self.shuffle, self.seed, self.prefetch, self.dtype = normalize, shuffle, seed, prefetch, dtype
+        self.epoch = 0
+        self.runs = list(runs) if runs is not None else self.store.runs(split)
+        self._check()
+        self.normalizer = Normalizer(self.store.stats)
+        from domainflow.comm import mesh_device
+
+        self.device = mesh_device(self.axes.domain)
+        self.param_names = sorted(self.store.run(self.runs[0]).attrs.get("geometry", {})) if self.runs else []
+
+    # -- checks (metadata only: every rank raises the same error, before any collective) -------------------
+    def _check(self):
+        store, loc = self.store, self.location
+        world = self.axes.sizes[0]
+        if world > store.parts:
+            raise StoreError(f"{store.path} has {store.parts} spatial parts per run, so it serves domains of up to "
+                             f"{store.parts} ranks, not {world}; re-ingest with --parts {_pow2_at_least(world)} "
+                             f"or more")
+        known = set(store.runs())
+        unknown = [r for r in self.runs if r not in known]
+        if unknown:
+            raise StoreError(f"{store.path} has no run(s) {unknown[:10]}; it has {sorted(known)[:20]}")
+        if not self.runs:
+            raise StoreError(f"{store.path}: no runs to read (the split is empty)")
+        first = store.run(self.runs[0])
+        if loc not in first:
+            locs = [k for k in ("surface", "volume") if k in first]
+            raise StoreError(f"{store.path} has no {loc!r} data; its runs hold {locs}")
+        available = store.field_names(loc)
+        bad = [f for f in self.fields if f not in available]
+        if bad:
+            raise StoreError(f"{store.path}: no {loc} field(s) {bad}; the {loc} fields are {available}")
+        geometry = [g for g in GEOMETRY if g in first[loc]]
+        bad = [g for g in self.inputs if g not in geometry]
+        if bad:
+            raise StoreError(f"{store.path}: no {loc} input(s) {bad}; inputs are the geometry arrays {geometry} "
+                             f"(fields go in fields=)")
+
+    # -- iteration ---------------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle for ``epoch`` (same seed and epoch: same order on every run of the program)."""
+        self.epoch = int(epoch)
+
+    def steps(self) -> list[tuple[str, float]]:
+        """(run id, weight) of each step this dp rank takes in the current epoch."""
+        order = epoch_order(len(self.runs), self.seed, self.epoch, self.shuffle)
+        return [(self.runs[i], w) for i, w in dp_share(order, self.axes.dp_rank, self.axes.dp_size)]
+
+    def __len__(self) -> int:
+        return -(-len(self.runs) // self.axes.dp_size)
+
+    def __iter__(self):
+        loads = [functools.partial(self.read_region, run, weight) for run, weight in self.steps()]
+        for raw in prefetched(loads, self.prefetch):
+            yield self.wrap(raw)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.store.bytes_read
+
+    # -- reading and wrapping --------------------------------------------------------------------------
+    @functools.lru_cache(maxsize=4096)
+    def _offsets(self, run_id: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in self.store.run(run_id)[self.location]["parts"][...])
+
+    def read_region(self, run_id: str, weight: float = 1.0) -> dict:
+        """This rank's rows of one run as numpy arrays, plus the run's replicated values (no torch, no
+        communication: safe on the prefetch thread)."""
+        group = self.store.run(run_id)
+        loc = group[self.location]
+        offsets = self._offsets(run_id)
+        a, b = mesh_rows(offsets, self.axes.coords[0], self.axes.sizes[0])
+        arrays = {name: np.asarray(loc[name][a:b]) for name in self.inputs}
+        arrays.update({name: np.asarray(loc["fields"][name][a:b]) for name in self.fields})
+        attrs = dict(group.attrs)
+        return {"run": run_id, "weight": weight, "arrays": arrays, "rows": (a, b),
+                "sizes": rows_per_rank(offsets, self.axes.sizes[0]), "attrs": attrs}
+
+    def wrap(self, raw: dict) -> dict:
+        """ShardTensors from a region read (no communication: every rank's size comes from ``parts``)."""
+        from domainflow import Shard, ShardTensor
+
+        out = {"run": raw["run"], "weight": torch.tensor(raw["weight"], dtype=self.dtype, device=self.device)}
+        sizes = {self.axes.names[0]: list(raw["sizes"])}
+        for name, values in raw["arrays"].items():
+            t = torch.from_numpy(values)
+            t = t.to(self.device) if name == "order" else t.to(device=self.device, dtype=self.dtype)
+            if t.ndim == 1 and name != "order":
+                t = t[:, None]
+            st = ShardTensor.from_local(t, self.axes.domain, [Shard(0)], sharding_shapes=sizes)
+            if self.normalize and name != "order":
+                st = self.normalizer.normalize(f"{self.location}/{name}", st)
+            out[name] = st
+        attrs = raw["attrs"]
+        as_t = lambda v: torch.tensor(v, dtype=self.dtype, device=self.device)  # noqa: E731
+        out["U_inf"] = as_t(attrs.get("U_inf", float("nan")))
+        geometry = attrs.get("geometry", {})
+        out["params"] = as_t([geometry.get(k, float("nan")) for k in self.param_names])
+        out["forces"] = {k: as_t(v) for k, v in attrs.get("forces", {}).items()}
+        out["forces_constref"] = {k: as_t(v) for k, v in attrs.get("forces_constref", {}).items()}
+        return out
+
+    def denormalize(self, name: str, x):
+        """Undo the z-score of field or input ``name`` (e.g. a model's Cp prediction)."""
+        return self.normalizer.denormalize(f"{self.location}/{name}", x)
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
