@@ -12,5 +12,7 @@ from .grid_dataset import GridDataset
 from .mesh_dataset import MeshDataset
 from .normalize import Normalizer
 from .store import ByteCounter, Store, StoreError, open_store
+from .vtk import VtkRead, read_vtk
 
-__all__ = ["ByteCounter", "GridDataset", "MeshDataset", "Normalizer", "Store", "StoreError", "open_store"]
+__all__ = ["ByteCounter", "GridDataset", "MeshDataset", "Normalizer", "Store", "StoreError", "VtkRead", "open_store",
+           "read_vtk"]

@@ -34,7 +34,7 @@ _XML_DTYPES = {
     "Float32": torch.float32, "Float64": torch.float64,
 }
 _NP_WIDEN = {np.dtype(np.uint16): np.int32, np.dtype(np.uint32): np.int64, np.dtype(np.uint64): np.int64}
-_HEADER_CHUNK = 16 << 10
+_HEADER_CHUNK = 4 << 10
 _APPENDED = b"<AppendedData"
 
 
@@ -115,12 +115,15 @@ def _domain_mesh(mesh, axis):
 # --------------------------------------------------------------------------------------------
 def _read_partitioned(path, arrays, domain, association) -> VtkRead:
     """Each rank reads its contiguous range of pieces; one all-gather agrees on success and row counts."""
-    pieces, nbytes = _piece_files(path)
+    pieces, declared, nbytes = _piece_files(path)
     headers = []
     for p in pieces:
         h, n = _piece_header(p)
         headers.append(h)
         nbytes += n
+    if arrays is None and declared is not None and declared[association] is not None:
+        # like VTK's parallel readers: the arrays the index declares (else those of the first piece)
+        arrays = [n for n, t in declared[association].items() if t in _XML_DTYPES]
     names, dtypes, comps, coord_dtype = _plan(path, headers, arrays, association)
     world, me = (1, 0) if domain is None else (domain.size(), domain.get_local_rank())
     k = len(pieces)
@@ -143,8 +146,10 @@ def _read_partitioned(path, arrays, domain, association) -> VtkRead:
     return out
 
 
-def _piece_files(path) -> tuple[list[str], int]:
-    """Piece paths listed by a .pvtu / .pvtp / .vtm index, in document order, each checked to exist."""
+def _piece_files(path) -> tuple[list[str], dict | None, int]:
+    """Piece paths listed by a .pvtu / .pvtp / .vtm index, in document order, each checked to exist;
+    plus the arrays a .pvtu / .pvtp declares ({association: {name: VTK type} or None where it has no
+    P*Data element}; None for .vtm) and the index's size."""
     folder = os.path.dirname(os.path.abspath(path))
     nbytes = os.path.getsize(path)
     try:
@@ -152,9 +157,13 @@ def _piece_files(path) -> tuple[list[str], int]:
     except ET.ParseError as exc:
         raise ValueError(f"read_vtk: {path} is not a valid VTK XML index ({exc}); rewrite it or read "
                          f"the pieces one by one") from None
+    declared = None
     if path.lower().endswith(".vtm"):
         files = [e.get("file") for e in root.iter("DataSet") if e.get("file")]
     else:
+        declared = {assoc: None if root.find(f"./*/P{tag}") is None else
+                    {e.get("Name"): e.get("type") for e in root.iterfind(f"./*/P{tag}/PDataArray")}
+                    for assoc, tag in _ASSOCIATIONS.items()}
         ghost = root.find("./*[@GhostLevel]")
         if ghost is not None and ghost.get("GhostLevel", "0").strip() not in ("", "0"):
             raise ValueError(f"read_vtk: {path} has GhostLevel={ghost.get('GhostLevel')}: its pieces overlap, "
@@ -167,7 +176,7 @@ def _piece_files(path) -> tuple[list[str], int]:
     if missing:
         raise ValueError(f"read_vtk: {path} lists piece file(s) that do not exist: {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''}; restore them or rewrite the index")
-    return pieces, nbytes
+    return pieces, declared, nbytes
 
 
 def _piece_header(path) -> tuple[_Header, int]:
@@ -424,8 +433,7 @@ def _take(mesh, names, association, path) -> dict:
         if a.shape[0] != rows:
             raise ValueError(f"read_vtk: {path}: array {n!r} has {a.shape[0]} values for {rows} {association}s; "
                              f"the file is corrupt")
-        a = a.astype(_NP_WIDEN.get(a.dtype, a.dtype), copy=False)
-        out[n] = torch.from_numpy(np.ascontiguousarray(a).copy())
+        out[n] = torch.from_numpy(np.array(a, dtype=_NP_WIDEN.get(a.dtype, a.dtype), order="C"))  # owns its memory
     return out
 
 
@@ -438,7 +446,7 @@ def _coords(mesh, association) -> torch.Tensor:
     pts = np.asarray(mesh.points)
     if association == "cell":
         pts = np.asarray(mesh.cell_centers().points).astype(pts.dtype, copy=False)
-    return torch.from_numpy(np.ascontiguousarray(pts).copy()).reshape(-1, 3)
+    return torch.from_numpy(np.array(pts, order="C")).reshape(-1, 3)
 
 
 def _agree(domain, error, rows, path) -> list[int]:
