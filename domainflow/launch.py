@@ -20,11 +20,21 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    if threads_per_rank is not None:
+        threads = str(threads_per_rank)
+    else:  # an OMP_NUM_THREADS the user set wins over the even split
+        threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"domainflow-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
         start_method="spawn",
     )
-    return elastic_launch(config, fn)(*args)
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = threads  # the spawned ranks inherit it; this process gets its own back
+    try:
+        return elastic_launch(config, fn)(*args)
+    finally:
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before

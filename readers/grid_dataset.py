@@ -15,7 +15,7 @@ import torch
 
 from .axes import resolve_axes
 from .normalize import Normalizer
-from .prefetch import prefetched
+from .prefetch import EpochStream
 from .regions import grid_slab
 from .sampling import dp_share, epoch_order
 from .store import Store, StoreError, open_store
@@ -23,7 +23,7 @@ from .store import Store, StoreError, open_store
 DIMS = {"lat": 2, "lon": 3}  # tensor dims of (1, C, lat, lon) samples
 
 
-class GridDataset(torch.utils.data.IterableDataset):
+class GridDataset(torch.utils.data.IterableDataset, EpochStream):
     """Iterates this dp rank's samples; each is a dict with
 
     - ``input``: ShardTensor (1, history * C, H, W), the steps ``t - history + 1 .. t`` stacked on channels
@@ -40,7 +40,8 @@ class GridDataset(torch.utils.data.IterableDataset):
     def __init__(self, store, mesh, split: str = "train", shard_dims=("lat",), lead: int = 1, history: int = 1,
                  halo: int = 0, variables=None, normalize: bool = True, shuffle: bool = True, seed: int = 0,
                  prefetch: int = 2, domain_axes=None, dp_axis: str = "dp", dtype: torch.dtype = torch.float32):
-        super().__init__()
+        torch.utils.data.IterableDataset.__init__(self)
+        EpochStream.__init__(self)
         self.store = store if isinstance(store, Store) else open_store(store)
         self.store.require_kind("grid")
         self.shard_dims = (shard_dims,) if isinstance(shard_dims, str) else tuple(shard_dims)
@@ -57,7 +58,6 @@ class GridDataset(torch.utils.data.IterableDataset):
             raise ValueError(f"need lead >= 1, history >= 1 and halo >= 0, got {lead}, {history}, {halo}")
         self.lead, self.history, self.halo = lead, history, halo
         self.normalize, self.shuffle, self.seed, self.prefetch, self.dtype = normalize, shuffle, seed, prefetch, dtype
-        self.epoch = 0
         self.data = self.store.group["data"]
         T, C, H, W = self.data.shape
         grid = self.store.attrs.get("grid", {})
@@ -84,21 +84,25 @@ class GridDataset(torch.utils.data.IterableDataset):
 
         self.device = mesh_device(self.axes.domain)
         self.normalizer = Normalizer(self.store.stats)
+        self._np_dtype = torch.empty((), dtype=dtype).numpy().dtype
+        stats = [self.store.stats[f"grid/{v}"] for v in self.variables]
+        self._mean = np.array([s["mean"][0] for s in stats], self._np_dtype).reshape(1, -1, 1, 1)
+        self._inv_std = np.array([1.0 / (s["std"][0] if s["std"][0] > 0 else 1.0) for s in stats],
+                                 self._np_dtype).reshape(1, -1, 1, 1)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def steps(self) -> list[tuple[int, float]]:
-        order = epoch_order(len(self.times), self.seed, self.epoch, self.shuffle)
+    def steps(self, epoch: int | None = None) -> list[tuple[int, float]]:
+        """(time index, weight) of each step this dp rank takes in ``epoch`` (default: the current one)."""
+        epoch = self.epoch if epoch is None else epoch
+        order = epoch_order(len(self.times), self.seed, epoch, self.shuffle)
         return [(self.times[i], w) for i, w in dp_share(order, self.axes.dp_rank, self.axes.dp_size)]
 
     def __len__(self) -> int:
         return -(-len(self.times) // self.axes.dp_size)
 
     def __iter__(self):
-        loads = [functools.partial(self.read_region, t, w) for t, w in self.steps()]
-        for raw in prefetched(loads, self.prefetch):
-            yield self.wrap(raw)
+        def loads(epoch):
+            return [functools.partial(self.read_region, t, w) for t, w in self.steps(epoch)]
+        return self._iterate(loads, self.wrap, self.prefetch)
 
     @property
     def bytes_read(self) -> int:
@@ -126,10 +130,19 @@ class GridDataset(torch.utils.data.IterableDataset):
         return np.concatenate(rows, axis=2) if len(rows) > 1 else rows[0]
 
     def read_region(self, t: int, weight: float = 1.0) -> dict:
-        """This rank's input window and target at time ``t`` as numpy arrays (safe on the prefetch thread)."""
-        window = self._read(t - self.history + 1, t + 1, halo=self.halo > 0)
-        target = self._read(t + self.lead, t + self.lead + 1, halo=False)
+        """This rank's input window and target at time ``t`` as numpy arrays, cast and z-scored (on the
+        prefetch thread, so the training loop only wraps them)."""
+        window = self._prepare(self._read(t - self.history + 1, t + 1, halo=self.halo > 0))
+        target = self._prepare(self._read(t + self.lead, t + self.lead + 1, halo=False))
         return {"time": t, "weight": weight, "window": window, "target": target}
+
+    def _prepare(self, block: np.ndarray) -> np.ndarray:
+        """(steps, C, h, w) -> the dataset's dtype, normalised per variable."""
+        out = block.astype(self._np_dtype, copy=True)
+        if self.normalize:  # in place, in the target dtype
+            out -= self._mean
+            out *= self._inv_std
+        return out
 
     def _core(self, block: np.ndarray) -> np.ndarray:
         """The block without its halo rows."""
@@ -143,10 +156,8 @@ class GridDataset(torch.utils.data.IterableDataset):
 
         placements = [Shard(DIMS[d]) for d in self.shard_dims]
 
-        def tensor(block: np.ndarray) -> torch.Tensor:  # (steps, C, h, w) -> (1, steps * C, h, w), normalised
-            t = torch.from_numpy(np.ascontiguousarray(block)).to(device=self.device, dtype=self.dtype)
-            if self.normalize:
-                t = torch.stack([self._norm(t[:, k], v) for k, v in enumerate(self.variables)], dim=1)
+        def tensor(block: np.ndarray) -> torch.Tensor:  # (steps, C, h, w) -> (1, steps * C, h, w)
+            t = torch.from_numpy(np.ascontiguousarray(block)).to(self.device)
             return t.reshape(1, -1, t.shape[2], t.shape[3])
 
         window = tensor(raw["window"])
@@ -159,11 +170,6 @@ class GridDataset(torch.utils.data.IterableDataset):
             out["input_halo"] = window
             out["halo_widths"] = {DIMS[d]: (self.slabs[d].before, self.slabs[d].after) for d in DIMS}
         return out
-
-    def _norm(self, x: torch.Tensor, var: str) -> torch.Tensor:
-        s = self.store.stats[f"grid/{var}"]
-        std = s["std"][0] if s["std"][0] > 0 else 1.0
-        return (x - s["mean"][0]) / std
 
     def denormalize(self, x, channel_dim: int = 1):
         """Undo the z-score of a (.., C, ..) prediction whose channels are ``variables`` (in that order)."""

@@ -16,7 +16,7 @@ from domainflow.shapes import rows_per_rank
 
 from .axes import resolve_axes
 from .normalize import Normalizer
-from .prefetch import prefetched
+from .prefetch import EpochStream
 from .regions import mesh_rows
 from .sampling import dp_share, epoch_order
 from .store import Store, StoreError, open_store
@@ -24,7 +24,7 @@ from .store import Store, StoreError, open_store
 GEOMETRY = ("coords", "normals", "areas", "order")
 
 
-class MeshDataset(torch.utils.data.IterableDataset):
+class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
     """Iterates this dp rank's samples of ``split``; each is a dict with
 
     - one ShardTensor per name in ``inputs`` (geometry: coords, normals, areas, order) and ``fields`` (stored
@@ -42,13 +42,13 @@ class MeshDataset(torch.utils.data.IterableDataset):
                  fields=("Cp", "Cf"), inputs=("coords", "normals"), normalize: bool = True, shuffle: bool = True,
                  seed: int = 0, prefetch: int = 2, domain_axis: str = "domain", dp_axis: str = "dp",
                  dtype: torch.dtype = torch.float32, runs=None):
-        super().__init__()
+        torch.utils.data.IterableDataset.__init__(self)
+        EpochStream.__init__(self)
         self.store = store if isinstance(store, Store) else open_store(store)
         self.store.require_kind("mesh")
         self.axes = resolve_axes(mesh, (domain_axis,), dp_axis)
         self.location, self.fields, self.inputs = location, tuple(fields), tuple(inputs)
         self.normalize, self.shuffle, self.seed, self.prefetch, self.dtype = normalize, shuffle, seed, prefetch, dtype
-        self.epoch = 0
         self.runs = list(runs) if runs is not None else self.store.runs(split)
         self._check()
         self.normalizer = Normalizer(self.store.stats)
@@ -56,6 +56,16 @@ class MeshDataset(torch.utils.data.IterableDataset):
 
         self.device = mesh_device(self.axes.domain)
         self.param_names = sorted(self.store.run(self.runs[0]).attrs.get("geometry", {})) if self.runs else []
+        self._np_dtype = torch.empty((), dtype=dtype).numpy().dtype
+        self._moments = {}
+        if normalize:
+            for name in self.inputs + self.fields:
+                s = self.store.stats.get(f"{location}/{name}") if name != "order" else None
+                if s is not None:
+                    std = np.asarray(s["std"], np.float64)
+                    self._moments[name] = (np.asarray(s["mean"], self._np_dtype),
+                                           (1.0 / np.where(std > 0, std, 1.0)).astype(self._np_dtype))
+        self._runs_open = {}  # run id -> (offsets, {name: zarr array}, attrs): metadata read once per run
 
     # -- checks (metadata only: every rank raises the same error, before any collective) -------------------
     def _check(self):
@@ -86,43 +96,58 @@ class MeshDataset(torch.utils.data.IterableDataset):
                              f"(fields go in fields=)")
 
     # -- iteration ---------------------------------------------------------------------------------------
-    def set_epoch(self, epoch: int) -> None:
-        """Reshuffle for ``epoch`` (same seed and epoch: same order on every run of the program)."""
-        self.epoch = int(epoch)
-
-    def steps(self) -> list[tuple[str, float]]:
-        """(run id, weight) of each step this dp rank takes in the current epoch."""
-        order = epoch_order(len(self.runs), self.seed, self.epoch, self.shuffle)
+    def steps(self, epoch: int | None = None) -> list[tuple[str, float]]:
+        """(run id, weight) of each step this dp rank takes in ``epoch`` (default: the current one)."""
+        epoch = self.epoch if epoch is None else epoch
+        order = epoch_order(len(self.runs), self.seed, epoch, self.shuffle)
         return [(self.runs[i], w) for i, w in dp_share(order, self.axes.dp_rank, self.axes.dp_size)]
 
     def __len__(self) -> int:
         return -(-len(self.runs) // self.axes.dp_size)
 
     def __iter__(self):
-        loads = [functools.partial(self.read_region, run, weight) for run, weight in self.steps()]
-        for raw in prefetched(loads, self.prefetch):
-            yield self.wrap(raw)
+        def loads(epoch):
+            return [functools.partial(self.read_region, run, weight) for run, weight in self.steps(epoch)]
+        return self._iterate(loads, self.wrap, self.prefetch)
 
     @property
     def bytes_read(self) -> int:
         return self.store.bytes_read
 
     # -- reading and wrapping --------------------------------------------------------------------------
-    @functools.lru_cache(maxsize=4096)
-    def _offsets(self, run_id: str) -> tuple[int, ...]:
-        return tuple(int(x) for x in self.store.run(run_id)[self.location]["parts"][...])
+    def _open_run(self, run_id: str):
+        """A run's part offsets, array handles and attrs, read once (later samples read only chunk data)."""
+        hit = self._runs_open.get(run_id)
+        if hit is None:
+            group = self.store.run(run_id)
+            loc = group[self.location]
+            arrays = {name: loc[name] for name in self.inputs}
+            arrays.update({name: loc["fields"][name] for name in self.fields})
+            offsets = tuple(int(x) for x in loc["parts"][...])
+            hit = self._runs_open[run_id] = (offsets, arrays, dict(group.attrs))
+        return hit
 
-    def read_region(self, run_id: str, weight: float = 1.0) -> dict:
-        """This rank's rows of one run as numpy arrays, plus the run's replicated values (no torch, no
-        communication: safe on the prefetch thread)."""
-        group = self.store.run(run_id)
-        loc = group[self.location]
-        offsets = self._offsets(run_id)
-        a, b = mesh_rows(offsets, self.axes.coords[0], self.axes.sizes[0])
-        arrays = {name: np.asarray(loc[name][a:b]) for name in self.inputs}
-        arrays.update({name: np.asarray(loc["fields"][name][a:b]) for name in self.fields})
-        attrs = dict(group.attrs)
-        return {"run": run_id, "weight": weight, "arrays": arrays, "rows": (a, b),
+    def read_region(self, run_id: str, weight: float = 1.0, rank: int | None = None) -> dict:
+        """Rows of one run for this rank (or domain coordinate ``rank``) as numpy arrays, already cast and
+        z-scored, plus the run's replicated values. No torch and no communication: it runs on the
+        prefetch thread, so the training loop only wraps the arrays."""
+        offsets, arrays, attrs = self._open_run(run_id)
+        rank = self.axes.coords[0] if rank is None else rank
+        a, b = mesh_rows(offsets, rank, self.axes.sizes[0])
+        out = {}
+        for name, arr in arrays.items():
+            values = np.asarray(arr[a:b])
+            if name != "order":
+                values = values.astype(self._np_dtype, copy=False)
+                if values.ndim == 1:
+                    values = values[:, None]
+                if name in self._moments:  # in place, in the target dtype: no float64 temporaries
+                    mean, inv_std = self._moments[name]
+                    values = np.array(values, copy=True) if not values.flags.writeable else values
+                    values -= mean
+                    values *= inv_std
+            out[name] = values
+        return {"run": run_id, "weight": weight, "arrays": out, "rows": (a, b),
                 "sizes": rows_per_rank(offsets, self.axes.sizes[0]), "attrs": attrs}
 
     def wrap(self, raw: dict) -> dict:
@@ -132,14 +157,8 @@ class MeshDataset(torch.utils.data.IterableDataset):
         out = {"run": raw["run"], "weight": torch.tensor(raw["weight"], dtype=self.dtype, device=self.device)}
         sizes = {self.axes.names[0]: list(raw["sizes"])}
         for name, values in raw["arrays"].items():
-            t = torch.from_numpy(values)
-            t = t.to(self.device) if name == "order" else t.to(device=self.device, dtype=self.dtype)
-            if t.ndim == 1 and name != "order":
-                t = t[:, None]
-            st = ShardTensor.from_local(t, self.axes.domain, [Shard(0)], sharding_shapes=sizes)
-            if self.normalize and name != "order":
-                st = self.normalizer.normalize(f"{self.location}/{name}", st)
-            out[name] = st
+            t = torch.from_numpy(values).to(self.device)
+            out[name] = ShardTensor.from_local(t, self.axes.domain, [Shard(0)], sharding_shapes=sizes)
         attrs = raw["attrs"]
         as_t = lambda v: torch.tensor(v, dtype=self.dtype, device=self.device)  # noqa: E731
         out["U_inf"] = as_t(attrs.get("U_inf", float("nan")))

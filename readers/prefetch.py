@@ -1,16 +1,17 @@
 """Read ahead on a background thread with bounded memory.
 
-``prefetched(loads, depth)`` calls each ``load()`` in order on one thread, at most ``depth`` results ahead of
-the consumer, and yields the results in the same order; so the same seed gives the same samples with and
-without prefetch. Zarr and numpy release the GIL while reading and decoding, so the reads overlap with the
-training step. An exception in a load is raised in the consumer at that position.
+``Prefetcher(loads, depth)`` calls each ``load()`` in order on one thread, at most ``depth`` results ahead
+of the consumer, and yields the results in the same order, so the same seed gives the same samples with
+and without prefetch. Zarr and numpy release the GIL while reading and decoding, so reads overlap with
+the training step. An exception in a load is raised in the consumer at that position. The thread starts
+at construction, so a dataset can start reading its next epoch before the loop asks for it.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 _DONE = object()
 
@@ -20,51 +21,93 @@ class _Failure:
         self.exc = exc
 
 
-def prefetched(loads: Iterable[Callable[[], object]], depth: int) -> Iterator:
-    """Yield ``load()`` for each load, computed up to ``depth`` items ahead (``depth <= 0``: inline)."""
-    if depth <= 0:
-        for load in loads:
-            yield load()
-        return
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
+class Prefetcher:
+    """Iterate ``load()`` results, computed up to ``depth`` items ahead (``depth <= 0``: inline)."""
 
-    def produce():
+    def __init__(self, loads: Iterable[Callable[[], object]], depth: int):
+        self.depth = depth
+        self._loads = list(loads)
+        self._stop = threading.Event()
+        self._thread = None
+        if depth > 0:
+            self._q: queue.Queue = queue.Queue(maxsize=depth)
+            self._thread = threading.Thread(target=self._produce, name="domainflow-prefetch", daemon=True)
+            self._thread.start()
+
+    def _produce(self):
         try:
-            for load in loads:
-                if stop.is_set():
+            for load in self._loads:
+                if self._stop.is_set():
                     return
-                item = load()
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                if not self._put(load()):
+                    return
         except BaseException as exc:  # noqa: BLE001  (handed to the consumer)
-            _put_until(q, _Failure(exc), stop)
+            self._put(_Failure(exc))
             return
-        _put_until(q, _DONE, stop)
+        self._put(_DONE)
 
-    thread = threading.Thread(target=produce, name="domainflow-prefetch", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = q.get()
-            if item is _DONE:
-                return
-            if isinstance(item, _Failure):
-                raise item.exc
-            yield item
-    finally:
-        stop.set()
-        thread.join(timeout=10)
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
-
-def _put_until(q: queue.Queue, item, stop: threading.Event) -> None:
-    while not stop.is_set():
+    def __iter__(self):
+        if self._thread is None:
+            for load in self._loads:
+                yield load()
+            return
         try:
-            q.put(item, timeout=0.1)
-            return
-        except queue.Full:
-            continue
+            while True:
+                item = self._q.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, _Failure):
+                    raise item.exc
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop reading ahead (the thread ends within a load)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+
+def prefetched(loads: Iterable[Callable[[], object]], depth: int):
+    """Shorthand: iterate a :class:`Prefetcher`."""
+    return iter(Prefetcher(loads, depth))
+
+
+class EpochStream:
+    """Epoch iteration shared by the datasets: each full pass advances ``epoch`` (``set_epoch`` overrides
+    it), and with prefetch on, the next epoch's first samples are read while the current one finishes."""
+
+    def __init__(self):
+        self.epoch = 0
+        self._ahead = None  # (epoch, Prefetcher) started speculatively at the end of the last pass
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the order of ``epoch`` next (same seed and epoch: the same order in every run)."""
+        self.epoch = int(epoch)
+
+    def _iterate(self, loads_for, wrap, depth: int):
+        epoch = self.epoch
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] != epoch:
+            ahead[1].close()
+            ahead = None
+        source = ahead[1] if ahead is not None else Prefetcher(loads_for(epoch), depth)
+        n = len(source._loads)
+        for k, raw in enumerate(source):
+            if depth > 0 and k == max(0, n - depth) and self._ahead is None:
+                # this epoch's reads are (nearly) all done: start the next epoch's while the last steps compute
+                self._ahead = (epoch + 1, Prefetcher(loads_for(epoch + 1), depth))
+            yield wrap(raw)
+        self.epoch = epoch + 1
+        if depth > 0 and self._ahead is None:
+            self._ahead = (self.epoch, Prefetcher(loads_for(self.epoch), depth))
