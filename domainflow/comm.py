@@ -322,3 +322,111 @@ def all_to_all_autograd(t: torch.Tensor, split_dim: int, send_sizes: Sequence[in
                         recv_shapes: Sequence[Sequence[int]], mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
     """Differentiable :func:`all_to_all_dims` (backward: the reverse exchange)."""
     return _AllToAll.apply(t, split_dim, send_sizes, cat_dim, recv_shapes, mesh, mesh_dim)
+
+
+# --------------------------------------------------------------------------------------------
+# halo exchange: neighbour point-to-point row fetches along one mesh dim
+# --------------------------------------------------------------------------------------------
+def _dim_ranks(mesh: DeviceMesh, mesh_dim: int) -> list[int]:
+    """Global ranks along ``mesh_dim`` through this rank, in coordinate order."""
+    return dist.get_process_group_ranks(_group(mesh, mesh_dim)) if dist.is_initialized() else [0]
+
+
+def _exchange(out_pieces: dict, in_shapes: dict, like: torch.Tensor, mesh: DeviceMesh, mesh_dim: int,
+              what: str) -> dict:
+    """Send ``out_pieces[k]`` to the k-th rank along ``mesh_dim`` and receive ``in_shapes[k]``-shaped
+    tensors from it, all at once (only with the ranks that have rows to trade: not a collective)."""
+    ranks = _dim_ranks(mesh, mesh_dim)
+    ops, received = [], {}
+    for k, piece in out_pieces.items():
+        piece = piece.contiguous()
+        stats.add("halo", _nbytes(piece))
+        ops.append(dist.P2POp(dist.isend, piece, ranks[k]))
+    for k, shape in in_shapes.items():
+        received[k] = torch.empty(shape, dtype=like.dtype, device=like.device)
+        ops.append(dist.P2POp(dist.irecv, received[k], ranks[k]))
+    if ops:
+        with _named(what, mesh, mesh_dim, f" with ranks {sorted(ranks[k] for k in set(out_pieces) | set(in_shapes))}"):
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+    return received
+
+
+def fetch_rows(local: torch.Tensor, dim: int, plan, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+    """The rows ``plan`` (a :class:`domainflow.shapes.RowFetch`) asks for along ``dim``: own rows copied,
+    other ranks' rows received from their owners, zero rows where asked. Not differentiable; see
+    :func:`halo_exchange`."""
+    shape = list(local.shape)
+    shape[dim] = plan.length
+    out = local.new_zeros(shape)
+    pos, rows = plan.own
+    idx = lambda v: torch.as_tensor(v, dtype=torch.long, device=local.device)  # noqa: E731
+    if pos:
+        out.index_copy_(dim, idx(pos), local.index_select(dim, idx(rows)))
+    sends = {k: local.index_select(dim, idx(v)) for k, v in plan.send.items()}
+    shapes = {}
+    for k, v in plan.recv.items():
+        s = list(local.shape)
+        s[dim] = len(v)
+        shapes[k] = s
+    got = _exchange(sends, shapes, local, mesh, mesh_dim, "halo exchange")
+    for k, t in got.items():
+        out.index_copy_(dim, idx(plan.recv[k]), t)
+    return out
+
+
+def return_rows(grad: torch.Tensor, dim: int, local_shape, plan, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+    """The adjoint of :func:`fetch_rows`: each fetched row's gradient goes back to its owner and is added
+    to the owner's row."""
+    out = grad.new_zeros(local_shape)
+    pos, rows = plan.own
+    idx = lambda v: torch.as_tensor(v, dtype=torch.long, device=grad.device)  # noqa: E731
+    if pos:
+        out.index_add_(dim, idx(rows), grad.index_select(dim, idx(pos)))
+    back = {k: grad.index_select(dim, idx(v)) for k, v in plan.recv.items()}
+    shapes = {}
+    for k, v in plan.send.items():
+        s = list(local_shape)
+        s[dim] = len(v)
+        shapes[k] = s
+    got = _exchange(back, shapes, grad, mesh, mesh_dim, "halo exchange (backward)")
+    for k, t in got.items():
+        out.index_add_(dim, idx(plan.send[k]), t)
+    return out
+
+
+class _HaloExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, dim, plan, mesh, mesh_dim):
+        ctx.args = (dim, tuple(local.shape), plan, mesh, mesh_dim)
+        return fetch_rows(local, dim, plan, mesh, mesh_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, shape, plan, mesh, mesh_dim = ctx.args
+        return return_rows(grad.contiguous(), dim, shape, plan, mesh, mesh_dim), None, None, None, None
+
+
+def halo_exchange(local: torch.Tensor, dim: int, sizes, wanted, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+    """Differentiable row fetch along a sharded dim: rank r gets global rows ``wanted[r]`` (-1: zero row;
+    any order, repeats allowed: halos, periodic wrap-around, reflection). Rows move point-to-point between
+    the ranks that hold and want them (neighbours for a halo, further ranks when a neighbour holds fewer
+    rows than the halo needs); the backward adds each row's gradient back on its owner."""
+    from .shapes import row_fetch_plan
+
+    me = mesh_coordinate(mesh)[mesh_dim]
+    plan = _fetch_plan(tuple(sizes), tuple(tuple(w) for w in wanted), me, row_fetch_plan)
+    return _HaloExchange.apply(local, dim, plan, mesh, mesh_dim)
+
+
+_PLANS: dict = {}
+
+
+def _fetch_plan(sizes, wanted, me, make):
+    key = (sizes, wanted, me)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) > 4096:
+            _PLANS.clear()
+        plan = _PLANS[key] = make(sizes, wanted, me)
+    return plan

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import accumulate
 
 Sizes = tuple[int, ...]
@@ -235,3 +236,126 @@ def rows_per_rank(part_offsets: Sequence[int], world: int) -> Sizes:
         a, b = part_range(r, world, parts)
         out.append(int(part_offsets[b]) - int(part_offsets[a]))
     return tuple(out)
+
+
+# --------------------------------------------------------------------------------------------
+# sliding windows (convolution, pooling) along a sharded dim, and row fetches for halos
+# --------------------------------------------------------------------------------------------
+def window_out_len(n: int, kernel: int, stride: int, dilation: int, pad_lo: int, pad_hi: int,
+                   ceil_mode: bool = False) -> int:
+    """Output length of a sliding window over ``n`` rows, torch's rule (ceil mode: the last window must
+    start inside the input or the left padding)."""
+    span = dilation * (kernel - 1) + 1
+    room = n + pad_lo + pad_hi - span
+    if room < 0:
+        return 0
+    out = (-(-room // stride) if ceil_mode else room // stride) + 1
+    if ceil_mode and (out - 1) * stride >= n + pad_lo:
+        out -= 1
+    return out
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """A sliding window over a dim sharded in ``sizes``: rank r computes outputs ``out_sizes[r]`` (starting
+    at ``out_offsets[r]``) from input rows ``need[r] = [lo, hi)`` (global; rows outside ``[0, n)`` are
+    padding)."""
+
+    out_sizes: Sizes
+    out_offsets: Sizes
+    need: tuple[tuple[int, int], ...]
+
+
+def window_plan(sizes: Sequence[int], kernel: int, stride: int, dilation: int, pad_lo: int, pad_hi: int,
+                ceil_mode: bool = False) -> WindowPlan:
+    """Assign each output of a window op to the rank holding its window's centre row (clamped into the
+    input), so stride-1 "same" windows keep the input layout and strided ones shrink it evenly; each rank
+    then needs the input rows its windows span."""
+    n = sum(sizes)
+    n_out = window_out_len(n, kernel, stride, dilation, pad_lo, pad_hi, ceil_mode)
+    span = dilation * (kernel - 1) + 1
+    bounds = _bounds(sizes)
+    counts = [0] * len(sizes)
+    for o in range(n_out):
+        c = min(max(o * stride - pad_lo + (span - 1) // 2, 0), n - 1)
+        r = _owner(bounds, c)
+        counts[r] += 1
+    out_offsets = offsets(counts)
+    need = []
+    for r, k in enumerate(counts):
+        if k == 0:
+            need.append((0, 0))
+            continue
+        first, last = out_offsets[r], out_offsets[r] + k - 1
+        need.append((first * stride - pad_lo, last * stride - pad_lo + span))
+    return WindowPlan(tuple(counts), tuple(out_offsets), tuple(need))
+
+
+def _bounds(sizes: Sequence[int]) -> Sizes:
+    """Part boundaries: ``len(sizes) + 1`` inclusive prefix sums starting at 0."""
+    return (0, *accumulate(sizes))
+
+
+def _owner(bounds: Sequence[int], row: int) -> int:
+    """The rank whose rows ``[bounds[r], bounds[r+1])`` hold ``row`` (the last such, skipping empty ranks)."""
+    lo, hi = 0, len(bounds) - 2
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if bounds[mid] <= row:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def pad_index(g: int, n: int, mode: str) -> int:
+    """The input row that padding row ``g`` (outside ``[0, n)``) copies, or -1 for a constant (zeros)."""
+    if 0 <= g < n:
+        return g
+    if mode in ("constant", "zeros"):
+        return -1
+    if mode == "circular":
+        return g % n
+    if mode == "replicate":
+        return 0 if g < 0 else n - 1
+    if mode == "reflect":
+        r = -g if g < 0 else 2 * (n - 1) - g
+        if not 0 <= r < n:
+            raise ValueError(f"reflect padding of {abs(g) if g < 0 else g - n + 1} rows needs more than the {n} "
+                             f"rows of the dim")
+        return r
+    raise ValueError(f"unknown padding mode {mode!r}")
+
+
+@dataclass(frozen=True)
+class RowFetch:
+    """Where the rows a rank asked for come from: ``own`` (positions, local rows) it copies itself,
+    ``recv[src]`` positions filled from rank src, ``send[dst]`` local rows it sends to rank dst; positions
+    not listed stay zero."""
+
+    length: int
+    own: tuple[tuple[int, ...], tuple[int, ...]]
+    recv: dict
+    send: dict
+
+
+def row_fetch_plan(sizes: Sequence[int], wanted: Sequence[Sequence[int]], me: int) -> RowFetch:
+    """Rank ``me``'s part of a fetch in which rank r wants global rows ``wanted[r]`` (-1: a zero row)."""
+    bounds = _bounds(sizes)
+    own_pos, own_rows, recv, send = [], [], {}, {}
+    for p, g in enumerate(wanted[me]):
+        if g < 0:
+            continue
+        o = _owner(bounds, g)
+        if o == me:
+            own_pos.append(p)
+            own_rows.append(g - bounds[me])
+        else:
+            recv.setdefault(o, []).append(p)
+    for r, rows in enumerate(wanted):
+        if r == me:
+            continue
+        mine = [g - bounds[me] for g in rows if g >= 0 and _owner(bounds, g) == me]
+        if mine:
+            send[r] = tuple(mine)
+    return RowFetch(len(wanted[me]), (tuple(own_pos), tuple(own_rows)), {k: tuple(v) for k, v in recv.items()}, send)

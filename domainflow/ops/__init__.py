@@ -1,3 +1,3 @@
 """Built-in sharding handlers, one module per op family; importing this package registers them."""
 
-from . import dimwise, losses, matmul, reductions, tensor_ops, views  # noqa: F401
+from . import dimwise, losses, matmul, reductions, tensor_ops, views, windows  # noqa: F401

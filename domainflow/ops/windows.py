@@ -1,0 +1,385 @@
+"""Sliding-window ops on spatially sharded grids: padding, convolution and pooling with halo exchanges.
+
+Every handler works the same way, one sharded spatial dim at a time (so a 2-D domain mesh gets its
+corner rows for free: the second exchange moves rows that already carry the first one's halo):
+1. ``shapes.window_plan`` assigns each output to the rank holding its window's centre and says which
+   input rows each rank needs (pure arithmetic, identical on every rank);
+2. ``comm.halo_exchange`` fetches the rows a rank lacks from their owners, point to point (further than
+   the neighbour when a neighbour holds fewer rows than the halo), with zeros for padding;
+3. torch's own op runs on the widened local block with no padding along the sharded dims.
+Replicated weights get the single-device gradient: their local gradients are summed over the sharded
+mesh dims once, in backward, in one coalesced all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import comm, shapes
+from ..dispatch import _unsupported_or_fallback, bind, run_function_default
+from ..placements import Partial, Replicate, Shard
+from ..registry import register_function
+from ..shard_tensor import ShardTensor
+
+
+# --------------------------------------------------------------------------------------------
+# shared pieces
+# --------------------------------------------------------------------------------------------
+class _SumGradsOver(torch.autograd.Function):
+    """Identity on replicated parameters; backward sums their (per-rank partial) gradients over the given
+    mesh dims in one coalesced all-reduce, so plain parameters get the single-device gradient."""
+
+    @staticmethod
+    def forward(ctx, mesh, mesh_dims, *params):
+        ctx.mesh, ctx.mesh_dims = mesh, mesh_dims
+        ctx.present = [p is not None for p in params]
+        return tuple(p.view_as(p) if p is not None else None for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        real = [g if g is not None else None for g in grads]
+        idx = [k for k, g in enumerate(real) if g is not None and ctx.present[k]]
+        parts = [real[k].contiguous() for k in idx]
+        for m in ctx.mesh_dims:
+            if parts:
+                parts = comm.all_reduce_coalesced(parts, "sum", ctx.mesh, m)
+        out = [None] * len(grads)
+        for k, g in zip(idx, parts):
+            out[k] = g
+        return (None, None, *out)
+
+
+def _params_for(mesh, mesh_dims, *params):
+    """Route plain parameters through the gradient sum (only those that need gradients)."""
+    need = any(p is not None and p.requires_grad for p in params)
+    if not need or not mesh_dims or not torch.is_grad_enabled():
+        return params
+    return _SumGradsOver.apply(mesh, tuple(mesh_dims), *params)
+
+
+def _tuple(v, n: int, name: str) -> tuple[int, ...]:
+    if isinstance(v, int):
+        return (v,) * n
+    v = tuple(int(x) for x in v)
+    if len(v) == 1:
+        return v * n
+    if len(v) != n:
+        raise ValueError(f"{name} must have {n} entries, got {v}")
+    return v
+
+
+def _without_partial(x: ShardTensor) -> ShardTensor:
+    if x._spec.has_partial:
+        return x.redistribute([Replicate() if isinstance(p, Partial) else p for p in x._spec.placements])
+    return x
+
+
+def _sharded_spatial(x: ShardTensor, first_spatial: int, op, args, kwargs):
+    """[(mesh dim, tensor dim)] of the sharded spatial dims; batch sharding is fine; anything else refused."""
+    out = []
+    spec = x._spec
+    seen = set()
+    for m, p in enumerate(spec.placements):
+        if not isinstance(p, Shard):
+            continue
+        if p.dim in seen:
+            return None, "a tensor dim sharded over two mesh dims"
+        seen.add(p.dim)
+        if p.dim >= first_spatial:
+            out.append((m, p.dim))
+        elif p.dim == first_spatial - 1:
+            return None, f"the channel dim {p.dim} is sharded (shard the batch or spatial dims)"
+    return out, None
+
+
+def _widen(local, x_spec, sharded, plans, fill_rows=None):
+    """Fetch, along each sharded dim in turn, the input rows each rank's windows need (zeros outside)."""
+    mesh = x_spec.mesh
+    for m, d in sharded:
+        sizes = x_spec.sizes[m]
+        n = sum(sizes)
+        plan = plans[(m, d)]
+        wanted = [[g if 0 <= g < n else -1 for g in range(lo, hi)] for lo, hi in plan.need]
+        local = comm.halo_exchange(local, d, sizes, wanted, mesh, m)
+    return local
+
+
+def _valid_mask(x_spec, sharded, plans, ndim, device, dtype, lo_ok, hi_ok):
+    """A broadcastable mask over the widened block: 1 where the global row is in ``[lo_ok(n), hi_ok(n))``
+    along every sharded dim."""
+    mask = None
+    for m, d in sharded:
+        n = sum(x_spec.sizes[m])
+        lo, hi = plans[(m, d)].need[x_spec.coord[m]]
+        g = torch.arange(lo, hi, device=device)
+        v = ((g >= lo_ok(m, d, n)) & (g < hi_ok(m, d, n))).to(dtype)
+        shape = [1] * ndim
+        shape[d] = hi - lo
+        v = v.reshape(shape)
+        mask = v if mask is None else mask * v
+    return mask
+
+
+def _wrap_out(out_local, x_spec, sharded, plans, out_shape):
+    sizes = list(x_spec.sizes)
+    for m, d in sharded:
+        sizes[m] = plans[(m, d)].out_sizes
+    sizes = [s if isinstance(p, Shard) else None for s, p in zip(sizes, x_spec.placements)]
+    # batch-sharded dims keep their sizes
+    for m, p in enumerate(x_spec.placements):
+        if isinstance(p, Shard) and (m, p.dim) not in plans:
+            sizes[m] = x_spec.sizes[m]
+    spec = x_spec.with_(shape=out_shape, sizes=sizes)
+    return ShardTensor.from_local(out_local, x_spec.mesh, list(x_spec.placements),
+                                  sharding_shapes={m: list(s) for m, s in enumerate(sizes) if s is not None}) \
+        if out_local.requires_grad or torch.is_grad_enabled() else ShardTensor(out_local, spec)
+
+
+# --------------------------------------------------------------------------------------------
+# convolution
+# --------------------------------------------------------------------------------------------
+def _conv_padding(padding, kernel, dilation, stride, nd):
+    if isinstance(padding, str):
+        if padding == "valid":
+            return [(0, 0)] * nd
+        if padding == "same":
+            if any(s != 1 for s in stride):
+                raise ValueError("padding='same' is not supported for strided convolutions")
+            out = []
+            for k, dl in zip(kernel, dilation):
+                total = dl * (k - 1)
+                out.append((total // 2, total - total // 2))
+            return out
+        raise ValueError(f"invalid padding string {padding!r}")
+    return [(p, p) for p in _tuple(padding, nd, "padding")]
+
+
+def _make_conv(nd: int, func):
+    def handler(_func, args, kwargs):
+        a = bind(args, kwargs, ("self", "weight", "bias", "stride", "padding", "dilation", "groups"),
+                 bias=None, stride=1, padding=0, dilation=1, groups=1)
+        x, weight, bias = a["self"], a["weight"], a["bias"]
+        if not isinstance(x, ShardTensor) or any(isinstance(t, ShardTensor) for t in (weight, bias)):
+            return run_function_default(func, args, kwargs)
+        if x.ndim != nd + 2:
+            return func(x.unsqueeze(0), weight, bias, a["stride"], a["padding"], a["dilation"],
+                        a["groups"]).squeeze(0)
+        x = _without_partial(x)
+        sharded, why = _sharded_spatial(x, 2, func, args, kwargs)
+        if sharded is None:
+            return _unsupported_or_fallback(func, args, kwargs, why)
+        kernel = tuple(weight.shape[2:])
+        stride, dilation = _tuple(a["stride"], nd, "stride"), _tuple(a["dilation"], nd, "dilation")
+        pads = _conv_padding(a["padding"], kernel, dilation, stride, nd)
+        spec = x._spec
+        plans = {(m, d): shapes.window_plan(spec.sizes[m], kernel[d - 2], stride[d - 2], dilation[d - 2],
+                                            *pads[d - 2]) for m, d in sharded}
+        local = _widen(x.to_local(), spec, sharded, plans)
+        sharded_dims = {d for _, d in sharded}
+        # unsharded dims keep their padding; torch takes symmetric padding only, so pad asymmetric ones here
+        conv_pad, extra = [], []
+        for i in range(nd):
+            lo, hi = (0, 0) if i + 2 in sharded_dims else pads[i]
+            if lo == hi:
+                conv_pad.append(lo)
+                extra.append((0, 0))
+            else:
+                conv_pad.append(0)
+                extra.append((lo, hi))
+        if any(e != (0, 0) for e in extra):
+            local = F.pad(local, [v for e in reversed(extra) for v in e])
+        weight, bias = _params_for(spec.mesh, [m for m, _ in sharded] + _batch_dims(spec), weight, bias)
+        out_shape = [spec.shape[0], weight.shape[0]]
+        for i in range(nd):
+            out_shape.append(shapes.window_out_len(spec.shape[i + 2], kernel[i], stride[i], dilation[i], *pads[i]))
+        if any(plans[(m, d)].out_sizes[spec.coord[m]] == 0 for m, d in sharded):
+            out_local = _empty_like_output(local, weight, bias, spec, sharded, plans, out_shape)
+        else:
+            out_local = func(local, weight, bias, stride, tuple(conv_pad), dilation, a["groups"])
+        return _wrap_out(out_local, spec, sharded, plans, out_shape)
+
+    return handler
+
+
+def _batch_dims(spec) -> list[int]:
+    """Mesh dims sharding the batch dim: parameter gradients sum over them too."""
+    return [m for m, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim == 0]
+
+
+def _empty_like_output(local, weight, bias, spec, sharded, plans, out_shape):
+    """A rank with no outputs along a sharded dim: an empty block still wired to the inputs and weights, so
+    every rank runs the same backward collectives."""
+    shape = list(spec.local_shape)
+    shape[1] = out_shape[1]
+    for i in range(2, len(out_shape)):
+        shape[i] = out_shape[i]
+    for m, d in sharded:
+        shape[d] = plans[(m, d)].out_sizes[spec.coord[m]]
+    for m in _batch_dims(spec):
+        shape[0] = spec.local_shape[0]
+    tie = local.sum() * 0 + weight.sum() * 0 + (bias.sum() * 0 if bias is not None else 0)
+    return local.new_zeros(shape) + tie
+
+
+for _nd, _f in ((1, F.conv1d), (2, F.conv2d), (3, F.conv3d)):
+    register_function(_f)(_make_conv(_nd, _f))
+
+
+# --------------------------------------------------------------------------------------------
+# padding
+# --------------------------------------------------------------------------------------------
+def _pad(func, args, kwargs):
+    a = bind(args, kwargs, ("self", "pad", "mode", "value"), mode="constant", value=None)
+    x, pad, mode, value = a["self"], list(a["pad"]), a["mode"], a["value"]
+    if not isinstance(x, ShardTensor):
+        return run_function_default(func, args, kwargs)
+    x = _without_partial(x)
+    spec = x._spec
+    npad = len(pad) // 2
+    per_dim = {x.ndim - 1 - i: (pad[2 * i], pad[2 * i + 1]) for i in range(npad)}
+    sharded = [(m, p.dim) for m, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim in per_dim
+               and per_dim[p.dim] != (0, 0)]
+    if any(lo < 0 or hi < 0 for lo, hi in per_dim.values()) and sharded:
+        return _unsupported_or_fallback(func, args, kwargs, "negative padding (cropping) of a sharded dim")
+    local = x.to_local()
+    sizes = list(spec.sizes)
+    for m, d in sharded:
+        lo, hi = per_dim[d]
+        s = spec.sizes[m]
+        n = sum(s)
+        bounds = [sum(s[:r]) for r in range(len(s) + 1)]
+        wanted, new = [], []
+        for r in range(len(s)):
+            rows = list(range(bounds[r], bounds[r + 1]))
+            if r == 0:
+                rows = list(range(-lo, 0)) + rows
+            if r == len(s) - 1:
+                rows = rows + list(range(n, n + hi))
+            wanted.append([shapes.pad_index(g, n, mode) for g in rows])
+            new.append(len(rows))
+        mine = wanted[spec.coord[m]]
+        local = comm.halo_exchange(local, d, s, wanted, spec.mesh, m)
+        if mode == "constant" and value:
+            fill = torch.tensor([g < 0 for g in mine], device=local.device)
+            shape = [1] * local.ndim
+            shape[d] = len(mine)
+            local = local.masked_fill(fill.reshape(shape), value)
+        sizes[m] = tuple(new)
+    rest = []
+    for i in range(npad):
+        d = x.ndim - 1 - i
+        rest += [0, 0] if any(d == sd for _, sd in sharded) else list(per_dim[d])
+    if any(rest):
+        local = F.pad(local, rest, mode=mode, value=value) if mode == "constant" else F.pad(local, rest, mode=mode)
+    out_shape = list(spec.shape)
+    for d, (lo, hi) in per_dim.items():
+        out_shape[d] += lo + hi
+    mapping = {m: list(sizes[m]) for m, p in enumerate(spec.placements) if isinstance(p, Shard)}
+    for m, p in enumerate(spec.placements):
+        if isinstance(p, Shard) and p.dim in per_dim and not any(m == sm for sm, _ in sharded):
+            pass
+    return ShardTensor.from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+
+
+register_function(F.pad)(_pad)
+
+
+# --------------------------------------------------------------------------------------------
+# pooling
+# --------------------------------------------------------------------------------------------
+def _make_pool(nd: int, func, kind: str):
+    names = (("self", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+             if kind == "max" else
+             ("self", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"))
+
+    def handler(_func, args, kwargs):
+        a = bind(args, kwargs, names, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False,
+                 count_include_pad=True, divisor_override=None)
+        x = a["self"]
+        if not isinstance(x, ShardTensor):
+            return run_function_default(func, args, kwargs)
+        if x.ndim != nd + 2:
+            return handler(_func, (x.unsqueeze(0),) + tuple(args[1:]), kwargs).squeeze(0)
+        x = _without_partial(x)
+        sharded, why = _sharded_spatial(x, 2, func, args, kwargs)
+        if sharded is None:
+            return _unsupported_or_fallback(func, args, kwargs, why)
+        if a["return_indices"]:
+            return _unsupported_or_fallback(func, args, kwargs, "return_indices on a sharded input")
+        kernel = _tuple(a["kernel_size"], nd, "kernel_size")
+        stride = _tuple(a["stride"] if a["stride"] not in (None, [], ()) else kernel, nd, "stride")
+        pad = _tuple(a["padding"], nd, "padding")
+        dilation = _tuple(a["dilation"], nd, "dilation")
+        ceil = bool(a["ceil_mode"])
+        spec = x._spec
+        plans = {(m, d): shapes.window_plan(spec.sizes[m], kernel[d - 2], stride[d - 2], dilation[d - 2],
+                                            pad[d - 2], pad[d - 2], ceil) for m, d in sharded}
+        local = _widen(x.to_local(), spec, sharded, plans)
+        sharded_dims = {d for _, d in sharded}
+        local_pad = tuple(0 if i + 2 in sharded_dims else pad[i] for i in range(nd))
+        out_shape = list(spec.shape[:2]) + [shapes.window_out_len(spec.shape[i + 2], kernel[i], stride[i],
+                                                                  dilation[i], pad[i], pad[i], ceil)
+                                            for i in range(nd)]
+        if any(plans[(m, d)].out_sizes[spec.coord[m]] == 0 for m, d in sharded):
+            shape = list(spec.local_shape)
+            for i in range(2, x.ndim):
+                shape[i] = out_shape[i]
+            for m, d in sharded:
+                shape[d] = plans[(m, d)].out_sizes[spec.coord[m]]
+            out_local = local.new_zeros(shape) + local.sum() * 0
+            return _wrap_out(out_local, spec, sharded, plans, out_shape)
+        if kind == "max":
+            real = _valid_mask(spec, sharded, plans, x.ndim, local.device, torch.bool if False else local.dtype,
+                               lambda m, d, n: 0, lambda m, d, n: n)
+            if real is not None:
+                local = local.masked_fill(real == 0, float("-inf"))
+            out_local = func(local, kernel, stride, local_pad, dilation, ceil_mode=ceil)
+        else:
+            extra = (a["divisor_override"],) if nd > 1 else ()  # avg_pool1d has no divisor_override
+            out_local = func(local, kernel, stride, local_pad, ceil, a["count_include_pad"], *extra)
+            if a["divisor_override"] is None:
+                # along a sharded dim the local op counted every fetched row; torch counts real rows (and
+                # padding rows with count_include_pad) but never rows past the padded end (ceil mode).
+                # Counts are separable, so rescale by each sharded dim's counted fraction per window.
+                for m, d in sharded:
+                    n = sum(spec.sizes[m])
+                    lo, hi = plans[(m, d)].need[spec.coord[m]]
+                    g = torch.arange(lo, hi, device=local.device)
+                    p_ = pad[d - 2] if a["count_include_pad"] else 0
+                    counted = ((g >= -p_) & (g < n + p_)).to(local.dtype).reshape(1, 1, -1)
+                    frac = F.avg_pool1d(counted, kernel[d - 2], stride[d - 2], 0).reshape(-1)
+                    shape = [1] * out_local.ndim
+                    shape[d] = -1
+                    out_local = out_local / frac.reshape(shape)
+        return _wrap_out(out_local, spec, sharded, plans, out_shape)
+
+    return handler
+
+
+for _nd, _f in ((1, F.max_pool1d), (2, F.max_pool2d), (3, F.max_pool3d)):
+    register_function(_f)(_make_pool(_nd, _f, "max"))
+for _nd, _f in ((1, F.avg_pool1d), (2, F.avg_pool2d), (3, F.avg_pool3d)):
+    register_function(_f)(_make_pool(_nd, _f, "avg"))
+
+
+def _adaptive_avg(func):
+    def handler(_func, args, kwargs):
+        a = bind(args, kwargs, ("self", "output_size"))
+        x, size = a["self"], a["output_size"]
+        nd = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}[func]
+        sizes = _tuple(size, nd, "output_size") if size is not None else None
+        if not isinstance(x, ShardTensor):
+            return run_function_default(func, args, kwargs)
+        spatial = tuple(range(x.ndim - nd, x.ndim))
+        if sizes is not None and all(s == 1 for s in sizes):
+            return x.mean(dim=spatial, keepdim=True)  # global pooling: a Partial sum, reduced when needed
+        if not any(isinstance(p, Shard) and p.dim in spatial for p in x._spec.placements):
+            return run_function_default(func, args, kwargs)
+        return _unsupported_or_fallback(func, args, kwargs, f"adaptive pooling to {size} over a sharded dim "
+                                        f"(only output size 1, global pooling, is supported)")
+    return handler
+
+
+for _f in (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d):
+    register_function(_f)(_adaptive_avg(_f))
