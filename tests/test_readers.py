@@ -254,6 +254,7 @@ def _grid_regions(path, mesh_shape, names, shard_dims, halo, history):
     mesh = get_mesh(mesh_shape, names)
     ds = GridDataset(path, mesh, split="train", shard_dims=shard_dims, history=history, lead=2, halo=halo,
                      normalize=False, shuffle=False, prefetch=2)
+    ds.store.counter.track_keys = True
     out = []
     for s in ds:
         item = {"time": s["time"], "input": s["input"].to_local().numpy(), "target": s["target"].to_local().numpy(),
@@ -263,7 +264,7 @@ def _grid_regions(path, mesh_shape, names, shard_dims, halo, history):
             item["halo_widths"] = s["halo_widths"]
         out.append(item)
     slabs = {d: (ds.slabs[d].start, ds.slabs[d].stop) for d in ("lat", "lon")}
-    return {"samples": out, "slabs": slabs, "bytes": ds.bytes_read}
+    return {"samples": out, "slabs": slabs, "bytes": ds.bytes_read, "keys": sorted(set(ds.store.counter.keys))}
 
 
 GRID_CASES = [((1,), ("domain",), ("lat",)), ((2,), ("domain",), ("lat",)), ((3,), ("domain",), ("lat",)),
@@ -299,10 +300,15 @@ def test_grid_hyperslabs_equal_slices_of_the_full_array(dist, grid_store, case, 
                 np.testing.assert_array_equal(s["input_halo"], expect)
                 assert s["halo_widths"][2] == (la - lat_idx[0], lat_idx[-1] + 1 - lb)
                 assert s["halo_widths"][3] == (halo, halo)
-    if world > 1 and halo == 0 and "dp" not in names:
-        whole_per_sample = data[0:3].nbytes  # window (2 steps) + target
+    if halo == 0 and "dp" not in names:  # exactly the tiles overlapping the rank's region, nothing else
+        tile = zarr.open_group(grid_store, mode="r")["data"].chunks
         for r in results:
-            assert r["bytes"] < len(r["samples"]) * whole_per_sample  # region reads, not whole maps
+            (la, lb), (oa, ob) = r["slabs"]["lat"], r["slabs"]["lon"]
+            steps = sorted({t for s in r["samples"] for t in (s["time"] - 1, s["time"], s["time"] + 2)})
+            expect = sorted(f"data/c/{t}/{c}/{i}/{j}" for t in steps for c in range(C)
+                            for i in range(la // tile[2], (lb - 1) // tile[2] + 1)
+                            for j in range(oa // tile[3], (ob - 1) // tile[3] + 1))
+            assert r["keys"] == expect
 
 
 def _epochs(path, prefetch):
