@@ -172,3 +172,76 @@ def test_halo_exchange_moves_only_halo_rows_point_to_point(dist):
         neighbours = (rank > 0) + (rank < 3)
         assert nbytes["halo"] == neighbours * row
         assert out_sizes == (4, 1, 3, 4)  # stride 1, "same" padding: the output keeps the input layout
+
+
+def _norms(seed):
+    import copy
+
+    import domainflow as df
+
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 6, 9, 7, generator=gen, dtype=torch.float64) * 2 + 0.5
+    sizes = _sizes(9, world, rng, small=True)
+    sh = [Sharded(x, [Shard(2)], {0: sizes})]
+    gn = torch.nn.GroupNorm(3, 6).double()
+    with torch.no_grad():
+        gn.weight.normal_(generator=gen)
+        gn.bias.normal_(generator=gen)
+    check_sharded(lambda t, m: m(t), sh, mesh, module=gn)
+    inn = torch.nn.InstanceNorm2d(6, affine=True).double()
+    check_sharded(lambda t, m: m(t), sh, mesh, module=inn)
+    ln = torch.nn.LayerNorm(6).double()  # over channel-last features: local
+    check_sharded(lambda t, m: m(t.permute(0, 2, 3, 1)), sh, mesh, module=ln)
+    # batch norm, training: outputs and grads; running statistics equal to single-device
+    bn = torch.nn.BatchNorm2d(6, momentum=0.3).double()
+    check_sharded(lambda t, m: m(t), sh, mesh, module=bn)
+    ref, mine = copy.deepcopy(bn), copy.deepcopy(bn)
+    ref(x)
+    mine(df.distribute_tensor(x, mesh, [Shard(2)], sharding_shapes={0: sizes}))
+    assert torch.allclose(mine.running_mean, ref.running_mean, atol=1e-12, rtol=0)
+    assert torch.allclose(mine.running_var, ref.running_var, atol=1e-12, rtol=0)
+    bn.eval()
+    check_sharded(lambda t, m: m(t), sh, mesh, module=bn)
+    bn3 = torch.nn.BatchNorm3d(2).double()
+    x3 = torch.randn(2, 2, 5, 6, 4, generator=gen, dtype=torch.float64)
+    check_sharded(lambda t, m: m(t), [Sharded(x3, [Shard(3)], {0: _sizes(6, world, rng)})], mesh, module=bn3)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_normalization_layers(dist, world):
+    assert all(dist.run(world, _norms, 500 + world))
+
+
+INTERP = [dict(scale_factor=2, mode="nearest"), dict(size=(13, 9), mode="nearest"),
+          dict(scale_factor=1.7, mode="nearest-exact"), dict(scale_factor=2, mode="bilinear", align_corners=False),
+          dict(scale_factor=2, mode="bilinear", align_corners=True), dict(size=(5, 11), mode="bilinear"),
+          dict(size=(17, 6), mode="bicubic", align_corners=False),
+          dict(scale_factor=2.5, mode="bicubic", align_corners=True), dict(scale_factor=0.5, mode="bilinear")]
+
+
+def _interp(seed):
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    for kw in INTERP:
+        x = torch.randn(2, 3, 8, 7, generator=gen, dtype=torch.float64)
+        dim = rng.choice([2, 3])
+        sizes = _sizes(x.shape[dim], world, rng, small=rng.random() < 0.5)
+        check_sharded(lambda t: F.interpolate(t, **kw), [Sharded(x, [Shard(dim)], {0: sizes})], mesh)
+    x = torch.randn(1, 2, 6, 5, 4, generator=gen, dtype=torch.float64)
+    check_sharded(lambda t: F.interpolate(t, scale_factor=2, mode="trilinear"),
+                  [Sharded(x, [Shard(3)], {0: _sizes(5, world, rng)})], mesh)
+    x = torch.randn(1, 2, 9, generator=gen, dtype=torch.float64)
+    check_sharded(lambda t: torch.nn.Upsample(scale_factor=3, mode="linear")(t),
+                  [Sharded(x, [Shard(2)], {0: _sizes(9, world, rng)})], mesh)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_interpolate_matches_single_device(dist, world):
+    assert all(dist.run(world, _interp, 600 + world))

@@ -1,3 +1,3 @@
 """Built-in sharding handlers, one module per op family; importing this package registers them."""
 
-from . import dimwise, losses, matmul, reductions, tensor_ops, views, windows  # noqa: F401
+from . import dimwise, interpolation, losses, matmul, normalization, reductions, tensor_ops, views, windows  # noqa: F401,E501

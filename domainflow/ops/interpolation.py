@@ -1,0 +1,151 @@
+"""``F.interpolate`` / ``nn.Upsample`` on grids sharded over spatial dims.
+
+Interpolation is separable: along each spatial dim an output row is a weighted sum of at most four input
+rows (nearest: 1, linear: 2, cubic: 4), at source positions given by torch's own formulas (reproduced
+here, float32 where torch uses float). Each output row goes to the rank holding its first tap, which
+fetches the few rows it lacks from its neighbours (the halo exchange), then every dim is applied as an
+index-select and weighted sum on the local block; unsharded dims the same way without a fetch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .. import comm
+from ..dispatch import _unsupported_or_fallback, bind, run_function_default
+from ..placements import Shard
+from ..registry import register_function
+from ..shard_tensor import ShardTensor
+from .windows import _without_partial
+
+_MODES = {"nearest": 1, "nearest-exact": 1, "linear": 2, "bilinear": 2, "trilinear": 2, "bicubic": 4}
+_A = -0.75  # torch's cubic convolution coefficient
+
+
+def _scale(in_size: int, out_size: int, align_corners: bool, scale) -> float:
+    if align_corners:
+        return (in_size - 1) / (out_size - 1) if out_size > 1 else 0.0
+    return 1.0 / scale if scale is not None and scale > 0 else in_size / out_size
+
+
+def taps(mode: str, in_size: int, out_size: int, align_corners: bool, scale) -> tuple[np.ndarray, np.ndarray]:
+    """Per output row: input row indices (out, k) and weights (out, k), as torch computes them."""
+    o = np.arange(out_size)
+    if mode in ("nearest", "nearest-exact"):
+        s = np.float32(1.0 / scale if scale is not None and scale > 0 else in_size / out_size)
+        if mode == "nearest":
+            idx = np.floor(o.astype(np.float32) * s).astype(np.int64)
+        else:
+            idx = np.floor((o.astype(np.float32) + np.float32(0.5)) * s).astype(np.int64)
+        idx = np.minimum(idx, in_size - 1)
+        return idx[:, None], np.ones((out_size, 1))
+    s = _scale(in_size, out_size, align_corners, scale)
+    src = s * o if align_corners else s * (o + 0.5) - 0.5
+    if mode == "bicubic":
+        i = np.floor(src).astype(np.int64)
+        t = src - i
+        w = np.stack([_cc2(t + 1), _cc1(t), _cc1(1 - t), _cc2(2 - t)], axis=1)
+        idx = np.clip(np.stack([i - 1, i, i + 1, i + 2], axis=1), 0, in_size - 1)
+        return idx, w
+    src = np.maximum(src, 0.0)
+    i0 = src.astype(np.int64)
+    lam = src - i0
+    i1 = i0 + (i0 < in_size - 1)
+    return np.stack([i0, i1], axis=1), np.stack([1 - lam, lam], axis=1)
+
+
+def _cc1(x):
+    return ((_A + 2) * x - (_A + 3)) * x * x + 1
+
+
+def _cc2(x):
+    return ((_A * x - 5 * _A) * x + 8 * _A) * x - 4 * _A
+
+
+def _apply(local: torch.Tensor, dim: int, idx: np.ndarray, w: np.ndarray) -> torch.Tensor:
+    """sum_k w[:, k] * local.index_select(dim, idx[:, k]) along ``dim``."""
+    shape = [1] * local.ndim
+    shape[dim] = -1
+    out = None
+    for k in range(idx.shape[1]):
+        term = local.index_select(dim, torch.as_tensor(idx[:, k], device=local.device))
+        if not (w[:, k] == 1).all():
+            term = term * torch.as_tensor(w[:, k], dtype=local.dtype, device=local.device).reshape(shape)
+        out = term if out is None else out + term
+    return out
+
+
+def _interpolate(func, args, kwargs):
+    a = bind(args, kwargs, ("self", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor",
+                            "antialias"),
+             size=None, scale_factor=None, mode="nearest", align_corners=None, recompute_scale_factor=None,
+             antialias=False)
+    x = a["self"]
+    if not isinstance(x, ShardTensor):
+        return run_function_default(func, args, kwargs)
+    mode = a["mode"]
+    nd = x.ndim - 2
+    if mode not in _MODES or a["antialias"]:
+        if not any(isinstance(p, Shard) and p.dim >= 2 for p in x._spec.placements):
+            return run_function_default(func, args, kwargs)
+        return _unsupported_or_fallback(func, args, kwargs, f"interpolate mode {mode!r}"
+                                        + (" with antialias" if a["antialias"] else "") + " along a sharded dim")
+    x = _without_partial(x)
+    spec = x._spec
+    if any(isinstance(p, Shard) and p.dim == 1 for p in spec.placements):
+        return _unsupported_or_fallback(func, args, kwargs, "the channel dim is sharded")
+    in_sizes = list(x.shape[2:])
+    if a["size"] is not None:
+        size = a["size"]
+        out_sizes = [int(size)] * nd if isinstance(size, int) else [int(s) for s in size]
+        scales = [None] * nd
+    else:
+        sf = a["scale_factor"]
+        sf = [float(sf)] * nd if isinstance(sf, (int, float)) else [float(s) for s in sf]
+        out_sizes = [int(math.floor(n * s)) for n, s in zip(in_sizes, sf)]
+        scales = [None] * nd if a["recompute_scale_factor"] else sf
+    align = bool(a["align_corners"]) if mode not in ("nearest", "nearest-exact") else False
+    local = x.to_local()
+    sizes_out = list(spec.sizes)
+    for i in range(nd):
+        d = i + 2
+        idx, w = taps(mode, in_sizes[i], out_sizes[i], align, scales[i])
+        m = spec.mesh_dim_of(d)
+        if m is None:
+            local = _apply(local, d, idx, w)
+            continue
+        sizes = spec.sizes[m]
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        owner = np.searchsorted(bounds[1:], idx[:, 0], side="right")
+        owner = np.minimum(owner, len(sizes) - 1)
+        wanted, counts = [], []
+        for r in range(len(sizes)):
+            rows = np.flatnonzero(owner == r)
+            counts.append(len(rows))
+            if len(rows) == 0:
+                wanted.append([])
+                continue
+            lo, hi = int(idx[rows].min()), int(idx[rows].max()) + 1
+            wanted.append(list(range(lo, hi)))
+        me = spec.coord[m]
+        mine = np.flatnonzero(owner == me)
+        local = comm.halo_exchange(local, d, sizes, wanted, spec.mesh, m)
+        lo = wanted[me][0] if wanted[me] else 0
+        if len(mine):
+            local = _apply(local, d, idx[mine] - lo, w[mine])
+        else:
+            shape = list(local.shape)
+            shape[d] = 0
+            local = local.new_zeros(shape) + local.sum() * 0  # same backward on every rank
+        sizes_out[m] = tuple(counts)
+    out_shape = list(x.shape[:2]) + out_sizes
+    mapping = {m: list(s) for m, s in enumerate(sizes_out) if s is not None}
+    del out_shape
+    return ShardTensor.from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+
+
+register_function(F.interpolate)(_interpolate)
