@@ -245,3 +245,103 @@ def _interp(seed):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_interpolate_matches_single_device(dist, world):
     assert all(dist.run(world, _interp, 600 + world))
+
+
+class _UNet(torch.nn.Module):
+    """Two levels: conv + group norm + GELU blocks, max pooling down, upsampling up, skip connections.
+    ``circular`` pads longitude periodically (a global grid)."""
+
+    def __init__(self, cin=3, c=8, cout=2, circular=False, up="bilinear"):
+        super().__init__()
+        mode = "circular" if circular else "zeros"
+
+        def block(a, b):
+            return torch.nn.Sequential(torch.nn.Conv2d(a, b, 3, padding=1, padding_mode=mode),
+                                       torch.nn.GroupNorm(2, b), torch.nn.GELU(),
+                                       torch.nn.Conv2d(b, b, 3, padding=1, padding_mode=mode), torch.nn.GELU())
+        self.enc1, self.enc2, self.mid = block(cin, c), block(c, 2 * c), block(2 * c, 2 * c)
+        self.dec2, self.dec1 = block(4 * c, c), block(2 * c, c)
+        self.up = torch.nn.Upsample(scale_factor=2, mode=up, **({"align_corners": False} if up != "nearest" else {}))
+        self.head = torch.nn.Conv2d(c, cout, 1)
+
+    def forward(self, x):
+        e1 = self.enc1(x)
+        e2 = self.enc2(torch.nn.functional.max_pool2d(e1, 2))
+        m = self.mid(torch.nn.functional.avg_pool2d(e2, 2))
+        d2 = self.dec2(torch.cat([self.up(m), e2], dim=1))
+        d1 = self.dec1(torch.cat([self.up(d2), e1], dim=1))
+        return self.head(d1)
+
+
+class _Conv3dNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            # no bias before batch norm: its gradient is exactly zero, and Adam would turn float32 rounding
+            # noise in it into full-size steps (a property of Adam, not of sharding)
+            torch.nn.Conv3d(2, 6, 3, padding=1, bias=False), torch.nn.BatchNorm3d(6), torch.nn.ReLU(),
+            torch.nn.Conv3d(6, 6, 3, stride=2, padding=1), torch.nn.GELU(),
+            torch.nn.Upsample(scale_factor=2),
+            torch.nn.Conv3d(6, 1, 3, padding=1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _train_equal(kind, dtype_name, mesh_shape, names, placements, sizes, steps, seed):
+    import copy
+
+    import domainflow as df
+
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(seed)
+    mesh = get_mesh(mesh_shape, names)
+    if kind == "unet":
+        model = _UNet(circular=True).to(dtype)
+        x = torch.randn(2, 3, 16, 12, dtype=dtype)
+        y = torch.randn(2, 2, 16, 12, dtype=dtype)
+    else:
+        model = _Conv3dNet().to(dtype)
+        x = torch.randn(1, 2, 8, 12, 6, dtype=dtype)
+        y = torch.randn(1, 1, 8, 12, 6, dtype=dtype)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    xs = df.distribute_tensor(x, mesh, placements, sharding_shapes=sizes)
+    ys = df.distribute_tensor(y, mesh, placements, sharding_shapes=sizes)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = ((model(xs) - ys) ** 2).mean()
+        loss.backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ref_loss = ((ref(x) - y) ** 2).mean()
+        ref_loss.backward()
+        ref_opt.step()
+        losses.append((float(loss.full_tensor() if isinstance(loss, df.ShardTensor) else loss), float(ref_loss)))
+    worst = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    buffers = max(((p - q).abs().max().item() for p, q in zip(model.buffers(), ref.buffers())
+                   if p.is_floating_point()), default=0.0)
+    return worst, buffers, losses
+
+
+TRAIN_CASES = [
+    ("unet", "float64", (3,), ("domain",), [Shard(2)], {0: (7, 2, 7)}, 1e-10),
+    ("unet", "float64", (2, 2), ("lat", "lon"), [Shard(2), Shard(3)], {0: (10, 6), 1: (5, 7)}, 1e-10),
+    ("unet", "float32", (2,), ("domain",), [Shard(3)], {0: (4, 8)}, 1e-5),
+    ("conv3d", "float64", (4,), ("domain",), [Shard(3)], {0: (2, 5, 1, 4)}, 1e-10),
+    ("conv3d", "float32", (2,), ("domain",), [Shard(2)], {0: (3, 5)}, 1e-5),
+]
+
+
+@pytest.mark.parametrize("case", TRAIN_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{'x'.join(map(str, c[2]))}")
+def test_training_sharded_equals_single_device(dist, case):
+    kind, dtype, mesh_shape, names, placements, sizes, tol = case
+    world = 1
+    for s in mesh_shape:
+        world *= s
+    for worst, buffers, losses in dist.run(world, _train_equal, kind, dtype, mesh_shape, names, placements, sizes,
+                                           4, 11):
+        assert worst <= tol and buffers <= tol, (worst, buffers)
+        assert all(abs(a - b) <= tol * max(1.0, abs(b)) * 10 for a, b in losses)
