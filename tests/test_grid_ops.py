@@ -345,3 +345,31 @@ def test_training_sharded_equals_single_device(dist, case):
                                            4, 11):
         assert worst <= tol and buffers <= tol, (worst, buffers)
         assert all(abs(a - b) <= tol * max(1.0, abs(b)) * 10 for a, b in losses)
+
+
+CONVT_CASES = [  # (kernel, stride, padding, output_padding, dilation, groups)
+    (2, 2, 0, 0, 1, 1), (3, 2, 1, 1, 1, 1), (4, 3, 1, 2, 1, 1), (3, 1, 1, 0, 1, 1), (3, 2, 0, 0, 2, 1),
+    (5, 2, 3, 1, 1, 2),
+]
+
+
+def _conv_transpose(nd, seed):
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    cls = {1: torch.nn.ConvTranspose1d, 2: torch.nn.ConvTranspose2d, 3: torch.nn.ConvTranspose3d}[nd]
+    for k, s, p, op, d, g in CONVT_CASES:
+        module = cls(4, 6, k, stride=s, padding=p, output_padding=op, dilation=d, groups=g).double()
+        spatial = [rng.randint(5, 8) for _ in range(nd)]
+        x = torch.randn(2, 4, *spatial, generator=gen, dtype=torch.float64)
+        dim = 2 + rng.randrange(nd)
+        sizes = _sizes(spatial[dim - 2], world, rng, small=rng.random() < 0.5)
+        check_sharded(lambda t, m: m(t), [Sharded(x, [Shard(dim)], {0: sizes})], mesh, module=module)
+    return True
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_conv_transpose_matches_single_device(dist, nd, world):
+    assert all(dist.run(world, _conv_transpose, nd, 700 + 10 * nd + world))

@@ -165,41 +165,49 @@ def _make_conv(nd: int, func):
         if x.ndim != nd + 2:
             return func(x.unsqueeze(0), weight, bias, a["stride"], a["padding"], a["dilation"],
                         a["groups"]).squeeze(0)
-        x = _without_partial(x)
-        sharded, why = _sharded_spatial(x, 2, func, args, kwargs)
-        if sharded is None:
-            return _unsupported_or_fallback(func, args, kwargs, why)
         kernel = tuple(weight.shape[2:])
         stride, dilation = _tuple(a["stride"], nd, "stride"), _tuple(a["dilation"], nd, "dilation")
         pads = _conv_padding(a["padding"], kernel, dilation, stride, nd)
-        spec = x._spec
-        plans = {(m, d): shapes.window_plan(spec.sizes[m], kernel[d - 2], stride[d - 2], dilation[d - 2],
-                                            *pads[d - 2]) for m, d in sharded}
-        local = _widen(x.to_local(), spec, sharded, plans)
-        sharded_dims = {d for _, d in sharded}
-        # unsharded dims keep their padding; torch takes symmetric padding only, so pad asymmetric ones here
-        conv_pad, extra = [], []
-        for i in range(nd):
-            lo, hi = (0, 0) if i + 2 in sharded_dims else pads[i]
-            if lo == hi:
-                conv_pad.append(lo)
-                extra.append((0, 0))
-            else:
-                conv_pad.append(0)
-                extra.append((lo, hi))
-        if any(e != (0, 0) for e in extra):
-            local = F.pad(local, [v for e in reversed(extra) for v in e])
-        weight, bias = _params_for(spec.mesh, [m for m, _ in sharded] + _batch_dims(spec), weight, bias)
-        out_shape = [spec.shape[0], weight.shape[0]]
-        for i in range(nd):
-            out_shape.append(shapes.window_out_len(spec.shape[i + 2], kernel[i], stride[i], dilation[i], *pads[i]))
-        if any(plans[(m, d)].out_sizes[spec.coord[m]] == 0 for m, d in sharded):
-            out_local = _empty_like_output(local, weight, bias, spec, sharded, plans, out_shape)
-        else:
-            out_local = func(local, weight, bias, stride, tuple(conv_pad), dilation, a["groups"])
-        return _wrap_out(out_local, spec, sharded, plans, out_shape)
+        return sharded_conv(func, x, weight, bias, stride, pads, dilation, a["groups"], args, kwargs)
 
     return handler
+
+
+def sharded_conv(func, x: ShardTensor, weight, bias, stride, pads, dilation, groups, args=(), kwargs=None):
+    """``func`` (F.conv1d/2d/3d) on ``x`` sharded over batch and/or spatial dims, with zero padding
+    ``pads[i] = (before, after)`` per spatial dim (asymmetric and negative allowed: conv_transpose uses it)."""
+    nd = x.ndim - 2
+    kernel = tuple(weight.shape[2:])
+    x = _without_partial(x)
+    sharded, why = _sharded_spatial(x, 2, func, args, kwargs)
+    if sharded is None:
+        return _unsupported_or_fallback(func, args, kwargs or {}, why)
+    spec = x._spec
+    plans = {(m, d): shapes.window_plan(spec.sizes[m], kernel[d - 2], stride[d - 2], dilation[d - 2],
+                                        *pads[d - 2]) for m, d in sharded}
+    local = _widen(x.to_local(), spec, sharded, plans)
+    sharded_dims = {d for _, d in sharded}
+    # unsharded dims keep their padding; torch takes symmetric padding only, so pad asymmetric ones here
+    conv_pad, extra = [], []
+    for i in range(nd):
+        lo, hi = (0, 0) if i + 2 in sharded_dims else pads[i]
+        if lo == hi and lo >= 0:
+            conv_pad.append(lo)
+            extra.append((0, 0))
+        else:
+            conv_pad.append(0)
+            extra.append((lo, hi))
+    if any(e != (0, 0) for e in extra):
+        local = F.pad(local, [v for e in reversed(extra) for v in e])
+    weight, bias = _params_for(spec.mesh, [m for m, _ in sharded] + _batch_dims(spec), weight, bias)
+    out_shape = [spec.shape[0], weight.shape[0]]
+    for i in range(nd):
+        out_shape.append(shapes.window_out_len(spec.shape[i + 2], kernel[i], stride[i], dilation[i], *pads[i]))
+    if any(plans[(m, d)].out_sizes[spec.coord[m]] == 0 for m, d in sharded):
+        out_local = _empty_like_output(local, weight, bias, spec, sharded, plans, out_shape)
+    else:
+        out_local = func(local, weight, bias, stride, tuple(conv_pad), dilation, groups)
+    return _wrap_out(out_local, spec, sharded, plans, out_shape)
 
 
 def _batch_dims(spec) -> list[int]:
@@ -224,6 +232,80 @@ def _empty_like_output(local, weight, bias, spec, sharded, plans, out_shape):
 
 for _nd, _f in ((1, F.conv1d), (2, F.conv2d), (3, F.conv3d)):
     register_function(_f)(_make_conv(_nd, _f))
+
+
+# --------------------------------------------------------------------------------------------
+# transposed convolution: zero insertion (local) + a stride-1 convolution with the flipped kernel
+# --------------------------------------------------------------------------------------------
+def _insert_zeros(x: ShardTensor, stride) -> ShardTensor:
+    """x[i] -> position i*s with zeros between, along every spatial dim. Each rank keeps its own rows
+    (and the zeros after them), so no communication: rank r's block starts at ``start_r * s``."""
+    spec = x._spec
+    local = x.to_local()
+    nd = x.ndim - 2
+    sizes = list(spec.sizes)
+    shape = list(spec.shape)
+    for i in range(nd):
+        d, s = i + 2, stride[i]
+        if s == 1:
+            continue
+        n = spec.shape[d]
+        total = (n - 1) * s + 1 if n else 0
+        m = spec.mesh_dim_of(d)
+        if m is None:
+            own, start = n, 0
+        else:
+            own, start = spec.sizes[m][spec.coord[m]], sum(spec.sizes[m][:spec.coord[m]])
+        length = max(0, min((start + own) * s, total) - start * s) if own else 0
+        new_shape = list(local.shape)
+        new_shape[d] = length
+        local = _scatter_strided(local, new_shape, d, s)
+        if m is not None:
+            sz = spec.sizes[m]
+            starts = [sum(sz[:r]) for r in range(len(sz))]
+            sizes[m] = tuple(max(0, min((a + k) * s, total) - a * s) if k else 0 for a, k in zip(starts, sz))
+        shape[d] = total
+    mapping = {m: list(v) for m, v in enumerate(sizes) if v is not None}
+    return ShardTensor.from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+
+
+def _scatter_strided(local, new_shape, d, s):
+    """Differentiable zero insertion: ``local`` placed every ``s`` rows of a zero tensor."""
+    idx = torch.arange(0, local.shape[d] * s, s, device=local.device)
+    return local.new_zeros(new_shape).index_copy(d, idx, local)
+
+
+def _make_conv_transpose(nd: int, func, conv):
+    def handler(_func, args, kwargs):
+        a = bind(args, kwargs, ("self", "weight", "bias", "stride", "padding", "output_padding", "groups",
+                                "dilation"), bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1)
+        x, weight, bias = a["self"], a["weight"], a["bias"]
+        if not isinstance(x, ShardTensor) or any(isinstance(t, ShardTensor) for t in (weight, bias)):
+            return run_function_default(func, args, kwargs)
+        if x.ndim != nd + 2:
+            return func(x.unsqueeze(0), weight, bias, a["stride"], a["padding"], a["output_padding"], a["groups"],
+                        a["dilation"]).squeeze(0)
+        x = _without_partial(x)
+        sharded, why = _sharded_spatial(x, 2, func, args, kwargs)
+        if sharded is None:
+            return _unsupported_or_fallback(func, args, kwargs, why)
+        stride, pad = _tuple(a["stride"], nd, "stride"), _tuple(a["padding"], nd, "padding")
+        out_pad, dilation = _tuple(a["output_padding"], nd, "output_padding"), _tuple(a["dilation"], nd, "dilation")
+        g = a["groups"]
+        kernel = tuple(weight.shape[2:])
+        cin, cout_g = weight.shape[0], weight.shape[1]
+        # (C_in, C_out/g, k...) -> (C_out, C_in/g, k...), flipped: the convolution this transposes
+        w = weight.reshape(g, cin // g, cout_g, *kernel).transpose(1, 2).reshape(g * cout_g, cin // g, *kernel)
+        w = w.flip(list(range(2, 2 + nd)))
+        pads = [(dl * (k - 1) - p, dl * (k - 1) - p + op) for k, p, op, dl in zip(kernel, pad, out_pad, dilation)]
+        return sharded_conv(conv, _insert_zeros(x, stride), w, bias, (1,) * nd, pads, dilation, g, args, kwargs)
+
+    return handler
+
+
+for _nd, _f, _c in ((1, F.conv_transpose1d, F.conv1d), (2, F.conv_transpose2d, F.conv2d),
+                    (3, F.conv_transpose3d, F.conv3d)):
+    register_function(_f)(_make_conv_transpose(_nd, _f, _c))
 
 
 # --------------------------------------------------------------------------------------------
