@@ -373,3 +373,43 @@ def _conv_transpose(nd, seed):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_conv_transpose_matches_single_device(dist, nd, world):
     assert all(dist.run(world, _conv_transpose, nd, 700 + 10 * nd + world))
+
+
+def _along(seed):
+    import warnings
+
+    from domainflow import comm
+
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 10, 4, generator=gen, dtype=torch.float64) * 3
+    sizes = _sizes(10, world, rng)
+    sh = [Sharded(x, [Shard(1)], {0: sizes})]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no relayout of the whole tensor
+        comm.stats.reset()
+        check_sharded(lambda t: torch.softmax(t, 1), sh, mesh)
+        check_sharded(lambda t: F.log_softmax(t, dim=-2), sh, mesh)
+        check_sharded(lambda t: t.softmax(1) * 2, sh, mesh)
+        check_sharded(lambda t: torch.logsumexp(t, 1), sh, mesh)
+        check_sharded(lambda t: torch.logsumexp(t, (1, 2), keepdim=True), sh, mesh)
+        check_sharded(lambda t: torch.roll(t, 3, 1), sh, mesh)
+        check_sharded(lambda t: torch.roll(t, (-12, 1), (1, 2)), sh, mesh)
+        check_sharded(lambda t: t.roll(1, 1), sh, mesh)
+        import domainflow as df
+
+        st = df.distribute_tensor(x, mesh, [Shard(1)], sharding_shapes={0: sizes}).requires_grad_()
+        comm.stats.reset()  # the ops alone, forward and backward: reductions and halos, never the whole tensor
+        (torch.softmax(st, 1) * torch.roll(st, 2, 1) + torch.logsumexp(st, 1, keepdim=True)).sum().backward()
+        assert set(comm.stats.calls) <= {"all_reduce", "halo"}, comm.stats.calls
+    y = x.clone()
+    y[0, :, 0] = float("-inf")  # a row that is -inf everywhere stays well defined where torch's is
+    check_sharded(lambda t: torch.log_softmax(t, 1)[1:], [Sharded(y, [Shard(1)], {0: sizes})], mesh)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_softmax_logsumexp_roll_along_the_sharded_dim(dist, world):
+    assert all(dist.run(world, _along, 800 + world))

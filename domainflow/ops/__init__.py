@@ -1,3 +1,4 @@
 """Built-in sharding handlers, one module per op family; importing this package registers them."""
 
-from . import dimwise, interpolation, losses, matmul, normalization, reductions, tensor_ops, views, windows  # noqa: F401,E501
+from . import (along_sharded, dimwise, interpolation, losses, matmul, normalization, reductions,  # noqa: F401
+               tensor_ops, views, windows)
