@@ -413,3 +413,58 @@ def _along(seed):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_softmax_logsumexp_roll_along_the_sharded_dim(dist, world):
     assert all(dist.run(world, _along, 800 + world))
+
+
+def _two_d_mesh_handlers(seed):
+    mesh = get_mesh((2, 2), ("lat", "lon"))
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 4, 11, 9, generator=gen, dtype=torch.float64)
+    sizes = {0: _sizes(11, 2, rng, small=True), 1: _sizes(9, 2, rng, small=True)}
+    sh = [Sharded(x, [Shard(2), Shard(3)], sizes)]
+    gn = torch.nn.GroupNorm(2, 4).double()
+    bn = torch.nn.BatchNorm2d(4).double()
+    cases = [
+        lambda t: F.max_pool2d(t, 3, 2, 1, ceil_mode=True), lambda t: F.avg_pool2d(t, 2, 2, count_include_pad=False),
+        lambda t: F.interpolate(t, scale_factor=2, mode="bilinear"), lambda t: F.interpolate(t, size=(7, 12)),
+        lambda t: F.pad(t, (2, 1, 1, 2), mode="circular"), lambda t: F.pad(t, (1, 1, 2, 0), mode="reflect"),
+        lambda t: torch.softmax(t, 3) + torch.logsumexp(t, 2, keepdim=True), lambda t: torch.roll(t, (3, -2), (2, 3)),
+        lambda t: torch.cat([t, t * 2], dim=2), lambda t: torch.cat([t, t.sin()], dim=1),
+        lambda t: torch.einsum("bch,bdh->bcd", t.sum(3), t.mean(3)),  # contracting the sharded lat: Partial
+        lambda t: F.adaptive_avg_pool2d(t, 1),
+        lambda t: F.conv_transpose2d(t, torch.ones(4, 2, 3, 3, dtype=torch.float64), stride=2, padding=1),
+    ]
+    for fn in cases:
+        check_sharded(fn, sh, mesh)
+    check_sharded(lambda t, m: m(t), sh, mesh, module=gn)
+    check_sharded(lambda t, m: m(t), sh, mesh, module=bn)
+    return True
+
+
+def test_handlers_on_a_2d_domain_mesh(dist):
+    assert all(dist.run(4, _two_d_mesh_handlers, 31))
+
+
+def _too_few_rows_everywhere():
+    """A 7x7 kernel over ranks of 1-2 rows: halos reach three ranks away; a kernel wider than the whole dim
+    is refused the way torch refuses it."""
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 2, 6, 5, generator=gen, dtype=torch.float64)
+    conv = torch.nn.Conv2d(2, 3, 7, padding=3).double()
+    check_sharded(lambda t, m: m(t), [Sharded(x, [Shard(2)], {0: (1, 2, 1, 2)})], mesh, module=conv)
+    import domainflow as df
+
+    st = df.distribute_tensor(x, mesh, [Shard(2)], sharding_shapes={0: (1, 2, 1, 2)})
+    try:
+        torch.nn.Conv2d(2, 3, 9).double()(st)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_halo_wider_than_neighbours_and_kernel_wider_than_the_grid(dist):
+    msgs = dist.run(4, _too_few_rows_everywhere)
+    assert all(m is not None and "Kernel size can't be greater than actual input size" in m for m in msgs) or \
+        all(m is not None and "kernel" in m.lower() for m in msgs), msgs

@@ -203,11 +203,22 @@ def sharded_conv(func, x: ShardTensor, weight, bias, stride, pads, dilation, gro
     out_shape = [spec.shape[0], weight.shape[0]]
     for i in range(nd):
         out_shape.append(shapes.window_out_len(spec.shape[i + 2], kernel[i], stride[i], dilation[i], *pads[i]))
+    _check_fits(spec.shape[2:], kernel, dilation, pads, out_shape[2:])
     if any(plans[(m, d)].out_sizes[spec.coord[m]] == 0 for m, d in sharded):
         out_local = _empty_like_output(local, weight, bias, spec, sharded, plans, out_shape)
     else:
         out_local = func(local, weight, bias, stride, tuple(conv_pad), dilation, groups)
     return _wrap_out(out_local, spec, sharded, plans, out_shape)
+
+
+def _check_fits(sizes, kernel, dilation, pads, out_sizes) -> None:
+    """Refuse, as torch does, a window wider than the padded input (every rank decides alike)."""
+    for i, n in enumerate(out_sizes):
+        if n <= 0:
+            span = dilation[i] * (kernel[i] - 1) + 1
+            raise RuntimeError(f"Calculated padded input size per channel along spatial dim {i} "
+                               f"({sizes[i] + pads[i][0] + pads[i][1]}) is smaller than the kernel span ({span}): "
+                               f"Kernel size can't be greater than actual input size")
 
 
 def _batch_dims(spec) -> list[int]:
@@ -403,6 +414,7 @@ def _make_pool(nd: int, func, kind: str):
         out_shape = list(spec.shape[:2]) + [shapes.window_out_len(spec.shape[i + 2], kernel[i], stride[i],
                                                                   dilation[i], pad[i], pad[i], ceil)
                                             for i in range(nd)]
+        _check_fits(spec.shape[2:], kernel, dilation, [(p_, p_) for p_ in pad], out_shape[2:])
         if any(plans[(m, d)].out_sizes[spec.coord[m]] == 0 for m, d in sharded):
             shape = list(spec.local_shape)
             for i in range(2, x.ndim):
