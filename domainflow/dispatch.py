@@ -110,7 +110,8 @@ def describe_sharding(sts) -> str:
     parts = []
     for s in sts:
         sp = s._spec
-        dims = [f"dim {p.dim} over mesh dim {m}" for m, p in enumerate(sp.placements) if isinstance(p, Shard)]
+        dims = [f"dim {p.dim} over mesh dim {m} in sizes {list(sp.sizes[m])}" for m, p in enumerate(sp.placements)
+                if isinstance(p, Shard)]
         parts.append(f"shape {tuple(sp.shape)} sharded on " + (", ".join(dims) if dims else "no dim")
                      + (" (Partial)" if sp.has_partial else ""))
     return "; ".join(parts)

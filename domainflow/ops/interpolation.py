@@ -2,8 +2,8 @@
 
 Interpolation is separable: along each spatial dim an output row is a weighted sum of at most four input
 rows (nearest: 1, linear: 2, cubic: 4), at source positions given by torch's own formulas (reproduced
-here, float32 where torch uses float). Each output row goes to the rank holding its first tap, which
-fetches the few rows it lacks from its neighbours (the halo exchange), then every dim is applied as an
+here, float32 where torch uses float). Each output row goes to the rank holding its centre, which fetches
+the few rows it lacks from its neighbours (the halo exchange), then every dim is applied as an
 index-select and weighted sum on the local block; unsharded dims the same way without a fetch.
 """
 
@@ -120,8 +120,12 @@ def _interpolate(func, args, kwargs):
             continue
         sizes = spec.sizes[m]
         bounds = np.concatenate([[0], np.cumsum(sizes)])
-        owner = np.searchsorted(bounds[1:], idx[:, 0], side="right")
-        owner = np.minimum(owner, len(sizes) - 1)
+        # output row o goes to the rank holding its centre, floor((o + 0.5) * in / out): integer scales then
+        # scale every rank's rows alike ([8, 8] -> [16, 16]), matching the layout an encoder had before
+        # pooling, so UNet skip connections need no reshuffle
+        centre = np.minimum(np.floor((np.arange(out_sizes[i]) + 0.5) * in_sizes[i] / out_sizes[i]).astype(np.int64),
+                            in_sizes[i] - 1)
+        owner = np.minimum(np.searchsorted(bounds[1:], centre, side="right"), len(sizes) - 1)
         wanted, counts = [], []
         for r in range(len(sizes)):
             rows = np.flatnonzero(owner == r)

@@ -17,7 +17,7 @@ from ..dispatch import _unsupported_or_fallback, bind, run_function_default
 from ..placements import Shard
 from ..registry import register_function
 from ..shard_tensor import ShardTensor
-from .windows import _params_for, _without_partial
+from .windows import _without_partial
 
 
 def _like(spec, local: torch.Tensor) -> ShardTensor:
@@ -37,15 +37,83 @@ def _sharded_mesh_dims(spec, allowed_dims) -> tuple[list[int], str | None]:
 
 
 def _global_moments(xs: torch.Tensor, dims: tuple[int, ...], count: int, spec, reduce_mesh_dims):
-    """Mean and biased variance of ``xs`` over ``dims`` and the ranks of ``reduce_mesh_dims`` (float64;
-    one all-reduce per mesh dim carries both sums)."""
-    x64 = xs.to(torch.float64)
-    sums = torch.stack([x64.sum(dims), (x64 * x64).sum(dims)])
-    for m in reduce_mesh_dims:
-        sums = comm.all_reduce_sum_autograd(sums, spec.mesh, m)
-    mean = sums[0] / count
-    var = (sums[1] / count - mean * mean).clamp_min(0)
+    """Mean and biased variance (float64, no gradient) of ``xs`` over ``dims`` and the ranks of
+    ``reduce_mesh_dims``: one all-reduce per mesh dim carries the sums and the sums of squares."""
+    with torch.no_grad():
+        sums = torch.stack([xs.sum(dims, dtype=torch.float64), (xs * xs).sum(dims, dtype=torch.float64)])
+        for m in reduce_mesh_dims:
+            sums = comm.all_reduce(sums.contiguous(), "sum", spec.mesh, m)
+        mean = sums[0] / count
+        var = (sums[1] / count - mean * mean).clamp_min(0)
     return mean, var
+
+
+def _keep(t: torch.Tensor, dims, ndim: int) -> torch.Tensor:
+    """Re-insert the reduced ``dims`` as size-1 dims (broadcastable against the input)."""
+    for d in sorted(dims):
+        t = t.unsqueeze(d)
+    return t if t.ndim == ndim else t.reshape(t.shape + (1,) * (ndim - t.ndim))
+
+
+class _Normalize(torch.autograd.Function):
+    """y = (x - mean) * rstd * weight + bias with statistics over ``dims`` and the ranks of ``mesh_dims``.
+
+    Saves only the input and the (small) statistics, like torch's fused norms, and recomputes the normalised
+    values in backward. With batch statistics the input gradient needs two global means of the output
+    gradient: one all-reduce per mesh dim; with fixed statistics (eval) it is local. Weight and bias
+    gradients are summed over ``param_mesh_dims`` in one coalesced all-reduce.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mean, rstd, dims, count, spec, mesh_dims, param_mesh_dims, batch_stats,
+                affine_shape):
+        xhat = (x - mean) * rstd
+        y = xhat
+        if weight is not None:
+            y = y * weight.reshape(affine_shape)
+        if bias is not None:
+            y = y + bias.reshape(affine_shape)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.args = (dims, count, spec, mesh_dims, param_mesh_dims, batch_stats, affine_shape, bias is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        dims, count, spec, mesh_dims, param_mesh_dims, batch_stats, affine_shape, has_bias = ctx.args
+        xhat = (x - mean) * rstd
+        g = dy * weight.reshape(affine_shape) if weight is not None else dy
+        if batch_stats:
+            sums = torch.stack([g.sum(dims, dtype=torch.float64), (g * xhat).sum(dims, dtype=torch.float64)])
+            for m in mesh_dims:
+                sums = comm.all_reduce(sums.contiguous(), "sum", spec.mesh, m)
+            mg = _keep(sums[0] / count, dims, x.ndim).to(x.dtype)
+            mgx = _keep(sums[1] / count, dims, x.ndim).to(x.dtype)
+            dx = (g - mg - xhat * mgx) * rstd
+        else:
+            dx = g * rstd
+        grads = []
+        keep = [k for k, n in enumerate(affine_shape) if n != 1]
+        other = tuple(k for k in range(x.ndim) if k not in keep)
+        if weight is not None:
+            grads.append((dy * xhat).sum(other).reshape(weight.shape))
+        if has_bias:
+            grads.append(dy.sum(other).reshape(weight.shape if weight is not None else (-1,)))
+        for m in param_mesh_dims:
+            if grads:
+                grads = comm.all_reduce_coalesced([t.contiguous() for t in grads], "sum", spec.mesh, m)
+        gw = grads[0] if weight is not None else None
+        gb = grads[-1] if has_bias else None
+        return dx, gw, gb, None, None, None, None, None, None, None, None, None
+
+
+def _normalize(x_local, weight, bias, mean, var, eps, dims, count, spec, mesh_dims, param_mesh_dims, batch_stats,
+               affine_shape):
+    rstd = torch.rsqrt(var + eps)
+    mean = _keep(mean, dims, x_local.ndim).to(x_local.dtype) if mean.ndim < x_local.ndim else mean.to(x_local.dtype)
+    rstd = _keep(rstd, dims, x_local.ndim).to(x_local.dtype) if rstd.ndim < x_local.ndim else rstd.to(x_local.dtype)
+    return _Normalize.apply(x_local, weight, bias, mean, rstd, dims, count, spec, mesh_dims, param_mesh_dims,
+                            batch_stats, affine_shape)
 
 
 def _group_norm(func, args, kwargs):
@@ -62,19 +130,14 @@ def _group_norm(func, args, kwargs):
     G = a["num_groups"]
     C = x.shape[1]
     local = x.to_local()
-    n_local = local.shape[0]
-    grouped = local.reshape(n_local, G, -1)
-    count = (C // G) * int(torch.tensor(x.shape[2:]).prod().item()) if x.ndim > 2 else C // G
-    mean, var = _global_moments(grouped, (2,), count, spec, spatial_mesh_dims)
-    inv = torch.rsqrt(var + a["eps"])
-    y = ((grouped - mean[..., None].to(local.dtype)) * inv[..., None].to(local.dtype)).reshape(local.shape)
-    weight, bias = _params_for(spec.mesh, mesh_dims, a["weight"], a["bias"])
-    shape = (1, C) + (1,) * (x.ndim - 2)
-    if weight is not None:
-        y = y * weight.reshape(shape)
-    if bias is not None:
-        y = y + bias.reshape(shape)
-    return _like(spec, y)
+    view = local.reshape(local.shape[0], G, C // G, *local.shape[2:])  # stats per (sample, group)
+    dims = tuple(range(2, view.ndim))
+    count = (C // G) * (int(torch.tensor(x.shape[2:]).prod().item()) if x.ndim > 2 else 1)
+    mean, var = _global_moments(view, dims, count, spec, spatial_mesh_dims)
+    affine = (1, G, C // G) + (1,) * (x.ndim - 2)
+    y = _normalize(view, a["weight"], a["bias"], mean, var, a["eps"], dims, count, spec, spatial_mesh_dims,
+                   mesh_dims, True, affine)
+    return _like(spec, y.reshape(local.shape))
 
 
 def _batch_norm(func, args, kwargs):
@@ -106,38 +169,28 @@ def _channel_norm(func, args, kwargs, a, stats_over_batch: bool, use_batch_stats
     local = x.to_local()
     C = x.shape[1]
     spatial = tuple(range(2, x.ndim))
-    shape = (1, C) + (1,) * (x.ndim - 2)
+    affine = (1, C) + (1,) * (x.ndim - 2)
     n_space = int(torch.tensor(x.shape[2:]).prod().item()) if x.ndim > 2 else 1
+    if stats_over_batch:
+        dims, reduce_mesh, count = (0,) + spatial, mesh_dims, x.shape[0] * n_space
+    else:
+        dims, reduce_mesh, count = spatial, [m for m in mesh_dims if spec.placements[m].dim >= 2], n_space
     if use_batch_stats:
-        if stats_over_batch:
-            reduce_dims, reduce_mesh = (0,) + spatial, mesh_dims
-            count = x.shape[0] * n_space
-        else:
-            reduce_dims, reduce_mesh = spatial, [m for m in mesh_dims if spec.placements[m].dim >= 2]
-            count = n_space
-        mean, var = _global_moments(local, reduce_dims, count, spec, reduce_mesh)
+        mean, var = _global_moments(local, dims, count, spec, reduce_mesh)
         rm, rv = a["running_mean"], a["running_var"]
         if rm is not None and rv is not None:
             with torch.no_grad():  # identical on every rank: the statistics are global
                 m = a["momentum"] if a["momentum"] is not None else 0.0
-                bm = mean if stats_over_batch else mean.mean(0)
-                bv = var * (count / max(count - 1, 1))
-                bv = bv if stats_over_batch else bv.mean(0)
-                rm.mul_(1 - m).add_(bm.to(rm.dtype), alpha=m)
-                rv.mul_(1 - m).add_(bv.to(rv.dtype), alpha=m)
-        if stats_over_batch:
-            mean, var = mean.reshape(shape), var.reshape(shape)
-        else:
-            mean = mean.reshape(local.shape[:2] + (1,) * (x.ndim - 2))
-            var = var.reshape(local.shape[:2] + (1,) * (x.ndim - 2))
+                unbiased = var * (count / max(count - 1, 1))
+                rm.mul_(1 - m).add_((mean if stats_over_batch else mean.mean(0)).to(rm.dtype), alpha=m)
+                rv.mul_(1 - m).add_((unbiased if stats_over_batch else unbiased.mean(0)).to(rv.dtype), alpha=m)
+        y = _normalize(local, a["weight"], a["bias"], mean, var, a["eps"], dims, count, spec, reduce_mesh,
+                       mesh_dims, True, affine)
     else:
-        mean, var = a["running_mean"].reshape(shape), a["running_var"].reshape(shape)
-    y = (local - mean.to(local.dtype)) * torch.rsqrt(var + a["eps"]).to(local.dtype)
-    weight, bias = _params_for(spec.mesh, mesh_dims, a["weight"], a["bias"])
-    if weight is not None:
-        y = y * weight.reshape(shape)
-    if bias is not None:
-        y = y + bias.reshape(shape)
+        mean = a["running_mean"].reshape(affine)
+        var = a["running_var"].reshape(affine)
+        y = _normalize(local, a["weight"], a["bias"], mean, var, a["eps"], dims, count, spec, [], mesh_dims, False,
+                       affine)
     return _like(spec, y)
 
 
