@@ -352,18 +352,44 @@ def _exchange(out_pieces: dict, in_shapes: dict, like: torch.Tensor, mesh: Devic
     return received
 
 
+def _runs(positions, rows):
+    """(pos, row, length) runs where consecutive positions take consecutive rows: copied as slices."""
+    out = []
+    for p, r in zip(positions, rows):
+        if out and p == out[-1][0] + out[-1][2] and r == out[-1][1] + out[-1][2]:
+            out[-1][2] += 1
+        else:
+            out.append([p, r, 1])
+    return out
+
+
+def _copy_rows(dst, dim, positions, src, rows):
+    """dst[positions] = src[rows] along ``dim``, by slices where the indices run contiguously."""
+    positions, rows = list(positions), list(rows)
+    runs = _runs(positions, rows)
+    if len(runs) <= 4:
+        for p, r, n in runs:
+            dst.narrow(dim, p, n).copy_(src.narrow(dim, r, n))
+        return
+    pi = torch.as_tensor(positions, dtype=torch.long, device=dst.device)
+    ri = torch.as_tensor(rows, dtype=torch.long, device=src.device)
+    dst.index_copy_(dim, pi, src.index_select(dim, ri))
+
+
 def fetch_rows(local: torch.Tensor, dim: int, plan, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
     """The rows ``plan`` (a :class:`domainflow.shapes.RowFetch`) asks for along ``dim``: own rows copied,
     other ranks' rows received from their owners, zero rows where asked. Not differentiable; see
     :func:`halo_exchange`."""
+    pos, rows = plan.own
+    if not plan.recv and not plan.send and len(pos) == local.shape[dim] == plan.length and \
+            list(pos) == list(range(plan.length)) and list(rows) == list(range(plan.length)):
+        return local  # nothing to fetch and nothing to pad: the block itself
     shape = list(local.shape)
     shape[dim] = plan.length
     out = local.new_zeros(shape)
-    pos, rows = plan.own
-    idx = lambda v: torch.as_tensor(v, dtype=torch.long, device=local.device)  # noqa: E731
     if pos:
-        out.index_copy_(dim, idx(pos), local.index_select(dim, idx(rows)))
-    sends = {k: local.index_select(dim, idx(v)) for k, v in plan.send.items()}
+        _copy_rows(out, dim, pos, local, rows)
+    sends = {k: _select(local, dim, v) for k, v in plan.send.items()}
     shapes = {}
     for k, v in plan.recv.items():
         s = list(local.shape)
@@ -371,19 +397,28 @@ def fetch_rows(local: torch.Tensor, dim: int, plan, mesh: DeviceMesh, mesh_dim: 
         shapes[k] = s
     got = _exchange(sends, shapes, local, mesh, mesh_dim, "halo exchange")
     for k, t in got.items():
-        out.index_copy_(dim, idx(plan.recv[k]), t)
+        _copy_rows(out, dim, plan.recv[k], t, range(len(plan.recv[k])))
     return out
+
+
+def _select(t: torch.Tensor, dim: int, rows) -> torch.Tensor:
+    rows = list(rows)
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return t.narrow(dim, rows[0], len(rows))
+    return t.index_select(dim, torch.as_tensor(rows, dtype=torch.long, device=t.device))
 
 
 def return_rows(grad: torch.Tensor, dim: int, local_shape, plan, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
     """The adjoint of :func:`fetch_rows`: each fetched row's gradient goes back to its owner and is added
     to the owner's row."""
-    out = grad.new_zeros(local_shape)
     pos, rows = plan.own
-    idx = lambda v: torch.as_tensor(v, dtype=torch.long, device=grad.device)  # noqa: E731
+    if not plan.recv and not plan.send and tuple(grad.shape) == tuple(local_shape) and \
+            list(pos) == list(range(plan.length)) and list(rows) == list(range(plan.length)):
+        return grad
+    out = grad.new_zeros(local_shape)
     if pos:
-        out.index_add_(dim, idx(rows), grad.index_select(dim, idx(pos)))
-    back = {k: grad.index_select(dim, idx(v)) for k, v in plan.recv.items()}
+        _add_rows(out, dim, rows, grad, pos)
+    back = {k: _select(grad, dim, v) for k, v in plan.recv.items()}
     shapes = {}
     for k, v in plan.send.items():
         s = list(local_shape)
@@ -391,8 +426,20 @@ def return_rows(grad: torch.Tensor, dim: int, local_shape, plan, mesh: DeviceMes
         shapes[k] = s
     got = _exchange(back, shapes, grad, mesh, mesh_dim, "halo exchange (backward)")
     for k, t in got.items():
-        out.index_add_(dim, idx(plan.send[k]), t)
+        _add_rows(out, dim, plan.send[k], t, range(len(plan.send[k])))
     return out
+
+
+def _add_rows(dst, dim, rows, src, positions):
+    """dst[rows] += src[positions] along ``dim`` (repeated rows accumulate)."""
+    rows, positions = list(rows), list(positions)
+    if len(set(rows)) == len(rows) and len(_runs(rows, positions)) <= 4:
+        for r, p, n in _runs(rows, positions):
+            dst.narrow(dim, r, n).add_(src.narrow(dim, p, n))
+        return
+    ri = torch.as_tensor(rows, dtype=torch.long, device=dst.device)
+    pi = torch.as_tensor(positions, dtype=torch.long, device=src.device)
+    dst.index_add_(dim, ri, src.index_select(dim, pi))
 
 
 class _HaloExchange(torch.autograd.Function):

@@ -111,13 +111,17 @@ def _interpolate(func, args, kwargs):
     align = bool(a["align_corners"]) if mode not in ("nearest", "nearest-exact") else False
     local = x.to_local()
     sizes_out = list(spec.sizes)
+    from ..spec import mesh_shape
+
+    mshape = mesh_shape(spec.mesh)
+    done = [False] * nd
     for i in range(nd):
         d = i + 2
-        idx, w = taps(mode, in_sizes[i], out_sizes[i], align, scales[i])
         m = spec.mesh_dim_of(d)
-        if m is None:
-            local = _apply(local, d, idx, w)
-            continue
+        if m is None or mshape[m] == 1:
+            continue  # torch's own kernel below
+        done[i] = True
+        idx, w = taps(mode, in_sizes[i], out_sizes[i], align, scales[i])
         sizes = spec.sizes[m]
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         # output row o goes to the rank holding its centre, floor((o + 0.5) * in / out): integer scales then
@@ -146,9 +150,25 @@ def _interpolate(func, args, kwargs):
             shape[d] = 0
             local = local.new_zeros(shape) + local.sum() * 0  # same backward on every rank
         sizes_out[m] = tuple(counts)
-    out_shape = list(x.shape[:2]) + out_sizes
+    if not all(done):
+        # every other dim in one call of torch's kernel; dims already done get scale 1 (exact identity)
+        kw = {"mode": mode}
+        if mode not in ("nearest", "nearest-exact"):
+            kw["align_corners"] = align
+        if a["size"] is not None or a["recompute_scale_factor"]:
+            kw["size"] = [local.shape[i + 2] if done[i] else out_sizes[i] for i in range(nd)]
+        else:
+            kw["scale_factor"] = [1.0 if done[i] else scales[i] for i in range(nd)]
+        if local.numel():
+            local = F.interpolate(local, **kw)
+        else:  # a rank without rows: the right empty shape, still wired for backward
+            shape = list(local.shape[:2]) + [local.shape[i + 2] if done[i] else out_sizes[i] for i in range(nd)]
+            local = local.new_zeros(shape) + local.sum() * 0
+        for i in range(nd):
+            m = spec.mesh_dim_of(i + 2)
+            if m is not None and not done[i]:
+                sizes_out[m] = (out_sizes[i],)
     mapping = {m: list(s) for m, s in enumerate(sizes_out) if s is not None}
-    del out_shape
     return ShardTensor.from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
 
 
