@@ -288,7 +288,7 @@ class _Conv3dNet(torch.nn.Module):
         return self.net(x)
 
 
-def _train_equal(kind, dtype_name, mesh_shape, names, placements, sizes, steps, seed):
+def _train_equal(kind, dtype_name, mesh_shape, names, placements, sizes, steps, seed, deferred=False):
     import copy
 
     import domainflow as df
@@ -310,10 +310,13 @@ def _train_equal(kind, dtype_name, mesh_shape, names, placements, sizes, steps, 
     xs = df.distribute_tensor(x, mesh, placements, sharding_shapes=sizes)
     ys = df.distribute_tensor(y, mesh, placements, sharding_shapes=sizes)
     losses = []
+    import contextlib
+
     for _ in range(steps):
         opt.zero_grad()
         loss = ((model(xs) - ys) ** 2).mean()
-        loss.backward()
+        with df.deferred_param_grads() if deferred else contextlib.nullcontext():
+            loss.backward()
         opt.step()
         ref_opt.zero_grad()
         ref_loss = ((ref(x) - y) ** 2).mean()
@@ -335,14 +338,15 @@ TRAIN_CASES = [
 ]
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["per-layer-grad-sums", "deferred-grad-sums"])
 @pytest.mark.parametrize("case", TRAIN_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{'x'.join(map(str, c[2]))}")
-def test_training_sharded_equals_single_device(dist, case):
+def test_training_sharded_equals_single_device(dist, case, deferred):
     kind, dtype, mesh_shape, names, placements, sizes, tol = case
     world = 1
     for s in mesh_shape:
         world *= s
     for worst, buffers, losses in dist.run(world, _train_equal, kind, dtype, mesh_shape, names, placements, sizes,
-                                           4, 11):
+                                           4, 11, deferred):
         assert worst <= tol and buffers <= tol, (worst, buffers)
         assert all(abs(a - b) <= tol * max(1.0, abs(b)) * 10 for a, b in losses)
 
@@ -468,3 +472,36 @@ def test_halo_wider_than_neighbours_and_kernel_wider_than_the_grid(dist):
     msgs = dist.run(4, _too_few_rows_everywhere)
     assert all(m is not None and "Kernel size can't be greater than actual input size" in m for m in msgs) or \
         all(m is not None and "kernel" in m.lower() for m in msgs), msgs
+
+
+def _deferred_calls():
+    import domainflow as df
+    from domainflow import comm
+
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    torch.manual_seed(0)
+    model = _UNet().double()
+    x = df.distribute_tensor(torch.randn(1, 3, 8, 8, dtype=torch.float64), mesh, [Shard(2)])
+    calls = []
+    for deferred in (False, True):
+        model.zero_grad()
+        loss = model(x).pow(2).mean()
+        comm.stats.reset()
+        with df.deferred_param_grads() if deferred else __import__("contextlib").nullcontext():
+            loss.backward()
+        calls.append((comm.stats.calls["all_reduce"], [p.grad.clone() for p in model.parameters()]))
+    (n_now, g_now), (n_deferred, g_deferred) = calls
+    same = max((a - b).abs().max().item() for a, b in zip(g_now, g_deferred))
+    # autograd.grad keeps working by default (sums done before it returns)
+    g = torch.autograd.grad(model(x).pow(2).mean(), list(model.parameters()))
+    same_grad = max((a - b).abs().max().item() for a, b in zip(g, g_now))
+    return n_now, n_deferred, same, same_grad
+
+
+def test_deferred_parameter_gradient_sums_use_one_collective(dist):
+    """Per-layer sums: one all-reduce per layer with parameters; deferred: one for the whole model (plus the
+    group norms' statistics, which every layer needs either way); same gradients."""
+    for n_now, n_deferred, same, same_grad in dist.run(2, _deferred_calls):
+        assert same < 1e-12 and same_grad < 1e-12
+        assert n_deferred <= n_now - 10, (n_now, n_deferred)

@@ -74,6 +74,7 @@ class _Normalize(torch.autograd.Function):
         if bias is not None:
             y = y + bias.reshape(affine_shape)
         ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.params, ctx.bias_shape = (weight, bias), (bias.shape if bias is not None else None)
         ctx.args = (dims, count, spec, mesh_dims, param_mesh_dims, batch_stats, affine_shape, bias is not None)
         return y
 
@@ -92,18 +93,13 @@ class _Normalize(torch.autograd.Function):
             dx = (g - mg - xhat * mgx) * rstd
         else:
             dx = g * rstd
-        grads = []
+        from ..param_grads import reduce_param_grads
+
         keep = [k for k, n in enumerate(affine_shape) if n != 1]
         other = tuple(k for k in range(x.ndim) if k not in keep)
-        if weight is not None:
-            grads.append((dy * xhat).sum(other).reshape(weight.shape))
-        if has_bias:
-            grads.append(dy.sum(other).reshape(weight.shape if weight is not None else (-1,)))
-        for m in param_mesh_dims:
-            if grads:
-                grads = comm.all_reduce_coalesced([t.contiguous() for t in grads], "sum", spec.mesh, m)
-        gw = grads[0] if weight is not None else None
-        gb = grads[-1] if has_bias else None
+        gw = (dy * xhat).sum(other).reshape(weight.shape) if weight is not None else None
+        gb = dy.sum(other).reshape(ctx.bias_shape) if has_bias else None
+        gw, gb = reduce_param_grads(ctx.params, [gw, gb], spec.mesh, param_mesh_dims)
         return dx, gw, gb, None, None, None, None, None, None, None, None, None
 
 

@@ -28,26 +28,18 @@ from ..shard_tensor import ShardTensor
 # --------------------------------------------------------------------------------------------
 class _SumGradsOver(torch.autograd.Function):
     """Identity on replicated parameters; backward sums their (per-rank partial) gradients over the given
-    mesh dims in one coalesced all-reduce, so plain parameters get the single-device gradient."""
+    mesh dims (``domainflow.param_grads``: now, or once per backward for all layers)."""
 
     @staticmethod
     def forward(ctx, mesh, mesh_dims, *params):
-        ctx.mesh, ctx.mesh_dims = mesh, mesh_dims
-        ctx.present = [p is not None for p in params]
+        ctx.mesh, ctx.mesh_dims, ctx.params = mesh, mesh_dims, params
         return tuple(p.view_as(p) if p is not None else None for p in params)
 
     @staticmethod
     def backward(ctx, *grads):
-        real = [g if g is not None else None for g in grads]
-        idx = [k for k, g in enumerate(real) if g is not None and ctx.present[k]]
-        parts = [real[k].contiguous() for k in idx]
-        for m in ctx.mesh_dims:
-            if parts:
-                parts = comm.all_reduce_coalesced(parts, "sum", ctx.mesh, m)
-        out = [None] * len(grads)
-        for k, g in zip(idx, parts):
-            out[k] = g
-        return (None, None, *out)
+        from ..param_grads import reduce_param_grads
+
+        return (None, None, *reduce_param_grads(ctx.params, grads, ctx.mesh, ctx.mesh_dims))
 
 
 def _params_for(mesh, mesh_dims, *params):

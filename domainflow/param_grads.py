@@ -1,0 +1,93 @@
+"""Gradients of replicated parameters used with sharded activations: summed over the domain exactly once.
+
+A layer applied to a sharded input gives each rank a partial gradient for its (replicated) parameters.
+By default each layer's backward sums them right away, in one coalesced all-reduce per sharded mesh dim,
+so every ``.grad`` (and ``torch.autograd.grad``) is the single-device gradient as soon as it exists.
+
+Inside ``deferred_param_grads()`` the sums wait for the end of ``loss.backward()`` and go out together,
+one coalesced all-reduce per mesh dim for the whole model, like DDP's gradient buckets: a training step
+then has one synchronisation point for all parameters instead of one per layer. Use it around
+``loss.backward()`` (not ``torch.autograd.grad``, whose results are returned before the final sum).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_param_grads():
+    """Sum replicated parameters' partial gradients once per backward, for all layers together."""
+    previous = getattr(_state, "on", False)
+    _state.on = True
+    try:
+        yield
+    finally:
+        _state.on = previous
+
+
+def reduce_param_grads(params, grads, mesh, mesh_dims):
+    """Gradients to return from a layer's backward for ``params``: summed now (default), or queued for
+    the end of the backward pass (``deferred_param_grads``; then None is returned for them)."""
+    from . import comm
+
+    idx = [k for k, (p, g) in enumerate(zip(params, grads)) if p is not None and g is not None]
+    if not idx or not mesh_dims:
+        return list(grads)
+    if getattr(_state, "on", False):
+        leaves = [k for k in idx if params[k].is_leaf]  # a derived weight's gradient must flow on: sum it now
+        _queue(mesh, tuple(mesh_dims), [(params[k], grads[k]) for k in leaves])
+        out = list(grads)
+        for k in leaves:
+            out[k] = None
+        idx = [k for k in idx if k not in leaves]
+        if not idx:
+            return out
+        grads = out
+    parts = [grads[k].contiguous() for k in idx]
+    for m in mesh_dims:
+        parts = comm.all_reduce_coalesced(parts, "sum", mesh, m)
+    out = list(grads)
+    for k, g in zip(idx, parts):
+        out[k] = g
+    return out
+
+
+def _queue(mesh, mesh_dims, pairs):
+    pending = getattr(_state, "pending", None)
+    if pending is None:
+        pending = _state.pending = {}
+        torch.autograd.Variable._execution_engine.queue_callback(_flush)
+    group = pending.setdefault((id(mesh), mesh_dims), (mesh, {}))[1]
+    for p, g in pairs:  # insertion order is the backward order: the same on every rank
+        key = id(p)
+        if key in group:
+            group[key] = (p, group[key][1] + g)
+        else:
+            group[key] = (p, g)
+
+
+def _flush():
+    """End of backward: one coalesced all-reduce per (mesh, mesh dim) for every queued gradient."""
+    from . import comm
+
+    pending, _state.pending = getattr(_state, "pending", None), None
+    if not pending:
+        return
+    for (_, mesh_dims), (mesh, group) in pending.items():
+        params = [p for p, _ in group.values()]
+        parts = [g.contiguous() for _, g in group.values()]
+        for m in mesh_dims:
+            parts = comm.all_reduce_coalesced(parts, "sum", mesh, m)
+        with torch.no_grad():
+            for p, g in zip(params, parts):
+                g = g.to(p.dtype)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.add_(g)
