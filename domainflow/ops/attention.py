@@ -1,0 +1,231 @@
+"""``F.scaled_dot_product_attention`` with the sequence dim sharded.
+
+- Queries, keys and values all sharded on the sequence dim (over the same mesh dim, sizes may differ and be
+  uneven): ring attention. K/V blocks travel around the ring; each rank folds every block into its output
+  with the online log-sum-exp update, so no rank ever holds the full K/V. The backward is a second ring
+  pass: K/V blocks travel again together with their accumulating gradients, which arrive home complete.
+- Sharded queries, replicated K/V: local attention; K/V gradients are summed over the ranks.
+- Replicated queries, sharded K/V (Perceiver / Transolver pattern): each rank attends to its block and the
+  partial results combine through one max and one sum all-reduce of the log-sum-exp weights.
+Causal masks use global positions; grouped-query attention (fewer K/V heads) is supported. Attention
+masks and dropout in training raise ``UnsupportedShardedOp`` (use ``fallback("gather")``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .. import comm
+from ..dispatch import _unsupported_or_fallback, bind, run_function_default
+from ..placements import Replicate, Shard
+from ..registry import register_function
+from ..shard_tensor import ShardTensor
+from .along_sharded import _SumToReplicated
+from .windows import _params_for, _without_partial
+
+
+def _ring_exchange(tensors, recv_shapes, mesh, m):
+    """Send ``tensors`` to the next rank of the ring along mesh dim ``m``, receive ``recv_shapes`` from the
+    previous one."""
+    import torch.distributed as dist
+
+    ranks = comm._dim_ranks(mesh, m)
+    w = len(ranks)
+    me = ranks.index(dist.get_rank())
+    nxt, prv = ranks[(me + 1) % w], ranks[(me - 1) % w]
+    ops, got = [], []
+    for t in tensors:
+        t = t.contiguous()
+        comm.stats.add("ring", comm._nbytes(t))
+        ops.append(dist.P2POp(dist.isend, t, nxt))
+    for shape, like in zip(recv_shapes, tensors):
+        buf = torch.empty(shape, dtype=like.dtype, device=like.device)
+        got.append(buf)
+        ops.append(dist.P2POp(dist.irecv, buf, prv))
+    with comm._named("ring attention exchange", mesh, m):
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return got
+
+
+def _scores(q, kb, scale, causal, q0, k0):
+    s = (q @ kb.transpose(-2, -1)) * scale
+    if causal:
+        qi = torch.arange(q0, q0 + q.shape[-2], device=q.device)[:, None]
+        kj = torch.arange(k0, k0 + kb.shape[-2], device=q.device)[None, :]
+        s = s.masked_fill(kj > qi, float("-inf"))
+    return s
+
+
+def _expand(t, groups):
+    return t.repeat_interleave(groups, dim=-3) if groups > 1 else t
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_sizes, k_sizes, mesh, m, causal, scale, groups):
+        w = len(k_sizes)
+        me = mesh.get_coordinate()[m]
+        q0 = sum(q_sizes[:me])
+        k_starts = [sum(k_sizes[:r]) for r in range(w)]
+        shape = q.shape[:-1]
+        out = q.new_zeros(*shape, v.shape[-1])
+        mx = q.new_full((*shape, 1), float("-inf"))
+        den = q.new_zeros((*shape, 1))
+        kb, vb, src = k, v, me
+        for t in range(w):
+            if t < w - 1:
+                prev = (src - 1) % w
+                ks = list(kb.shape)
+                ks[-2] = k_sizes[prev]
+                vs = list(vb.shape)
+                vs[-2] = k_sizes[prev]
+            if kb.shape[-2] and q.shape[-2]:
+                s = _scores(q, _expand(kb, groups), scale, causal, q0, k_starts[src])
+                new = torch.maximum(mx, s.amax(-1, keepdim=True))
+                shift = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+                p = torch.exp(s - shift)
+                corr = torch.exp(mx - shift)
+                den = den * corr + p.sum(-1, keepdim=True)
+                out = out * corr + p @ _expand(vb, groups)
+                mx = new
+            if t < w - 1:
+                kb, vb = _ring_exchange([kb, vb], [ks, vs], mesh, m)
+                src = prev
+        out = out / den
+        shift = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+        lse = shift + torch.log(den)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (q_sizes, k_sizes, mesh, m, causal, scale, groups)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        q_sizes, k_sizes, mesh, m, causal, scale, groups = ctx.args
+        w = len(k_sizes)
+        me = mesh.get_coordinate()[m]
+        q0 = sum(q_sizes[:me])
+        k_starts = [sum(k_sizes[:r]) for r in range(w)]
+        dout = dout.contiguous()
+        delta = (dout * out).sum(-1, keepdim=True)
+        dq = torch.zeros_like(q)
+        kb, vb, dkb, dvb, src = k, v, torch.zeros_like(k), torch.zeros_like(v), me
+        for t in range(w):
+            if kb.shape[-2] and q.shape[-2]:
+                ke, ve = _expand(kb, groups), _expand(vb, groups)
+                s = _scores(q, ke, scale, causal, q0, k_starts[src])
+                p = torch.exp(s - lse)
+                dv = p.transpose(-2, -1) @ dout
+                ds = p * (dout @ ve.transpose(-2, -1) - delta)
+                dq = dq + (ds @ ke) * scale
+                dk = (ds.transpose(-2, -1) @ q) * scale
+                if groups > 1:
+                    dk = dk.unflatten(-3, (dk.shape[-3] // groups, groups)).sum(-3)
+                    dv = dv.unflatten(-3, (dv.shape[-3] // groups, groups)).sum(-3)
+                dkb, dvb = dkb + dk, dvb + dv
+            prev = (src - 1) % w
+            if t < w - 1:  # the block, with its gradients so far, moves on
+                shapes = []
+                for tt in (kb, vb, dkb, dvb):
+                    sh = list(tt.shape)
+                    sh[-2] = k_sizes[prev]
+                    shapes.append(sh)
+                kb, vb, dkb, dvb = _ring_exchange([kb, vb, dkb, dvb], shapes, mesh, m)
+            elif w > 1:  # last hop: only the finished gradients go home
+                shapes = []
+                for tt in (dkb, dvb):
+                    sh = list(tt.shape)
+                    sh[-2] = k_sizes[prev]
+                    shapes.append(sh)
+                dkb, dvb = _ring_exchange([dkb, dvb], shapes, mesh, m)
+            src = prev
+        return dq, dkb, dvb, None, None, None, None, None, None, None
+
+
+def _seq_mesh_dim(t, seq_dim):
+    if not isinstance(t, ShardTensor):
+        return None
+    for m, p in enumerate(t._spec.placements):
+        if isinstance(p, Shard) and p.dim == seq_dim:
+            return m
+    return None
+
+
+def _sdpa(func, args, kwargs):
+    a = bind(args, kwargs, ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
+             attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False)
+    q, k, v = a["query"], a["key"], a["value"]
+    if not any(isinstance(t, ShardTensor) for t in (q, k, v)):
+        return run_function_default(func, args, kwargs)
+    nd = q.ndim
+    seq = nd - 2
+    mq, mk, mv = (_seq_mesh_dim(t, seq) for t in (q, k, v))
+    if mq is None and mk is None:
+        return run_function_default(func, args, kwargs)  # sequence unsharded: the generic rules apply
+    if a["attn_mask"] is not None:
+        return _unsupported_or_fallback(func, args, kwargs, "an attn_mask with a sharded sequence dim")
+    if a["dropout_p"]:
+        return _unsupported_or_fallback(func, args, kwargs, "attention dropout with a sharded sequence dim")
+    groups = q.shape[-3] // k.shape[-3] if a["enable_gqa"] else 1
+    scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+    causal = bool(a["is_causal"])
+    if mq is not None and mk is not None:
+        if mk != mq or mv != mq:
+            return _unsupported_or_fallback(func, args, kwargs, "query, key and value sharded over different mesh dims")
+        q, k, v = (_without_partial(t) for t in (q, k, v))
+        spec = q._spec
+        if any(t._spec.placements != spec.placements for t in (k, v)):
+            return _unsupported_or_fallback(func, args, kwargs, "query, key and value laid out differently")
+        out = _RingAttention.apply(q.to_local(), k.to_local(), v.to_local(), spec.sizes[mq], k._spec.sizes[mq],
+                                   spec.mesh, mq, causal, scale, groups)
+        mapping = {d: list(s) for d, s in enumerate(spec.sizes) if s is not None}
+        return ShardTensor.from_local(out, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+    if mq is not None:  # replicated K/V: local attention, K/V gradients summed over the ranks
+        q = _without_partial(q)
+        spec = q._spec
+        k_full = _replicated_local(k, spec.mesh)
+        v_full = _replicated_local(v, spec.mesh)
+        k_full, v_full = _params_for(spec.mesh, [mq], k_full, v_full)
+        q0 = sum(spec.sizes[mq][:spec.coord[mq]])
+        ql = q.to_local()
+        if causal:
+            s = _scores(ql, _expand(k_full, groups), scale, True, q0, 0)
+            out = torch.softmax(s, -1) @ _expand(v_full, groups)
+        else:
+            out = F.scaled_dot_product_attention(ql, k_full, v_full, scale=scale, enable_gqa=a["enable_gqa"])
+        mapping = {d: list(s) for d, s in enumerate(spec.sizes) if s is not None}
+        return ShardTensor.from_local(out, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+    # replicated queries, sharded K/V: partial attention per rank, combined by log-sum-exp weights
+    if causal:
+        return _unsupported_or_fallback(func, args, kwargs, "is_causal with replicated queries and sharded keys")
+    k, v = _without_partial(k), _without_partial(v)
+    spec = k._spec
+    ql = _replicated_local(q, spec.mesh)
+    (ql,) = _params_for(spec.mesh, [mk], ql)
+    kl, vl = k.to_local(), v.to_local()
+    s = (ql @ _expand(kl, groups).transpose(-2, -1)) * scale
+    with torch.no_grad():
+        local_max = s.amax(-1, keepdim=True) if s.shape[-1] else s.new_full(s.shape[:-1] + (1,), float("-inf"))
+        big = comm.all_reduce(local_max.contiguous(), "max", spec.mesh, mk)
+        big = torch.where(torch.isfinite(big), big, torch.zeros_like(big))
+    p = torch.exp(s - big)
+    num = _SumToReplicated.apply(p @ _expand(vl, groups), spec.mesh, mk)
+    den = _SumToReplicated.apply(p.sum(-1, keepdim=True), spec.mesh, mk)
+    out = num / den
+    placements = [Replicate() if k_ == mk else p_ for k_, p_ in enumerate(spec.placements)]
+    return ShardTensor.from_local(out, spec.mesh, placements,
+                                  sharding_shapes={d: list(s_) for d, s_ in enumerate(spec.sizes)
+                                                   if s_ is not None and d != mk})
+
+
+def _replicated_local(t, mesh):
+    if isinstance(t, ShardTensor):
+        return t.redistribute([Replicate()] * mesh.ndim).to_local()
+    return t
+
+
+register_function(F.scaled_dot_product_attention)(_sdpa)

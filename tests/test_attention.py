@@ -1,0 +1,92 @@
+"""Attention with a sharded sequence dim (ring attention and the replicated-side patterns) against
+single-device SDPA: outputs and gradients, uneven shards with a nearly empty rank, causal, GQA."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_pool import rank_and_world
+from domainflow import Replicate, Shard
+from sharded_check import Sharded, check_sharded, get_mesh, random_sizes
+
+
+def _sizes(n, world, rng):
+    s = list(random_sizes(n, world, rng))
+    if world > 1:  # one rank nearly empty
+        k = rng.randrange(world)
+        extra = s[k] - min(s[k], 1)
+        s[k] -= extra
+        s[(k + 1) % world] += extra
+    return tuple(s)
+
+
+def _ring(seed):
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    for causal, gqa, lq, lk in ((False, False, 13, 13), (True, False, 13, 13), (False, True, 11, 11),
+                                (True, True, 12, 12), (False, False, 9, 14)):
+        hq, hk = (4, 2) if gqa else (3, 3)
+        q = torch.randn(2, hq, lq, 5, generator=gen, dtype=torch.float64)
+        k = torch.randn(2, hk, lk, 5, generator=gen, dtype=torch.float64)
+        v = torch.randn(2, hk, lk, 6, generator=gen, dtype=torch.float64)
+        qs, ks = _sizes(lq, world, rng), _sizes(lk, world, rng)
+        kw = {"is_causal": causal, "enable_gqa": gqa}
+        check_sharded(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, **kw),
+                      [Sharded(q, [Shard(2)], {0: qs}), Sharded(k, [Shard(2)], {0: ks}),
+                       Sharded(v, [Shard(2)], {0: ks})], mesh)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ring_attention_matches_sdpa(dist, world):
+    assert all(dist.run(world, _ring, 10 + world))
+
+
+def _replicated_sides(seed):
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 3, 10, 4, generator=gen, dtype=torch.float64)
+    kv = torch.randn(2, 3, 6, 4, generator=gen, dtype=torch.float64)
+    # sharded queries, replicated K/V (cross-attention to a few global tokens)
+    check_sharded(lambda a, b: F.scaled_dot_product_attention(a, b, b * 2),
+                  [Sharded(q, [Shard(2)], {0: _sizes(10, world, rng)}), Sharded(kv, [Replicate()])], mesh)
+    check_sharded(lambda a, b: F.scaled_dot_product_attention(a, b, b, is_causal=True),
+                  [Sharded(q[:, :, :6], [Shard(2)], {0: _sizes(6, world, rng)}), Sharded(kv, [Replicate()])], mesh)
+    # replicated queries (a few slice tokens) attending to sharded K/V (Perceiver / Transolver pattern)
+    toks = torch.randn(2, 3, 4, 4, generator=gen, dtype=torch.float64)
+    check_sharded(lambda a, b: F.scaled_dot_product_attention(a, b, b.sin()),
+                  [Sharded(toks, [Replicate()]), Sharded(q, [Shard(2)], {0: _sizes(10, world, rng)})], mesh)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_replicated_queries_or_keys(dist, world):
+    assert all(dist.run(world, _replicated_sides, 30 + world))
+
+
+def _ring_traffic():
+    import domainflow as df
+    from domainflow import comm
+
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    x = torch.randn(1, 2, 12, 4, dtype=torch.float64)
+    q = df.distribute_tensor(x, mesh, [Shard(2)]).requires_grad_()
+    comm.stats.reset()
+    out = F.scaled_dot_product_attention(q, q, q)
+    fwd = dict(comm.stats.calls)
+    out.to_local().sum().backward()
+    return fwd, dict(comm.stats.calls)
+
+
+def test_ring_attention_never_gathers(dist):
+    for fwd, total in dist.run(3, _ring_traffic):
+        assert set(fwd) == {"ring"} and "all_gather" not in total and "all_to_all" not in total
