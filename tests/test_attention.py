@@ -40,6 +40,16 @@ def _ring(seed):
         check_sharded(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, **kw),
                       [Sharded(q, [Shard(2)], {0: qs}), Sharded(k, [Shard(2)], {0: ks}),
                        Sharded(v, [Shard(2)], {0: ks})], mesh)
+    for kind in ("bool", "float"):
+        q = torch.randn(1, 2, 10, 4, generator=gen, dtype=torch.float64)
+        if kind == "bool":
+            mask = torch.rand(10, 10, generator=gen) > 0.3
+            mask |= torch.eye(10, dtype=torch.bool)  # no fully masked row
+        else:
+            mask = torch.randn(1, 2, 10, 10, generator=gen, dtype=torch.float64)
+        s = _sizes(10, world, rng)
+        check_sharded(lambda a, b: F.scaled_dot_product_attention(a, b, b, attn_mask=mask),
+                      [Sharded(q, [Shard(2)], {0: s}), Sharded(q.flip(-1), [Shard(2)], {0: s})], mesh)
     return True
 
 
@@ -90,3 +100,42 @@ def _ring_traffic():
 def test_ring_attention_never_gathers(dist):
     for fwd, total in dist.run(3, _ring_traffic):
         assert set(fwd) == {"ring"} and "all_gather" not in total and "all_to_all" not in total
+
+
+class _ViTBlock(torch.nn.Module):
+    """Patch embedding (strided conv), pre-norm multi-head self-attention (SDPA) and an MLP: a timm-style
+    block. (nn.MultiheadAttention calls SDPA from inside its own functional and is not supported yet.)"""
+
+    def __init__(self, dim=8, heads=2, patch=2):
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Conv2d(3, dim, patch, stride=patch)
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim))
+
+    def forward(self, img):
+        x = self.embed(img).flatten(2).transpose(1, 2)  # (B, tokens, dim), tokens sharded with the image rows
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
+        x = x + self.proj(a)
+        return x + self.mlp(self.norm2(x))
+
+
+def _vit(seed):
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    block = _ViTBlock().double()
+    img = torch.randn(2, 3, 12, 8, generator=gen, dtype=torch.float64)
+    rows = [2 * r for r in random_sizes(6, world, rng)]  # whole patches per rank
+    check_sharded(lambda t, m: m(t), [Sharded(img, [Shard(2)], {0: tuple(rows)})], mesh, module=block)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_vit_block_unmodified(dist, world):
+    assert all(dist.run(world, _vit, 50 + world))

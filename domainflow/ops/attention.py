@@ -7,8 +7,9 @@
 - Sharded queries, replicated K/V: local attention; K/V gradients are summed over the ranks.
 - Replicated queries, sharded K/V (Perceiver / Transolver pattern): each rank attends to its block and the
   partial results combine through one max and one sum all-reduce of the log-sum-exp weights.
-Causal masks use global positions; grouped-query attention (fewer K/V heads) is supported. Attention
-masks and dropout in training raise ``UnsupportedShardedOp`` (use ``fallback("gather")``).
+Causal masks use global positions; a full (.., Lq, Lk) ``attn_mask`` (boolean or additive, every rank
+holding it) is sliced per block; grouped-query attention (fewer K/V heads) is supported. Dropout in
+training and a mask that needs gradients raise ``UnsupportedShardedOp`` (use ``fallback("gather")``).
 """
 
 from __future__ import annotations
@@ -51,8 +52,11 @@ def _ring_exchange(tensors, recv_shapes, mesh, m):
     return got
 
 
-def _scores(q, kb, scale, causal, q0, k0):
+def _scores(q, kb, scale, causal, q0, k0, mask=None):
     s = (q @ kb.transpose(-2, -1)) * scale
+    if mask is not None:  # the full (.., Lq, Lk) mask: this rank's rows, this block's columns
+        blk = mask[..., q0:q0 + q.shape[-2], k0:k0 + kb.shape[-2]]
+        s = s.masked_fill(~blk, float("-inf")) if blk.dtype == torch.bool else s + blk.to(s.dtype)
     if causal:
         qi = torch.arange(q0, q0 + q.shape[-2], device=q.device)[:, None]
         kj = torch.arange(k0, k0 + kb.shape[-2], device=q.device)[None, :]
@@ -66,7 +70,7 @@ def _expand(t, groups):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_sizes, k_sizes, mesh, m, causal, scale, groups):
+    def forward(ctx, q, k, v, q_sizes, k_sizes, mesh, m, causal, scale, groups, mask):
         w = len(k_sizes)
         me = mesh.get_coordinate()[m]
         q0 = sum(q_sizes[:me])
@@ -84,7 +88,7 @@ class _RingAttention(torch.autograd.Function):
                 vs = list(vb.shape)
                 vs[-2] = k_sizes[prev]
             if kb.shape[-2] and q.shape[-2]:
-                s = _scores(q, _expand(kb, groups), scale, causal, q0, k_starts[src])
+                s = _scores(q, _expand(kb, groups), scale, causal, q0, k_starts[src], mask)
                 new = torch.maximum(mx, s.amax(-1, keepdim=True))
                 shift = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
                 p = torch.exp(s - shift)
@@ -99,13 +103,13 @@ class _RingAttention(torch.autograd.Function):
         shift = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
         lse = shift + torch.log(den)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (q_sizes, k_sizes, mesh, m, causal, scale, groups)
+        ctx.args = (q_sizes, k_sizes, mesh, m, causal, scale, groups, mask)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        q_sizes, k_sizes, mesh, m, causal, scale, groups = ctx.args
+        q_sizes, k_sizes, mesh, m, causal, scale, groups, mask = ctx.args
         w = len(k_sizes)
         me = mesh.get_coordinate()[m]
         q0 = sum(q_sizes[:me])
@@ -117,7 +121,7 @@ class _RingAttention(torch.autograd.Function):
         for t in range(w):
             if kb.shape[-2] and q.shape[-2]:
                 ke, ve = _expand(kb, groups), _expand(vb, groups)
-                s = _scores(q, ke, scale, causal, q0, k_starts[src])
+                s = _scores(q, ke, scale, causal, q0, k_starts[src], mask)
                 p = torch.exp(s - lse)
                 dv = p.transpose(-2, -1) @ dout
                 ds = p * (dout @ ve.transpose(-2, -1) - delta)
@@ -143,7 +147,7 @@ class _RingAttention(torch.autograd.Function):
                     shapes.append(sh)
                 dkb, dvb = _ring_exchange([dkb, dvb], shapes, mesh, m)
             src = prev
-        return dq, dkb, dvb, None, None, None, None, None, None, None
+        return dq, dkb, dvb, None, None, None, None, None, None, None, None
 
 
 def _seq_mesh_dim(t, seq_dim):
@@ -166,8 +170,11 @@ def _sdpa(func, args, kwargs):
     mq, mk, mv = (_seq_mesh_dim(t, seq) for t in (q, k, v))
     if mq is None and mk is None:
         return run_function_default(func, args, kwargs)  # sequence unsharded: the generic rules apply
-    if a["attn_mask"] is not None:
-        return _unsupported_or_fallback(func, args, kwargs, "an attn_mask with a sharded sequence dim")
+    mask = a["attn_mask"]
+    if isinstance(mask, ShardTensor):
+        mask = _replicated_local(mask, mask._spec.mesh)
+    if mask is not None and mask.requires_grad:
+        return _unsupported_or_fallback(func, args, kwargs, "a differentiable attn_mask with a sharded sequence dim")
     if a["dropout_p"]:
         return _unsupported_or_fallback(func, args, kwargs, "attention dropout with a sharded sequence dim")
     groups = q.shape[-3] // k.shape[-3] if a["enable_gqa"] else 1
@@ -181,7 +188,7 @@ def _sdpa(func, args, kwargs):
         if any(t._spec.placements != spec.placements for t in (k, v)):
             return _unsupported_or_fallback(func, args, kwargs, "query, key and value laid out differently")
         out = _RingAttention.apply(q.to_local(), k.to_local(), v.to_local(), spec.sizes[mq], k._spec.sizes[mq],
-                                   spec.mesh, mq, causal, scale, groups)
+                                   spec.mesh, mq, causal, scale, groups, mask)
         mapping = {d: list(s) for d, s in enumerate(spec.sizes) if s is not None}
         return ShardTensor.from_local(out, spec.mesh, list(spec.placements), sharding_shapes=mapping)
     if mq is not None:  # replicated K/V: local attention, K/V gradients summed over the ranks
@@ -192,16 +199,17 @@ def _sdpa(func, args, kwargs):
         k_full, v_full = _params_for(spec.mesh, [mq], k_full, v_full)
         q0 = sum(spec.sizes[mq][:spec.coord[mq]])
         ql = q.to_local()
-        if causal:
-            s = _scores(ql, _expand(k_full, groups), scale, True, q0, 0)
+        if causal or mask is not None:
+            s = _scores(ql, _expand(k_full, groups), scale, causal, q0, 0, mask)
             out = torch.softmax(s, -1) @ _expand(v_full, groups)
         else:
             out = F.scaled_dot_product_attention(ql, k_full, v_full, scale=scale, enable_gqa=a["enable_gqa"])
         mapping = {d: list(s) for d, s in enumerate(spec.sizes) if s is not None}
         return ShardTensor.from_local(out, spec.mesh, list(spec.placements), sharding_shapes=mapping)
     # replicated queries, sharded K/V: partial attention per rank, combined by log-sum-exp weights
-    if causal:
-        return _unsupported_or_fallback(func, args, kwargs, "is_causal with replicated queries and sharded keys")
+    if causal or mask is not None:
+        return _unsupported_or_fallback(func, args, kwargs, "is_causal or attn_mask with replicated queries and "
+                                        "sharded keys")
     k, v = _without_partial(k), _without_partial(v)
     spec = k._spec
     ql = _replicated_local(q, spec.mesh)
