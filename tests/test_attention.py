@@ -104,7 +104,7 @@ def test_ring_attention_never_gathers(dist):
 
 class _ViTBlock(torch.nn.Module):
     """Patch embedding (strided conv), pre-norm multi-head self-attention (SDPA) and an MLP: a timm-style
-    block. (nn.MultiheadAttention calls SDPA from inside its own functional and is not supported yet.)"""
+    block."""
 
     def __init__(self, dim=8, heads=2, patch=2):
         super().__init__()
@@ -139,3 +139,21 @@ def _vit(seed):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_vit_block_unmodified(dist, world):
     assert all(dist.run(world, _vit, 50 + world))
+
+
+def _mha(seed):
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True).double()
+    x = torch.randn(2, 11, 8, generator=gen, dtype=torch.float64)
+    check_sharded(lambda t, m: m(t, t, t, need_weights=False)[0], [Sharded(x, [Shard(1)], {0: _sizes(11, world, rng)})],
+                  mesh, module=mha)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_multihead_attention_unmodified(dist, world):
+    assert all(dist.run(world, _mha, 70 + world))

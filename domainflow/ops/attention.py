@@ -7,6 +7,8 @@
 - Sharded queries, replicated K/V: local attention; K/V gradients are summed over the ranks.
 - Replicated queries, sharded K/V (Perceiver / Transolver pattern): each rank attends to its block and the
   partial results combine through one max and one sum all-reduce of the log-sum-exp weights.
+SDPA called from inside another functional (``nn.MultiheadAttention``) reaches the aten op, which has
+ring handlers too (forward and backward, the log-sum-exp output carrying the ring's statistics).
 Causal masks use global positions; a full (.., Lq, Lk) ``attn_mask`` (boolean or additive, every rank
 holding it) is sliced per block; grouped-query attention (fewer K/V heads) is supported. Dropout in
 training and a mask that needs gradients raise ``UnsupportedShardedOp`` (use ``fallback("gather")``).
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from .. import comm
 from ..dispatch import _unsupported_or_fallback, bind, run_function_default
 from ..placements import Replicate, Shard
-from ..registry import register_function
+from ..registry import register_aten, register_function
 from ..shard_tensor import ShardTensor
 from .along_sharded import _SumToReplicated
 from .windows import _params_for, _without_partial
@@ -68,40 +70,82 @@ def _expand(t, groups):
     return t.repeat_interleave(groups, dim=-3) if groups > 1 else t
 
 
+def ring_forward(q, k, v, q_sizes, k_sizes, mesh, m, causal, scale, groups, mask=None):
+    """This rank's attention output and log-sum-exp (.., Lq_local, 1), folding in every K/V block as it
+    passes around the ring (online softmax)."""
+    w = len(k_sizes)
+    me = mesh.get_coordinate()[m]
+    q0 = sum(q_sizes[:me])
+    k_starts = [sum(k_sizes[:r]) for r in range(w)]
+    shape = q.shape[:-1]
+    out = q.new_zeros(*shape, v.shape[-1])
+    mx = q.new_full((*shape, 1), float("-inf"))
+    den = q.new_zeros((*shape, 1))
+    kb, vb, src = k, v, me
+    for t in range(w):
+        prev = (src - 1) % w
+        if kb.shape[-2] and q.shape[-2]:
+            s = _scores(q, _expand(kb, groups), scale, causal, q0, k_starts[src], mask)
+            new = torch.maximum(mx, s.amax(-1, keepdim=True))
+            shift = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+            p = torch.exp(s - shift)
+            corr = torch.exp(mx - shift)
+            den = den * corr + p.sum(-1, keepdim=True)
+            out = out * corr + p @ _expand(vb, groups)
+            mx = new
+        if t < w - 1:
+            kb, vb = _ring_exchange([kb, vb], [_resized(kb, k_sizes[prev]), _resized(vb, k_sizes[prev])], mesh, m)
+            src = prev
+    out = out / den
+    shift = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    return out, shift + torch.log(den)
+
+
+def ring_backward(dout, q, k, v, out, lse, q_sizes, k_sizes, mesh, m, causal, scale, groups, mask=None):
+    """Gradients of q, k, v: the K/V blocks travel the ring again with their accumulating gradients, which
+    arrive at their owner complete after the last hop."""
+    w = len(k_sizes)
+    me = mesh.get_coordinate()[m]
+    q0 = sum(q_sizes[:me])
+    k_starts = [sum(k_sizes[:r]) for r in range(w)]
+    dout = dout.contiguous()
+    delta = (dout * out).sum(-1, keepdim=True)
+    dq = torch.zeros_like(q)
+    kb, vb, dkb, dvb, src = k, v, torch.zeros_like(k), torch.zeros_like(v), me
+    for t in range(w):
+        if kb.shape[-2] and q.shape[-2]:
+            ke, ve = _expand(kb, groups), _expand(vb, groups)
+            s = _scores(q, ke, scale, causal, q0, k_starts[src], mask)
+            p = torch.exp(s - lse)
+            dv = p.transpose(-2, -1) @ dout
+            ds = p * (dout @ ve.transpose(-2, -1) - delta)
+            dq = dq + (ds @ ke) * scale
+            dk = (ds.transpose(-2, -1) @ q) * scale
+            if groups > 1:
+                dk = dk.unflatten(-3, (dk.shape[-3] // groups, groups)).sum(-3)
+                dv = dv.unflatten(-3, (dv.shape[-3] // groups, groups)).sum(-3)
+            dkb, dvb = dkb + dk, dvb + dv
+        prev = (src - 1) % w
+        n = k_sizes[prev]
+        if t < w - 1:  # the block, with its gradients so far, moves on
+            kb, vb, dkb, dvb = _ring_exchange([kb, vb, dkb, dvb], [_resized(x, n) for x in (kb, vb, dkb, dvb)],
+                                              mesh, m)
+        elif w > 1:  # last hop: only the finished gradients go home
+            dkb, dvb = _ring_exchange([dkb, dvb], [_resized(dkb, n), _resized(dvb, n)], mesh, m)
+        src = prev
+    return dq, dkb, dvb
+
+
+def _resized(t, n):
+    shape = list(t.shape)
+    shape[-2] = n
+    return shape
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_sizes, k_sizes, mesh, m, causal, scale, groups, mask):
-        w = len(k_sizes)
-        me = mesh.get_coordinate()[m]
-        q0 = sum(q_sizes[:me])
-        k_starts = [sum(k_sizes[:r]) for r in range(w)]
-        shape = q.shape[:-1]
-        out = q.new_zeros(*shape, v.shape[-1])
-        mx = q.new_full((*shape, 1), float("-inf"))
-        den = q.new_zeros((*shape, 1))
-        kb, vb, src = k, v, me
-        for t in range(w):
-            if t < w - 1:
-                prev = (src - 1) % w
-                ks = list(kb.shape)
-                ks[-2] = k_sizes[prev]
-                vs = list(vb.shape)
-                vs[-2] = k_sizes[prev]
-            if kb.shape[-2] and q.shape[-2]:
-                s = _scores(q, _expand(kb, groups), scale, causal, q0, k_starts[src], mask)
-                new = torch.maximum(mx, s.amax(-1, keepdim=True))
-                shift = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
-                p = torch.exp(s - shift)
-                corr = torch.exp(mx - shift)
-                den = den * corr + p.sum(-1, keepdim=True)
-                out = out * corr + p @ _expand(vb, groups)
-                mx = new
-            if t < w - 1:
-                kb, vb = _ring_exchange([kb, vb], [ks, vs], mesh, m)
-                src = prev
-        out = out / den
-        shift = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-        lse = shift + torch.log(den)
+        out, lse = ring_forward(q, k, v, q_sizes, k_sizes, mesh, m, causal, scale, groups, mask)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (q_sizes, k_sizes, mesh, m, causal, scale, groups, mask)
         return out
@@ -109,45 +153,57 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        q_sizes, k_sizes, mesh, m, causal, scale, groups, mask = ctx.args
-        w = len(k_sizes)
-        me = mesh.get_coordinate()[m]
-        q0 = sum(q_sizes[:me])
-        k_starts = [sum(k_sizes[:r]) for r in range(w)]
-        dout = dout.contiguous()
-        delta = (dout * out).sum(-1, keepdim=True)
-        dq = torch.zeros_like(q)
-        kb, vb, dkb, dvb, src = k, v, torch.zeros_like(k), torch.zeros_like(v), me
-        for t in range(w):
-            if kb.shape[-2] and q.shape[-2]:
-                ke, ve = _expand(kb, groups), _expand(vb, groups)
-                s = _scores(q, ke, scale, causal, q0, k_starts[src], mask)
-                p = torch.exp(s - lse)
-                dv = p.transpose(-2, -1) @ dout
-                ds = p * (dout @ ve.transpose(-2, -1) - delta)
-                dq = dq + (ds @ ke) * scale
-                dk = (ds.transpose(-2, -1) @ q) * scale
-                if groups > 1:
-                    dk = dk.unflatten(-3, (dk.shape[-3] // groups, groups)).sum(-3)
-                    dv = dv.unflatten(-3, (dv.shape[-3] // groups, groups)).sum(-3)
-                dkb, dvb = dkb + dk, dvb + dv
-            prev = (src - 1) % w
-            if t < w - 1:  # the block, with its gradients so far, moves on
-                shapes = []
-                for tt in (kb, vb, dkb, dvb):
-                    sh = list(tt.shape)
-                    sh[-2] = k_sizes[prev]
-                    shapes.append(sh)
-                kb, vb, dkb, dvb = _ring_exchange([kb, vb, dkb, dvb], shapes, mesh, m)
-            elif w > 1:  # last hop: only the finished gradients go home
-                shapes = []
-                for tt in (dkb, dvb):
-                    sh = list(tt.shape)
-                    sh[-2] = k_sizes[prev]
-                    shapes.append(sh)
-                dkb, dvb = _ring_exchange([dkb, dvb], shapes, mesh, m)
-            src = prev
-        return dq, dkb, dvb, None, None, None, None, None, None, None, None
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+# below autograd: the aten ops SDPA decomposes into when called from inside another functional
+# (nn.MultiheadAttention); the log-sum-exp output carries the ring's statistics to the backward op
+_aten = torch.ops.aten
+
+
+def _ring_specs(q, k, v):
+    mq = _seq_mesh_dim(q, q.ndim - 2)
+    if mq is None or any(_seq_mesh_dim(t, t.ndim - 2) != mq for t in (k, v)) or \
+            any(t._spec.placements != q._spec.placements for t in (k, v)) or q._spec.has_partial:
+        return None
+    return mq
+
+
+@register_aten(_aten._scaled_dot_product_flash_attention_for_cpu.default)
+def _flash_cpu(func, args, kwargs):
+    a = bind(args, kwargs, ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"),
+             dropout_p=0.0, is_causal=False, attn_mask=None, scale=None)
+    q, k, v = a["query"], a["key"], a["value"]
+    m = _ring_specs(q, k, v) if all(isinstance(t, ShardTensor) for t in (q, k, v)) else None
+    if m is None or a["dropout_p"] or a["attn_mask"] is not None:
+        return _unsupported_or_fallback(func, args, kwargs, "scaled dot product attention needs query, key and "
+                                        "value sharded alike on the sequence dim, no dropout and no mask here")
+    scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+    spec = q._spec
+    out, lse = ring_forward(q._local, k._local, v._local, spec.sizes[m], k._spec.sizes[m], spec.mesh, m,
+                            bool(a["is_causal"]), scale, 1)
+    lse_spec = spec.with_(shape=tuple(spec.shape[:-1]))
+    return ShardTensor(out, spec.with_(shape=tuple(spec.shape[:-1]) + (v.shape[-1],))), \
+        ShardTensor(lse.squeeze(-1), lse_spec)
+
+
+@register_aten(_aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def _flash_cpu_backward(func, args, kwargs):
+    a = bind(args, kwargs, ("grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal",
+                            "attn_mask", "scale"), attn_mask=None, scale=None)
+    q, k, v = a["query"], a["key"], a["value"]
+    m = _ring_specs(q, k, v)
+    scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+    spec = q._spec
+    g = a["grad_out"]
+    g = g.redistribute(list(a["out"]._spec.placements), sharding_shapes={d: list(s) for d, s in
+                                                                          enumerate(a["out"]._spec.sizes)
+                                                                          if s is not None})._local \
+        if isinstance(g, ShardTensor) else g
+    dq, dk, dv = ring_backward(g, q._local, k._local, v._local, a["out"]._local, a["logsumexp"]._local.unsqueeze(-1),
+                               spec.sizes[m], k._spec.sizes[m], spec.mesh, m, bool(a["is_causal"]), scale, 1)
+    return ShardTensor(dq, spec), ShardTensor(dk, k._spec), ShardTensor(dv, v._spec)
 
 
 def _seq_mesh_dim(t, seq_dim):
