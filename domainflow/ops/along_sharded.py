@@ -16,7 +16,7 @@ from ..dispatch import bind, run_function_default
 from ..placements import Replicate, Shard
 from ..registry import register_function
 from ..shard_tensor import ShardTensor
-from .windows import _without_partial
+from .windows import _without_partial, like
 
 
 def _norm_dim(d: int, ndim: int) -> int:
@@ -69,8 +69,7 @@ def _softmax_like(log: bool):
         shifted = local - _global_max(local, (d,), spec, [m])
         total = comm.all_reduce_sum_autograd(shifted.exp().sum(d, keepdim=True), spec.mesh, m)
         y = shifted - total.log() if log else shifted.exp() / total
-        mapping = {k: list(s) for k, s in enumerate(spec.sizes) if s is not None}
-        return ShardTensor.from_local(y, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+        return like(spec, y)
     return handler
 
 
@@ -129,8 +128,7 @@ def _roll(func, args, kwargs):
         starts = [sum(sizes[:r]) for r in range(len(sizes))]
         wanted = [[(g - shift) % n for g in range(s, s + k)] for s, k in zip(starts, sizes)]
         local = comm.halo_exchange(local, d, sizes, wanted, spec.mesh, m)
-    mapping = {k: list(s) for k, s in enumerate(spec.sizes) if s is not None}
-    return ShardTensor.from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+    return like(spec, local)
 
 
 for _f in (torch.softmax, F.softmax, torch.Tensor.softmax):

@@ -27,7 +27,7 @@ from ..placements import Replicate, Shard
 from ..registry import register_aten, register_function
 from ..shard_tensor import ShardTensor
 from .along_sharded import _SumToReplicated
-from .windows import _params_for, _without_partial
+from .windows import _params_for, _without_partial, like
 
 
 def _ring_exchange(tensors, recv_shapes, mesh, m):
@@ -44,8 +44,8 @@ def _ring_exchange(tensors, recv_shapes, mesh, m):
         t = t.contiguous()
         comm.stats.add("ring", comm._nbytes(t))
         ops.append(dist.P2POp(dist.isend, t, nxt))
-    for shape, like in zip(recv_shapes, tensors):
-        buf = torch.empty(shape, dtype=like.dtype, device=like.device)
+    for shape, ref in zip(recv_shapes, tensors):
+        buf = torch.empty(shape, dtype=ref.dtype, device=ref.device)
         got.append(buf)
         ops.append(dist.P2POp(dist.irecv, buf, prv))
     with comm._named("ring attention exchange", mesh, m):
@@ -245,8 +245,7 @@ def _sdpa(func, args, kwargs):
             return _unsupported_or_fallback(func, args, kwargs, "query, key and value laid out differently")
         out = _RingAttention.apply(q.to_local(), k.to_local(), v.to_local(), spec.sizes[mq], k._spec.sizes[mq],
                                    spec.mesh, mq, causal, scale, groups, mask)
-        mapping = {d: list(s) for d, s in enumerate(spec.sizes) if s is not None}
-        return ShardTensor.from_local(out, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+        return like(spec.with_(shape=tuple(spec.shape[:-1]) + (out.shape[-1],)), out)
     if mq is not None:  # replicated K/V: local attention, K/V gradients summed over the ranks
         q = _without_partial(q)
         spec = q._spec
@@ -260,8 +259,7 @@ def _sdpa(func, args, kwargs):
             out = torch.softmax(s, -1) @ _expand(v_full, groups)
         else:
             out = F.scaled_dot_product_attention(ql, k_full, v_full, scale=scale, enable_gqa=a["enable_gqa"])
-        mapping = {d: list(s) for d, s in enumerate(spec.sizes) if s is not None}
-        return ShardTensor.from_local(out, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+        return like(spec.with_(shape=tuple(spec.shape[:-1]) + (out.shape[-1],)), out)
     # replicated queries, sharded K/V: partial attention per rank, combined by log-sum-exp weights
     if causal or mask is not None:
         return _unsupported_or_fallback(func, args, kwargs, "is_causal or attn_mask with replicated queries and "

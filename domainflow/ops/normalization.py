@@ -17,13 +17,7 @@ from ..dispatch import _unsupported_or_fallback, bind, run_function_default
 from ..placements import Shard
 from ..registry import register_function
 from ..shard_tensor import ShardTensor
-from .windows import _without_partial
-
-
-def _like(spec, local: torch.Tensor) -> ShardTensor:
-    """``local`` wrapped with ``spec``'s layout (same sizes; no communication)."""
-    mapping = {m: list(s) for m, s in enumerate(spec.sizes) if s is not None}
-    return ShardTensor.from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+from .windows import _without_partial, like
 
 
 def _sharded_mesh_dims(spec, allowed_dims) -> tuple[list[int], str | None]:
@@ -133,7 +127,7 @@ def _group_norm(func, args, kwargs):
     affine = (1, G, C // G) + (1,) * (x.ndim - 2)
     y = _normalize(view, a["weight"], a["bias"], mean, var, a["eps"], dims, count, spec, spatial_mesh_dims,
                    mesh_dims, True, affine)
-    return _like(spec, y.reshape(local.shape))
+    return like(spec, y.reshape(local.shape))
 
 
 def _batch_norm(func, args, kwargs):
@@ -187,7 +181,7 @@ def _channel_norm(func, args, kwargs, a, stats_over_batch: bool, use_batch_stats
         var = a["running_var"].reshape(affine)
         y = _normalize(local, a["weight"], a["bias"], mean, var, a["eps"], dims, count, spec, [], mesh_dims, False,
                        affine)
-    return _like(spec, y)
+    return like(spec, y)
 
 
 register_function(F.group_norm)(_group_norm)

@@ -61,6 +61,12 @@ def _tuple(v, n: int, name: str) -> tuple[int, ...]:
     return v
 
 
+def like(spec, local: torch.Tensor) -> ShardTensor:
+    """``local`` wrapped with ``spec``'s placements and per-rank sizes (differentiable; no communication)."""
+    mapping = {m: list(s) for m, s in enumerate(spec.sizes) if s is not None}
+    return ShardTensor.from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+
+
 def _without_partial(x: ShardTensor) -> ShardTensor:
     if x._spec.has_partial:
         return x.redistribute([Replicate() if isinstance(p, Partial) else p for p in x._spec.placements])
@@ -114,18 +120,11 @@ def _valid_mask(x_spec, sharded, plans, ndim, device, dtype, lo_ok, hi_ok):
 
 
 def _wrap_out(out_local, x_spec, sharded, plans, out_shape):
+    """The window op's output: sharded like the input, with the plans' output sizes on the sharded dims."""
     sizes = list(x_spec.sizes)
     for m, d in sharded:
         sizes[m] = plans[(m, d)].out_sizes
-    sizes = [s if isinstance(p, Shard) else None for s, p in zip(sizes, x_spec.placements)]
-    # batch-sharded dims keep their sizes
-    for m, p in enumerate(x_spec.placements):
-        if isinstance(p, Shard) and (m, p.dim) not in plans:
-            sizes[m] = x_spec.sizes[m]
-    spec = x_spec.with_(shape=out_shape, sizes=sizes)
-    return ShardTensor.from_local(out_local, x_spec.mesh, list(x_spec.placements),
-                                  sharding_shapes={m: list(s) for m, s in enumerate(sizes) if s is not None}) \
-        if out_local.requires_grad or torch.is_grad_enabled() else ShardTensor(out_local, spec)
+    return like(x_spec.with_(shape=out_shape, sizes=sizes), out_local)
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,13 +356,7 @@ def _pad(func, args, kwargs):
         rest += [0, 0] if any(d == sd for _, sd in sharded) else list(per_dim[d])
     if any(rest):
         local = F.pad(local, rest, mode=mode, value=value) if mode == "constant" else F.pad(local, rest, mode=mode)
-    out_shape = list(spec.shape)
-    for d, (lo, hi) in per_dim.items():
-        out_shape[d] += lo + hi
     mapping = {m: list(sizes[m]) for m, p in enumerate(spec.placements) if isinstance(p, Shard)}
-    for m, p in enumerate(spec.placements):
-        if isinstance(p, Shard) and p.dim in per_dim and not any(m == sm for sm, _ in sharded):
-            pass
     return ShardTensor.from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
 
 
@@ -416,7 +409,7 @@ def _make_pool(nd: int, func, kind: str):
             out_local = local.new_zeros(shape) + local.sum() * 0
             return _wrap_out(out_local, spec, sharded, plans, out_shape)
         if kind == "max":
-            real = _valid_mask(spec, sharded, plans, x.ndim, local.device, torch.bool if False else local.dtype,
+            real = _valid_mask(spec, sharded, plans, x.ndim, local.device, local.dtype,
                                lambda m, d, n: 0, lambda m, d, n: n)
             if real is not None:
                 local = local.masked_fill(real == 0, float("-inf"))
