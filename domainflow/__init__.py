@@ -13,7 +13,7 @@ _EXPORTS = {
     "init_mesh": "mesh", "Partial": "placements", "Placement": "placements", "Replicate": "placements",
     "Shard": "placements", "REGISTRY": "registry", "register_aten": "registry", "register_function": "registry",
     "ShardTensor": "shard_tensor", "distribute_tensor": "shard_tensor", "scatter_tensor": "shard_tensor",
-    "ShardSpec": "spec", "deferred_param_grads": "param_grads",
+    "ShardSpec": "spec", "deferred_param_grads": "param_grads", "reduce_partials": "partials",
 }
 _SUBMODULES = ("comm", "ops", "shapes", "dispatch", "redistribute", "launch", "spec")
 
@@ -46,7 +46,7 @@ def __dir__():
 __all__ = [
     "CollectiveError", "DomainflowError", "Partial", "Placement", "REGISTRY", "Replicate", "Shard",
     "ShardSpec", "ShardTensor", "ShardingMismatchError", "ShardingShapeError", "UnsupportedShardedOp",
-    "deferred_param_grads", "distribute_tensor", "fallback", "init_mesh", "register_aten", "register_function",
-    "scatter_tensor",
+    "deferred_param_grads", "distribute_tensor", "fallback", "init_mesh", "reduce_partials", "register_aten",
+    "register_function", "scatter_tensor",
 ]
 __version__ = "0.1.0"

@@ -157,3 +157,79 @@ def _mha(seed):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_multihead_attention_unmodified(dist, world):
     assert all(dist.run(world, _mha, 70 + world))
+
+
+class _PhysicsAttention(torch.nn.Module):
+    """Transolver's physics attention over points (B, N, C): points are softly assigned to M slices
+    (softmax over slices, local per point), slice tokens are weighted means over the points (two sums
+    over the sharded point dim, reduced together: one collective), the M tokens attend to each other
+    (replicated), and de-slicing maps them back to the points (local)."""
+
+    def __init__(self, dim=8, heads=2, slices=4):
+        super().__init__()
+        self.h, self.d = heads, dim // heads
+        self.x_proj, self.fx_proj = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
+        self.slice = torch.nn.Linear(self.d, slices)
+        self.qkv = torch.nn.Linear(self.d, 3 * self.d, bias=False)
+        self.out = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        import domainflow as df
+
+        b, n, c = x.shape
+        xm = self.x_proj(x).reshape(b, n, self.h, self.d).transpose(1, 2)      # (B, H, N, D)
+        fx = self.fx_proj(x).reshape(b, n, self.h, self.d).transpose(1, 2)
+        w = torch.softmax(self.slice(xm), dim=-1)                               # (B, H, N, M), local
+        num = w.transpose(-2, -1) @ fx                                          # (B, H, M, D), pending sum
+        den = w.sum(2)                                                          # (B, H, M), pending sum
+        num, den = df.reduce_partials(num, den) if isinstance(num, df.ShardTensor) else (num, den)
+        tokens = num / (den[..., None] + 1e-5)
+        q, k, v = self.qkv(tokens).chunk(3, dim=-1)
+        tokens = F.scaled_dot_product_attention(q, k, v)                        # among M slices, replicated
+        y = (w @ tokens).transpose(1, 2).reshape(b, n, c)                       # de-slice: local
+        return self.out(y)
+
+
+class _Transolver(torch.nn.Module):
+    def __init__(self, dim=8, layers=2):
+        super().__init__()
+        self.embed = torch.nn.Linear(3, dim)
+        self.blocks = torch.nn.ModuleList(_PhysicsAttention(dim) for _ in range(layers))
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(dim) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, 1)
+
+    def forward(self, pts):
+        x = self.embed(pts)
+        for norm, block in zip(self.norms, self.blocks):
+            x = x + block(norm(x))
+        return self.head(x)
+
+
+def _transolver(seed):
+    import domainflow as df
+    from domainflow import comm
+
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = _Transolver().double()
+    pts = torch.randn(2, 23, 3, generator=gen, dtype=torch.float64)
+    sizes = _sizes(23, world, rng)
+    check_sharded(lambda t, m: m(t), [Sharded(pts, [Shard(1)], {0: sizes})], mesh, module=model)
+    # one physics-attention layer's forward: exactly one all-reduce (the fused slice sums)
+    x = df.distribute_tensor(torch.randn(2, 23, 8, dtype=torch.float64), mesh, [Shard(1)], sharding_shapes={0: sizes})
+    layer = _PhysicsAttention().double()
+    comm.stats.reset()
+    with torch.no_grad():
+        layer(x)
+    return comm.stats.calls.get("all_reduce", 0), comm.stats.bytes.get("all_reduce", 0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_transolver_physics_attention(dist, world):
+    for calls, nbytes in dist.run(world, _transolver, 90 + world):
+        assert calls == (1 if world > 1 else 0)
+        # analytic minimum: slice tokens (B, H, M, D) and their normaliser (B, H, M), float64
+        assert nbytes == (2 * 2 * 4 * 4 + 2 * 2 * 4) * 8 * (world > 1)

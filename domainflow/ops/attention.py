@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm
-from ..dispatch import _unsupported_or_fallback, bind, run_function_default
-from ..placements import Replicate, Shard
+from ..dispatch import _unsupported_or_fallback, bind, run_function_default, run_replicated, shard_tensors
+from ..placements import Partial, Replicate, Shard
 from ..registry import register_aten, register_function
 from ..shard_tensor import ShardTensor
 from .along_sharded import _SumToReplicated
@@ -175,6 +175,9 @@ def _flash_cpu(func, args, kwargs):
     a = bind(args, kwargs, ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"),
              dropout_p=0.0, is_causal=False, attn_mask=None, scale=None)
     q, k, v = a["query"], a["key"], a["value"]
+    sts = shard_tensors(args, kwargs)
+    if all(t._spec.is_replicated for t in sts):
+        return run_replicated(func, args, kwargs, sts)  # nothing sharded (e.g. attention among slice tokens)
     m = _ring_specs(q, k, v) if all(isinstance(t, ShardTensor) for t in (q, k, v)) else None
     if m is None or a["dropout_p"] or a["attn_mask"] is not None:
         return _unsupported_or_fallback(func, args, kwargs, "scaled dot product attention needs query, key and "
@@ -193,7 +196,22 @@ def _flash_cpu_backward(func, args, kwargs):
     a = bind(args, kwargs, ("grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal",
                             "attn_mask", "scale"), attn_mask=None, scale=None)
     q, k, v = a["query"], a["key"], a["value"]
+    sts = shard_tensors(args, kwargs)
+    if all(t._spec.is_replicated for t in sts):
+        return run_replicated(func, args, kwargs, sts)
+    g = a["grad_out"]
+    rest = [t for t in (q, k, v, a["out"], a["logsumexp"]) if isinstance(t, ShardTensor)]
+    if isinstance(g, ShardTensor) and all(t._spec.is_replicated for t in rest) and all(
+            isinstance(p, Replicate) or (isinstance(p, Partial) and p.reduce_op == "sum") for p in g._spec.placements):
+        # replicated attention (e.g. among slice tokens) whose output gradient is a pending sum: the backward
+        # is linear in that gradient, so the input gradients stay pending sums too (no collective here)
+        local = [t._local if isinstance(t, ShardTensor) else t for t in args]
+        lk = {key: (val._local if isinstance(val, ShardTensor) else val) for key, val in kwargs.items()}
+        outs = func(*local, **lk)
+        return tuple(ShardTensor(o, g._spec.with_(shape=tuple(o.shape))) for o in outs)
     m = _ring_specs(q, k, v)
+    if m is None:
+        return _unsupported_or_fallback(func, args, kwargs, "attention backward with mixed layouts")
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
     spec = q._spec
     g = a["grad_out"]
