@@ -381,23 +381,29 @@ def fetch_rows(local: torch.Tensor, dim: int, plan, mesh: DeviceMesh, mesh_dim: 
     other ranks' rows received from their owners, zero rows where asked. Not differentiable; see
     :func:`halo_exchange`."""
     pos, rows = plan.own
-    if not plan.recv and not plan.send and len(pos) == local.shape[dim] == plan.length and \
-            list(pos) == list(range(plan.length)) and list(rows) == list(range(plan.length)):
+    if _keeps_block(plan, local.shape[dim]):
         return local  # nothing to fetch and nothing to pad: the block itself
-    shape = list(local.shape)
-    shape[dim] = plan.length
-    out = local.new_zeros(shape)
+    out = local.new_zeros(_with_len(local.shape, dim, plan.length))
     if pos:
         _copy_rows(out, dim, pos, local, rows)
     sends = {k: _select(local, dim, v) for k, v in plan.send.items()}
-    shapes = {}
-    for k, v in plan.recv.items():
-        s = list(local.shape)
-        s[dim] = len(v)
-        shapes[k] = s
+    shapes = {k: _with_len(local.shape, dim, len(v)) for k, v in plan.recv.items()}
     got = _exchange(sends, shapes, local, mesh, mesh_dim, "halo exchange")
     for k, t in got.items():
         _copy_rows(out, dim, plan.recv[k], t, range(len(plan.recv[k])))
+    return out
+
+
+def _keeps_block(plan, n: int) -> bool:
+    """True when a fetch asks for exactly this rank's own ``n`` rows, in order (nothing moves)."""
+    pos, rows = plan.own
+    return (not plan.recv and not plan.send and plan.length == n == len(pos)
+            and list(pos) == list(range(n)) and list(rows) == list(range(n)))
+
+
+def _with_len(shape, dim: int, n: int) -> list:
+    out = list(shape)
+    out[dim] = n
     return out
 
 
@@ -412,18 +418,13 @@ def return_rows(grad: torch.Tensor, dim: int, local_shape, plan, mesh: DeviceMes
     """The adjoint of :func:`fetch_rows`: each fetched row's gradient goes back to its owner and is added
     to the owner's row."""
     pos, rows = plan.own
-    if not plan.recv and not plan.send and tuple(grad.shape) == tuple(local_shape) and \
-            list(pos) == list(range(plan.length)) and list(rows) == list(range(plan.length)):
+    if _keeps_block(plan, local_shape[dim]):
         return grad
     out = grad.new_zeros(local_shape)
     if pos:
         _add_rows(out, dim, rows, grad, pos)
     back = {k: _select(grad, dim, v) for k, v in plan.recv.items()}
-    shapes = {}
-    for k, v in plan.send.items():
-        s = list(local_shape)
-        s[dim] = len(v)
-        shapes[k] = s
+    shapes = {k: _with_len(local_shape, dim, len(v)) for k, v in plan.send.items()}
     got = _exchange(back, shapes, grad, mesh, mesh_dim, "halo exchange (backward)")
     for k, t in got.items():
         _add_rows(out, dim, plan.send[k], t, range(len(plan.send[k])))

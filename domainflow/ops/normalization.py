@@ -106,16 +106,23 @@ def _normalize(x_local, weight, bias, mean, var, eps, dims, count, spec, mesh_di
                             batch_stats, affine_shape)
 
 
+def _prepare(func, args, kwargs, x, others):
+    """(x, spec, sharded mesh dims) for a norm over a batch/space-sharded input, or the result of the
+    default or refusing path as ``(None, result, None)``."""
+    if not isinstance(x, ShardTensor) or any(isinstance(t, ShardTensor) for t in others):
+        return None, run_function_default(func, args, kwargs), None
+    x = _without_partial(x)
+    mesh_dims, why = _sharded_mesh_dims(x._spec, {0} | set(range(2, x.ndim)))
+    if why:
+        return None, _unsupported_or_fallback(func, args, kwargs, why), None
+    return x, x._spec, mesh_dims
+
+
 def _group_norm(func, args, kwargs):
     a = bind(args, kwargs, ("self", "num_groups", "weight", "bias", "eps"), weight=None, bias=None, eps=1e-5)
-    x = a["self"]
-    if not isinstance(x, ShardTensor) or any(isinstance(t, ShardTensor) for t in (a["weight"], a["bias"])):
-        return run_function_default(func, args, kwargs)
-    x = _without_partial(x)
-    spec = x._spec
-    mesh_dims, why = _sharded_mesh_dims(spec, {0} | set(range(2, x.ndim)))
-    if why:
-        return _unsupported_or_fallback(func, args, kwargs, why)
+    x, spec, mesh_dims = _prepare(func, args, kwargs, a["self"], (a["weight"], a["bias"]))
+    if x is None:
+        return spec
     spatial_mesh_dims = [m for m in mesh_dims if spec.placements[m].dim >= 2]
     G = a["num_groups"]
     C = x.shape[1]
@@ -147,15 +154,10 @@ def _instance_norm(func, args, kwargs):
 def _channel_norm(func, args, kwargs, a, stats_over_batch: bool, use_batch_stats: bool):
     """Batch norm (statistics per channel over batch and space) and instance norm (per sample and channel
     over space)."""
-    x = a["self"]
-    tensors = (a["weight"], a["bias"], a["running_mean"], a["running_var"])
-    if not isinstance(x, ShardTensor) or any(isinstance(t, ShardTensor) for t in tensors):
-        return run_function_default(func, args, kwargs)
-    x = _without_partial(x)
-    spec = x._spec
-    mesh_dims, why = _sharded_mesh_dims(spec, {0} | set(range(2, x.ndim)))
-    if why:
-        return _unsupported_or_fallback(func, args, kwargs, why)
+    x, spec, mesh_dims = _prepare(func, args, kwargs, a["self"],
+                                  (a["weight"], a["bias"], a["running_mean"], a["running_var"]))
+    if x is None:
+        return spec
     local = x.to_local()
     C = x.shape[1]
     spatial = tuple(range(2, x.ndim))
