@@ -181,3 +181,120 @@ def test_message_passing_network(dist, world):
 @pytest.mark.parametrize("world", [1, 3])
 def test_out_of_range_index_fails_on_every_rank(dist, world):
     assert all(dist.run(world, _bad_index, 0))
+
+
+# --------------------------------------------------------------------------------------------
+# neighbour search on a real surface: pyvista's airplane, partitioned spatially as ingest does
+# --------------------------------------------------------------------------------------------
+def _airplane(dtype=torch.float64):
+    """Cell centres of pyvista's shipped airplane in RCB order (8 parts), and the part offsets/boxes."""
+    import numpy as np
+    from pyvista import examples
+
+    from domainflow.preprocess.partition import partition
+
+    centres = np.asarray(examples.load_airplane().cell_centers().points, dtype=np.float64)
+    part = partition(centres, 8)
+    return torch.tensor(centres[part.order], dtype=dtype), [int(x) for x in part.offsets], part.boxes
+
+
+_REFERENCE: dict = {}
+
+
+def _cached(key, make):
+    """Brute-force references, computed once per worker process (every rank needs the same ones)."""
+    if key not in _REFERENCE:
+        _REFERENCE[key] = make()
+    return _REFERENCE[key]
+
+
+def _brute_knn(q, p, k, exclude_self=False):
+    return _cached(("knn", len(q), len(p), k, exclude_self), lambda: _brute_knn_now(q, p, k, exclude_self))
+
+
+def _brute_knn_now(q, p, k, exclude_self):
+    from domainflow.point_search import squared_distances
+
+    d2 = squared_distances(q, p)
+    if exclude_self:
+        d2.fill_diagonal_(float("inf"))
+    s = torch.sort(d2, dim=1, stable=True)      # columns are in index order: ties go to the smaller index
+    return s.indices[:, :k], s.values[:, :k].sqrt()
+
+
+def _knn_case(seed):
+    import domainflow as df
+    from domainflow.shapes import rows_per_rank
+
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    rng = random.Random(seed)
+    pts, offsets, boxes = _airplane()
+    n = len(pts)
+    # ingest's layout (rank r holds parts [r*P/W, (r+1)*P/W)) and a layout with one nearly empty rank
+    layouts = [tuple(rows_per_rank(offsets, world)), _sizes(n, world, rng)]
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = pts.amin(0), pts.amax(0)
+    others = lo + (hi - lo) * torch.rand(301, 3, generator=gen, dtype=torch.float64)   # off-surface queries
+    fetched = []
+    for sizes in layouts:
+        sp = df.distribute_tensor(pts, mesh, [Shard(0)], sharding_shapes={0: list(sizes)})
+        for k, excl in ((1, False), (8, True), (16, False)):
+            idx, dist_ = df.knn(sp, k, exclude_self=excl)
+            ref_i, ref_d = _brute_knn(pts, pts, k, excl)
+            assert idx.placements == (Shard(0),) and idx._spec.sizes[0] == sizes
+            assert torch.equal(idx.full_tensor(), ref_i), f"knn k={k} exclude_self={excl} sizes={sizes}"
+            torch.testing.assert_close(dist_.full_tensor(), ref_d, rtol=1e-12, atol=1e-12)
+            fetched.append(df.neighbours.last_fetch()["points"])
+        qs = _sizes(len(others), world, rng)
+        sq = df.distribute_tensor(others, mesh, [Shard(0)], sharding_shapes={0: list(qs)})
+        idx, _ = df.knn(sp, 5, sq)
+        assert torch.equal(idx.full_tensor(), _brute_knn(others, pts, 5)[0])
+        # radius search, with and without a cap on neighbours
+        r = float((hi - lo).norm()) * 0.02
+        for cap in (None, 4):
+            qi, pi, dd = df.radius(sp, r, max_neighbors=cap, exclude_self=True)
+            got = torch.stack([qi.full_tensor(), pi.full_tensor()], 1)
+            ref = _brute_radius(pts, r, cap)
+            assert torch.equal(got, ref), f"radius r={r} cap={cap} sizes={sizes}"
+    # the partition's own boxes (per rank, merged from part boxes) may stand in for the all-gathered ones
+    sizes = layouts[0]
+    per_rank = torch.tensor([[boxes[a:b, 0].min(0), boxes[a:b, 1].max(0)] for a, b in
+                             _part_ranges(len(offsets) - 1, world)], dtype=torch.float64)
+    sp = df.distribute_tensor(pts, mesh, [Shard(0)], sharding_shapes={0: list(sizes)})
+    idx, _ = df.knn(sp, 8, boxes=per_rank)
+    assert torch.equal(idx.full_tensor(), _brute_knn(pts, pts, 8)[0])
+    return fetched[:3], n
+
+
+def _part_ranges(parts, world):
+    return [(r * parts // world, (r + 1) * parts // world) for r in range(world)]
+
+
+def _brute_radius(pts, r, cap):
+    return _cached(("radius", len(pts), r, cap), lambda: _brute_radius_now(pts, r, cap))
+
+
+def _brute_radius_now(pts, r, cap):
+    from domainflow.point_search import squared_distances
+
+    d2 = squared_distances(pts, pts)
+    d2.fill_diagonal_(float("inf"))
+    d2 = d2.masked_fill(~(d2 <= torch.tensor(r * r, dtype=pts.dtype)), float("inf"))
+    if cap is not None:  # each query's `cap` nearest (stable sort: ties to the smaller index)
+        s = torch.sort(d2, dim=1, stable=True)
+        keep = torch.zeros_like(d2, dtype=torch.bool)
+        keep.scatter_(1, s.indices[:, :cap], torch.isfinite(s.values[:, :cap]))
+    else:
+        keep = torch.isfinite(d2)
+    return keep.nonzero()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_knn_and_radius_on_a_partitioned_surface(dist, world):
+    results = dist.run(world, _knn_case, 50 + world)
+    if world == 4:
+        # with ingest's spatial partition each rank fetches a thin shell, not the whole cloud
+        n = results[0][1]
+        for fetched, _ in results:
+            assert max(fetched) < 0.25 * n, f"ranks fetched {fetched} of {n} points"
