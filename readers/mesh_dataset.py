@@ -124,14 +124,15 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
             arrays = {name: loc[name] for name in self.inputs}
             arrays.update({name: loc["fields"][name] for name in self.fields})
             offsets = tuple(int(x) for x in loc["parts"][...])
-            hit = self._runs_open[run_id] = (offsets, arrays, dict(group.attrs))
+            boxes = np.asarray(loc["part_boxes"][...], dtype=np.float64)
+            hit = self._runs_open[run_id] = (offsets, arrays, dict(group.attrs), boxes)
         return hit
 
     def read_region(self, run_id: str, weight: float = 1.0, rank: int | None = None) -> dict:
         """Rows of one run for this rank (or domain coordinate ``rank``) as numpy arrays, already cast and
         z-scored, plus the run's replicated values. No torch and no communication: it runs on the
         prefetch thread, so the training loop only wraps the arrays."""
-        offsets, arrays, attrs = self._open_run(run_id)
+        offsets, arrays, attrs, part_boxes = self._open_run(run_id)
         rank = self.axes.coords[0] if rank is None else rank
         a, b = mesh_rows(offsets, rank, self.axes.sizes[0])
         out = {}
@@ -148,7 +149,21 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
                     values *= inv_std
             out[name] = values
         return {"run": run_id, "weight": weight, "arrays": out, "rows": (a, b),
-                "sizes": rows_per_rank(offsets, self.axes.sizes[0]), "attrs": attrs}
+                "sizes": rows_per_rank(offsets, self.axes.sizes[0]), "attrs": attrs,
+                "boxes": self._rank_boxes(part_boxes)}
+
+    def _rank_boxes(self, part_boxes: np.ndarray) -> np.ndarray:
+        """(domain ranks, 2, 3) box of every rank's cells, from the store's part boxes, in the same units
+        as the ``coords`` input (z-scored when it is): what ``domainflow.knn(..., boxes=)`` takes."""
+        world, parts = self.axes.sizes[0], len(part_boxes)
+        out = np.empty((world, 2, part_boxes.shape[-1]), dtype=np.float64)
+        for r in range(world):
+            a, b = r * parts // world, (r + 1) * parts // world
+            out[r, 0], out[r, 1] = part_boxes[a:b, 0].min(0), part_boxes[a:b, 1].max(0)
+        if "coords" in self._moments:
+            mean, inv_std = (np.asarray(v, dtype=np.float64).reshape(-1) for v in self._moments["coords"])
+            out = (out - mean) * inv_std
+        return out.astype(self._np_dtype)
 
     def wrap(self, raw: dict) -> dict:
         """ShardTensors from a region read (no communication: every rank's size comes from ``parts``)."""
@@ -161,6 +176,7 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
             out[name] = ShardTensor.from_local(t, self.axes.domain, [Shard(0)], sharding_shapes=sizes)
         attrs = raw["attrs"]
         as_t = lambda v: torch.tensor(v, dtype=self.dtype, device=self.device)  # noqa: E731
+        out["boxes"] = torch.from_numpy(raw["boxes"]).to(self.device)
         out["U_inf"] = as_t(attrs.get("U_inf", float("nan")))
         geometry = attrs.get("geometry", {})
         out["params"] = as_t([geometry.get(k, float("nan")) for k in self.param_names])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dist_pool import rank_and_world
-from domainflow import Partial, Replicate, Shard, ShardTensor
+from domainflow import Replicate, Shard, ShardTensor
 from sharded_check import Sharded, check_sharded, get_mesh, random_sizes
 
 

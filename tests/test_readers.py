@@ -352,3 +352,31 @@ def test_grid_normalisation_per_variable(dist, grid_store):
     std = np.array([stats[f"grid/{v}"]["std"][0] for v in names]).reshape(-1, 1, 1)
     np.testing.assert_allclose(z[0], (raw - mean) / std, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(back[0], raw, rtol=1e-5, atol=1e-3)
+
+
+def _boxes_and_knn(path):
+    import torch
+
+    import domainflow as df
+    from domainflow.readers import MeshDataset
+
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    ds = MeshDataset(path, mesh, split="train", fields=("Cp",), inputs=("coords",), shuffle=False, prefetch=0)
+    s = next(iter(ds))
+    pts = s["coords"].to_local()
+    lo, hi = s["boxes"][rank]
+    inside = bool(((pts >= lo - 1e-5) & (pts <= hi + 1e-5)).all())
+    with_boxes, _ = df.knn(s["coords"], 6, exclude_self=True, boxes=s["boxes"])
+    without, _ = df.knn(s["coords"], 6, exclude_self=True)
+    plain, _ = df.knn(s["coords"].full_tensor(), 6, exclude_self=True)
+    same = torch.equal(with_boxes.full_tensor(), plain) and torch.equal(without.full_tensor(), plain)
+    return inside, same, tuple(s["boxes"].shape), df.neighbours.last_fetch()
+
+
+def test_samples_carry_rank_boxes_for_neighbour_search(dist, mesh_store):
+    """Each sample's per-rank boxes (from the store's part boxes, z-scored like the coords) contain the
+    rank's points, and a kNN search using them equals one in a single process."""
+    for inside, same, shape, fetch in dist.run(3, _boxes_and_knn, mesh_store):
+        assert inside and same and shape == (3, 2, 3)
+        assert fetch["points"] < 3000 // 2

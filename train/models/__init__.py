@@ -1,0 +1,5 @@
+"""Models for the reference jobs: plain PyTorch modules (domain parallelism comes from the inputs)."""
+
+from .transolver import PhysicsAttention, Transolver, TransolverBlock
+
+__all__ = ["PhysicsAttention", "Transolver", "TransolverBlock"]
