@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
-def _demo(args) -> int:
-    from .demo import rank_main, report
+def _selfcheck(args) -> int:
     from .launch import launch_local, under_launcher
+    from .selfcheck import rank_main, report
 
     call = (args.points, args.steps, args.lr, args.split, args.out)
     if under_launcher():
@@ -16,6 +17,47 @@ def _demo(args) -> int:
         return report(res, args.out) if res.get("rank") == 0 else 0
     results = launch_local(rank_main, args.nproc, *call)
     return report(results[0], args.out)
+
+
+def _demo(args) -> int:
+    from .train.demo import run_demo
+
+    run_demo(args.out, climate=args.climate, tiny=args.tiny, nproc=args.nproc, fresh=args.fresh)
+    return 0
+
+
+def _train(args) -> int:
+    from .train.config import load_config
+    from .train.run import run_training
+
+    overrides = list(args.overrides)
+    if args.config is not None and "=" in args.config:  # no config file, only overrides
+        overrides.insert(0, args.config)
+        args.config = None
+    if args.dp is not None:
+        overrides.append(f"mesh.dp={args.dp}")
+    if args.domain is not None:
+        overrides.append(f"mesh.domain={args.domain}")
+    if args.out is not None:
+        overrides.append(f"output.dir={args.out}")
+    cfg = load_config(args.config, overrides)
+    result = run_training(cfg, nproc=args.nproc, resume=args.resume)
+    summary = result.get("eval", {}).get("summary")
+    print(f"trained {result['steps']} steps; final loss {result['loss']}; output in {result['out']}")
+    if summary:
+        print(json.dumps(summary, indent=1))
+    return 0
+
+
+def _predict(args) -> int:
+    from .launch import launch_local, under_launcher
+    from .train.predict import predict_main
+
+    call = (args.checkpoint, args.store, args.run, args.out, args.domain)
+    if args.domain == 1 or under_launcher():
+        return predict_main(*call)
+    launch_local(predict_main, args.domain, *call)
+    return 0
 
 
 def _floats(text: str, n: int, what: str) -> tuple[float, ...]:
@@ -142,21 +184,47 @@ def _add_ingest(sub):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="domainflow", description="Domain-parallel scientific ML.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a per-point model on a sharded surface, checked against one process")
-    demo.add_argument("--nproc", type=int, default=2, help="local ranks to start (default 2)")
-    demo.add_argument("--points", type=int, default=6000)
-    demo.add_argument("--steps", type=int, default=150)
-    demo.add_argument("--lr", type=float, default=3e-3)
-    demo.add_argument("--split", type=float, default=0.62, help="fraction of points on rank 0 (uneven shards)")
+    demo = sub.add_parser("demo", help="the main job: synth -> ingest -> domain-parallel training -> evaluation")
+    demo.add_argument("--climate", action="store_true", help="the grid path (periodic UNet on an ERA5-like series)")
+    demo.add_argument("--tiny", action="store_true", help="a seconds-long version (what CI runs)")
+    demo.add_argument("--nproc", type=int, default=2, help="domain ranks to start (default 2)")
     demo.add_argument("--out", default="demo_output")
+    demo.add_argument("--fresh", action="store_true", help="delete --out first (default: reuse data made before)")
+    check = sub.add_parser("selfcheck", help="train a per-point model on a sharded surface, compared with one "
+                                             "process after every step")
+    check.add_argument("--nproc", type=int, default=2, help="local ranks to start (default 2)")
+    check.add_argument("--points", type=int, default=6000)
+    check.add_argument("--steps", type=int, default=150)
+    check.add_argument("--lr", type=float, default=3e-3)
+    check.add_argument("--split", type=float, default=0.62, help="fraction of points on rank 0 (uneven shards)")
+    check.add_argument("--out", default="selfcheck_output")
+    train = sub.add_parser("train", help="train a model on a store (config file + key=value overrides)")
+    train.add_argument("config", nargs="?", default=None, help="YAML or TOML config (default: built-in defaults)")
+    train.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=200 data.store=cars.zarr")
+    train.add_argument("--nproc", type=int, default=None, help="local ranks to start (default: dp x domain)")
+    train.add_argument("--dp", type=int, default=None, help="data-parallel size (mesh.dp)")
+    train.add_argument("--domain", type=int, default=None, help="ranks per sample (mesh.domain)")
+    train.add_argument("--out", default=None, help="output folder (output.dir)")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output")
+    pred = sub.add_parser("predict", help="write a run's predicted and true surface fields to a .vtp for ParaView")
+    pred.add_argument("checkpoint", help="a step_<n> checkpoint folder, or the checkpoints folder (latest)")
+    pred.add_argument("store")
+    pred.add_argument("--run", required=True, help="run id in the store, e.g. run_3")
+    pred.add_argument("out", help="output file, e.g. run_3.vtp")
+    pred.add_argument("--domain", type=int, default=1, help="ranks to split the surface over (default 1)")
     _add_synth(sub)
     _add_ingest(sub)
     insp = sub.add_parser("inspect", help="describe a store: runs, arrays, stats, splits, partition balance")
     insp.add_argument("store")
     insp.add_argument("--domain", type=int, nargs="+", default=[1, 2, 3, 4, 8],
                       help="domain sizes to show the partition balance for")
-    args = parser.parse_args(argv)
-    run = {"demo": _demo, "synth": _synth, "ingest": _ingest, "inspect": _inspect}[args.command]
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "train" and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = list(args.overrides) + extra  # overrides given after options
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    run = {"demo": _demo, "selfcheck": _selfcheck, "synth": _synth, "ingest": _ingest, "inspect": _inspect,
+           "train": _train, "predict": _predict}[args.command]
     try:
         return run(args)
     except KeyboardInterrupt:
@@ -167,7 +235,7 @@ def main(argv=None) -> int:
     except (ValueError, RuntimeError, OSError) as exc:
         from .preprocess.errors import IngestError, RunError
 
-        if args.command == "demo" and not isinstance(exc, IngestError):
+        if args.command == "selfcheck" and not isinstance(exc, IngestError):
             raise
         print(f"error: {exc}", file=sys.stderr)
         if isinstance(exc, RunError):

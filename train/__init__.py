@@ -1,4 +1,14 @@
 """Training loop and models on a ("dp", "domain") mesh, consuming ShardTensors from the readers.
 
 Installed as ``domainflow.train``; always import it by that name, never as bare ``train``.
+
+- ``load_config(path, overrides)``: the YAML/TOML config, checked against its schema.
+- ``Trainer(cfg)``: one rank's side of a job: ``fit(resume=False)`` trains, checkpoints, evaluates.
+- ``run_training(cfg, nproc)``: start the ranks (torch's elastic launcher) unless already under torchrun.
+- ``models``: Transolver (surface fields) and a periodic UNet (gridded forecasting).
 """
+
+from .config import Config, ConfigError, load_config
+from .loop import Trainer, TrainingDiverged
+
+__all__ = ["Config", "ConfigError", "Trainer", "TrainingDiverged", "load_config"]

@@ -1,4 +1,4 @@
-"""The end-to-end demo available before the training pipeline lands: domain-parallel training of a
+"""``domainflow selfcheck``: domain-parallel training of a
 per-point network on a surface point cloud, checked step by step against single-process training.
 
 Data: N points on a sphere (Fibonacci lattice) in a uniform flow along x. Potential-flow theory gives
@@ -64,7 +64,7 @@ def _train(model, x, y, steps, lr):
 
 
 def rank_main(n_points: int, steps: int, lr: float, split: float, out_dir: str) -> dict:
-    """One rank of the demo (started by ``domainflow demo``)."""
+    """One rank of the self-check (started by ``domainflow selfcheck``)."""
     mesh = df.init_mesh((int(os.environ["WORLD_SIZE"]),), ("domain",))
     rank, world = mesh.get_rank(), mesh.size()
     torch.manual_seed(0)
@@ -106,7 +106,7 @@ def rank_main(n_points: int, steps: int, lr: float, split: float, out_dir: str) 
 
 
 def report(result: dict, out_dir: str) -> int:
-    """Print the demo's table; exit status 0 only when sharded training equals single-process training."""
+    """Print the self-check's table; exit status 0 only when sharded training equals single-process training."""
     losses, ref = result["losses"], result["ref_losses"]
     print(f"\ndomainflow demo: {sum(result['sizes'])} surface points, domain = {result['world']} ranks, "
           f"uneven shards {result['sizes']}")

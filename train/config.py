@@ -1,0 +1,240 @@
+"""Training configuration: a YAML or TOML file plus ``key.sub=value`` overrides, checked against a schema.
+
+Every section is a dataclass; an unknown section or key is an error that names it and lists the valid
+choices, and values are converted to the declared type (so ``train.steps=20`` on the command line is an
+int). Fields that must exist in the store (the fields to predict, the inputs) are checked against it when
+the data is opened (``readers``), with the same kind of message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A configuration key or value that cannot be used; the message says which and what is valid."""
+
+
+@dataclass
+class DataConfig:
+    store: str = ""
+    kind: str = "mesh"                   # mesh (surface of a car) | grid (climate)
+    location: str = "surface"
+    fields: list = field(default_factory=lambda: ["Cp", "Cf"])
+    inputs: list = field(default_factory=lambda: ["coords", "normals"])
+    use_params: bool = True              # append the run's design parameters to every point
+    val_split: str = "val"
+    shard_dims: list = field(default_factory=lambda: ["lat"])   # grid: lat or lat, lon
+    lead: int = 1
+    history: int = 1
+    prefetch: int = 2
+
+
+@dataclass
+class ModelConfig:
+    name: str = "transolver"             # transolver | unet
+    dim: int = 64
+    layers: int = 4
+    heads: int = 4
+    slices: int = 32
+    mlp_ratio: int = 2
+    base: int = 16                       # unet: channels of the first level
+    levels: int = 2
+    dropout: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    batch: int = 0                       # samples per optimizer step over all dp ranks (0: one per dp rank)
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup: int = 0
+    schedule: str = "cosine"             # cosine | constant
+    min_lr: float = 0.0
+    clip_grad: float = 0.0               # max global gradient norm (0: off)
+    seed: int = 0
+    dtype: str = "float32"               # float32 | float64 (parameters and data)
+    autocast: str = "none"               # none | bf16
+    checkpoint_activations: bool = False
+    eval_every: int = 0                  # steps (0: only at the end)
+    checkpoint_every: int = 0            # steps (0: only at the end)
+    log_every: int = 1
+
+
+@dataclass
+class MeshConfig:
+    dp: int = 1
+    domain: int = 1
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs/train"
+    plots: bool = True
+    progress: bool = True
+    reference_area: float = 2.15         # m^2, the constant reference area of force_mom_constref
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_CHOICES = {
+    ("data", "kind"): ("mesh", "grid"),
+    ("data", "location"): ("surface", "volume"),
+    ("model", "name"): ("transolver", "unet"),
+    ("train", "schedule"): ("cosine", "constant"),
+    ("train", "dtype"): ("float32", "float64"),
+    ("train", "autocast"): ("none", "bf16"),
+}
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """The config in ``path`` (``.yaml``/``.yml``/``.toml``/``.json``; None: defaults) with ``overrides``
+    (``section.key=value``) applied on top."""
+    raw: dict = {}
+    if path is not None:
+        raw = read_file(Path(path))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. train.steps=50)")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) != 2:
+            raise ConfigError(f"override {item!r}: keys are section.key, e.g. train.lr=3e-4; sections are "
+                              f"{_sections()}")
+        raw.setdefault(parts[0], {})
+        if not isinstance(raw[parts[0]], dict):
+            raise ConfigError(f"section {parts[0]!r} must be a table of keys")
+        raw[parts[0]][parts[1]] = _parse_scalar(value)
+    return from_dict(raw)
+
+
+def read_file(path: Path) -> dict:
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".toml":
+            data = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"config file {path}: unknown format {suffix!r}; use .yaml, .toml or .json")
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001  (any parser's error, with the file named)
+        raise ConfigError(f"config file {path} does not parse: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a table of sections, got {type(data).__name__}")
+    return data
+
+
+def from_dict(raw: dict) -> Config:
+    cfg = Config()
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    for name, values in raw.items():
+        if name not in sections:
+            raise ConfigError(f"unknown config section {name!r}{_did_you_mean(name, sections)}; sections are "
+                              f"{_sections()}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section {name!r} must be a table of keys, got {values!r}")
+        section = getattr(cfg, name)
+        keys = {f.name: f for f in dataclasses.fields(section)}
+        for key, value in values.items():
+            if key not in keys:
+                raise ConfigError(f"unknown key {name}.{key}{_did_you_mean(key, keys)}; valid keys of [{name}] are "
+                                  f"{sorted(keys)}")
+            setattr(section, key, _convert(name, key, value, getattr(section, key)))
+    _check(cfg)
+    return cfg
+
+
+def _convert(section: str, key: str, value, default):
+    where = f"{section}.{key}"
+    choices = _CHOICES.get((section, key))
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{where} = {value!r} is not one of {list(choices)}")
+    if isinstance(default, bool):
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if isinstance(default, list):
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        return list(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{where} must be a string, got {value!r}")
+    return value
+
+
+def _check(cfg: Config) -> None:
+    t = cfg.train
+    for key in ("steps", "eval_every", "checkpoint_every", "warmup", "batch"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr must be > 0, got {t.lr}")
+    if cfg.mesh.dp < 1 or cfg.mesh.domain < 1:
+        raise ConfigError(f"mesh.dp and mesh.domain must be >= 1, got {cfg.mesh.dp} and {cfg.mesh.domain}")
+    if t.batch and t.batch % cfg.mesh.dp:
+        raise ConfigError(f"train.batch={t.batch} must be a multiple of mesh.dp={cfg.mesh.dp} (each dp rank takes "
+                          f"batch/dp samples per step)")
+    if cfg.data.kind == "grid" and cfg.model.name != "unet" or cfg.data.kind == "mesh" and cfg.model.name != "transolver":
+        raise ConfigError(f"model.name={cfg.model.name!r} does not fit data.kind={cfg.data.kind!r}: use transolver for "
+                          f"mesh stores and unet for grid stores")
+
+
+def _parse_scalar(text: str):
+    """A command-line value: JSON when it parses (numbers, true/false, lists), else the string."""
+    text = text.strip()
+    try:
+        return json.loads(text)
+    except ValueError:
+        lowered = text.lower()
+        if lowered in ("true", "false"):
+            return lowered == "true"
+        return text
+
+
+def _sections() -> list[str]:
+    return [f.name for f in dataclasses.fields(Config)]
+
+
+def _did_you_mean(name: str, valid) -> str:
+    close = difflib.get_close_matches(name, list(valid), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

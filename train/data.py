@@ -1,0 +1,84 @@
+"""From reader samples to model inputs and targets, for both reference jobs.
+
+Mesh (surface) samples: per-point inputs (e.g. cell centre and normal, z-scored by the store's train
+statistics) concatenated to (1, N, C_in), the run's design parameters z-scored over the training runs as
+per-sample globals, and the fields to predict concatenated to (1, N, C_out). Grid samples: the readers'
+(1, history * C, H, W) window and (1, C, H, W) target as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .config import Config, ConfigError
+
+_WIDTH = {"coords": 3, "normals": 3, "areas": 1}
+
+
+@dataclass
+class ModelIO:
+    in_dim: int
+    out_dim: int
+    global_dim: int
+
+
+@dataclass
+class Batch:
+    x: torch.Tensor
+    globals: torch.Tensor | None
+    target: torch.Tensor
+
+
+def build_dataset(cfg: Config, mesh, split: str, shuffle: bool, runs=None, extra_inputs=()):
+    """The reader for ``split``; a field or input the store lacks is refused by the reader, naming the
+    choices the store has."""
+    from domainflow.readers import GridDataset, MeshDataset
+
+    d = cfg.data
+    if not d.store:
+        raise ConfigError("data.store is not set; give the path of an ingested store (domainflow ingest ...)")
+    dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32
+    if d.kind == "mesh":
+        bad = [i for i in d.inputs if i not in _WIDTH]
+        if bad:
+            raise ConfigError(f"data.inputs {bad} are not per-point geometry inputs; choose from {sorted(_WIDTH)}")
+        inputs = tuple(d.inputs) + tuple(i for i in extra_inputs if i not in d.inputs)
+        return MeshDataset(d.store, mesh, split=split if runs is None else None, location=d.location,
+                           fields=tuple(d.fields), inputs=inputs, shuffle=shuffle, seed=cfg.train.seed,
+                           prefetch=0, dtype=dtype, runs=runs)
+    return GridDataset(d.store, mesh, split=split, shard_dims=tuple(d.shard_dims), lead=d.lead, history=d.history,
+                       shuffle=shuffle, seed=cfg.train.seed, prefetch=0, dtype=dtype)
+
+
+def model_io(cfg: Config, ds) -> ModelIO:
+    if cfg.data.kind == "mesh":
+        out = sum(int(ds.store.fields[f"{ds.location}/{f}"].get("components", 1)) for f in ds.fields)
+        globals_ = len(ds.param_names) if cfg.data.use_params else 0
+        return ModelIO(sum(_WIDTH[i] for i in cfg.data.inputs), out, globals_)
+    c = len(ds.variables)
+    return ModelIO(c * cfg.data.history, c, 0)
+
+
+def param_stats(ds) -> tuple[np.ndarray, np.ndarray] | None:
+    """Mean and std of the design parameters over the dataset's runs (metadata only, same on every rank)."""
+    if not getattr(ds, "param_names", None):
+        return None
+    values = np.array([[ds.store.run(r).attrs.get("geometry", {}).get(k, np.nan) for k in ds.param_names]
+                       for r in ds.store.runs("train") or ds.runs], dtype=np.float64)
+    std = values.std(0)
+    return values.mean(0), np.where(std > 0, std, 1.0)
+
+
+def make_batch(cfg: Config, ds, sample: dict, stats) -> Batch:
+    if cfg.data.kind == "grid":
+        return Batch(sample["input"], None, sample["target"])
+    x = torch.cat([sample[i] for i in cfg.data.inputs], dim=-1).unsqueeze(0)
+    y = torch.cat([sample[f] for f in ds.fields], dim=-1).unsqueeze(0)
+    g = None
+    if cfg.data.use_params and stats is not None:
+        mean, std = (torch.as_tensor(v, dtype=sample["params"].dtype, device=sample["params"].device) for v in stats)
+        g = ((sample["params"] - mean) / std).unsqueeze(0)
+    return Batch(x, g, y)

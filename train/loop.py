@@ -1,0 +1,376 @@
+"""The training loop on a ("dp", "domain") mesh.
+
+Samples are split over dp, each sample's domain over domain (the readers hand out ShardTensors), and
+the model is an ordinary module with replicated parameters. A step takes ``batch / dp`` samples per dp
+rank (gradient accumulation), each loss weighted by the sample's weight (0 for padding steps) over the
+step's number of real samples; domain partial gradients are summed by the engine once per backward
+(``deferred_param_grads``) and dp gradients in one coalesced all-reduce, which also carries a
+non-finite-loss flag, so a NaN stops every rank at the same step. Data order depends only on the seed,
+the epoch and the step, so a resumed run reads exactly what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import domainflow as df
+from domainflow import comm
+
+from . import checkpoint as ckpt
+from .config import Config
+from .data import Batch, build_dataset, model_io
+from .metrics import evaluate
+from .models import Transolver, UNet
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN/Inf; the message names the step and the samples."""
+
+
+@dataclass
+class StepLog:
+    step: int
+    loss: float
+    lr: float
+    seconds: float
+    samples: int
+
+
+def build_mesh(cfg: Config):
+    return df.init_mesh((cfg.mesh.dp, cfg.mesh.domain), ("dp", "domain"))
+
+
+def build_model(cfg: Config, ds) -> torch.nn.Module:
+    torch.manual_seed(cfg.train.seed)
+    m = cfg.model
+    io = model_io(cfg, ds)
+    if m.name == "transolver":
+        model = Transolver(io.in_dim, io.out_dim, io.global_dim, dim=m.dim, layers=m.layers, heads=m.heads,
+                           slices=m.slices, mlp_ratio=m.mlp_ratio, dropout=m.dropout)
+    else:
+        model = UNet(io.in_dim, io.out_dim, base=m.base, levels=m.levels)
+    return model.to(dtype=_dtype(cfg), device=comm.mesh_device(ds.axes.domain))
+
+
+def _dtype(cfg: Config) -> torch.dtype:
+    return torch.float64 if cfg.train.dtype == "float64" else torch.float32
+
+
+def lr_factor(cfg: Config, step: int) -> float:
+    """Linear warm-up, then constant or cosine decay to ``min_lr`` at the last step."""
+    t = cfg.train
+    if t.warmup and step < t.warmup:
+        return (step + 1) / t.warmup
+    if t.schedule == "constant" or t.steps <= t.warmup:
+        return 1.0
+    progress = (step - t.warmup) / max(1, t.steps - t.warmup)
+    floor = t.min_lr / t.lr
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+class Trainer:
+    """One rank's side of a training job (every rank builds one with the same config)."""
+
+    def __init__(self, cfg: Config, mesh=None):
+        self.cfg = cfg
+        self.mesh = mesh if mesh is not None else build_mesh(cfg)
+        self.rank = torch.distributed.get_rank()
+        self.out = Path(cfg.output.dir)
+        self.ds = build_dataset(cfg, self.mesh, "train", shuffle=True)
+        self.model = build_model(cfg, self.ds)
+        t = cfg.train
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(cfg, s))
+        self.dp, self.dp_rank = self.ds.axes.dp_size, self.ds.axes.dp_rank
+        self.micro = (t.batch or self.dp) // self.dp
+        self.step = 0
+        self.history: list[dict] = []
+        self.ckpt_dir = self.out / "checkpoints"
+
+    # -- data order ------------------------------------------------------------------------------------
+    def steps_per_epoch(self) -> int:
+        return -(-len(self.ds.steps(0)) // self.micro)
+
+    def _entries(self, step: int):
+        """(this rank's (key, weight) entries of ``step``, real samples in the step over all dp ranks)."""
+        epoch, k = divmod(step, self.steps_per_epoch())
+        mine = self.ds.steps(epoch)
+        n = len(self.ds.runs) if self.cfg.data.kind == "mesh" else len(self.ds.times)
+        lo, hi = k * self.micro, min((k + 1) * self.micro, len(mine))
+        total = sum(1 for e in range(lo, hi) for d in range(self.dp) if e * self.dp + d < n)
+        return epoch, mine[lo:hi], total
+
+    def _stream(self, start: int, stop: int):
+        """Samples for steps ``start..stop-1``, read ahead on a background thread."""
+        from domainflow.readers.prefetch import Prefetcher
+
+        plan = []
+        for s in range(start, stop):
+            epoch, entries, total = self._entries(s)
+            for key, w in entries:
+                plan.append((s, total, key, w))
+        loads = [(lambda key=key, w=w: self.ds.read_region(key, w)) for _, _, key, w in plan]
+        source = Prefetcher(loads, self.cfg.data.prefetch)
+        try:
+            for (s, total, key, w), raw in zip(plan, source):
+                yield s, total, self.ds.wrap(raw)
+        finally:
+            source.close()
+
+    # -- one step --------------------------------------------------------------------------------------
+    def _forward_loss(self, sample) -> tuple[torch.Tensor, object]:
+        batch: Batch = self._batch(sample)
+        with self._autocast():
+            pred = self._call_model(batch)
+        mse = ((pred.to(batch.target.dtype) - batch.target) ** 2).mean()
+        return mse, batch
+
+    def _batch(self, sample):
+        from .data import make_batch
+
+        return make_batch(self.cfg, self.ds, sample, self.param_stats)
+
+    def _call_model(self, batch):
+        if self.cfg.train.checkpoint_activations:
+            return _checkpointed(self.model, batch)
+        return self.model(batch.x, batch.globals) if batch.globals is not None else self.model(batch.x)
+
+    def _autocast(self):
+        if self.cfg.train.autocast == "bf16":
+            return torch.autocast(comm.mesh_device(self.mesh).type, dtype=torch.bfloat16)
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    @property
+    def param_stats(self):
+        if not hasattr(self, "_param_stats"):
+            from .data import param_stats
+
+            self._param_stats = param_stats(self.ds)
+        return self._param_stats
+
+    def _reduce_dp(self, bad: bool, runs: list[str]):
+        """Sum gradients over dp (one coalesced all-reduce that also carries the non-finite flag)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flag = torch.tensor([float(bad)], dtype=grads[0].dtype, device=grads[0].device)
+        dp_dim = 0
+        if self.dp > 1:
+            out = comm.all_reduce_coalesced(grads + [flag], "sum", self.mesh, dp_dim)
+            grads, flag = out[:-1], out[-1]
+        # the loss is a global value, so every domain rank of a sample sees the same flag
+        if float(flag) > 0:
+            names = comm.all_gather_object(runs if bad else [], self.mesh, dp_dim) if self.dp > 1 else [runs]
+            culprits = sorted({r for rs in names for r in rs})
+            last = ckpt.latest(self.ckpt_dir)
+            raise TrainingDiverged(
+                f"the loss is NaN/Inf at step {self.step} on sample(s) {culprits}; stopping. The last good "
+                f"checkpoint is {last or 'none (none was saved yet)'}; check those samples (domainflow inspect) "
+                f"or lower train.lr / set train.clip_grad")
+        for p, g in zip(params, grads):
+            p.grad = g
+
+    def train_step(self, samples) -> StepLog:
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        losses, bad, runs = [], False, []
+        for total, sample in samples:
+            mse, _ = self._forward_loss(sample)
+            w = sample["weight"]
+            loss = mse * (w / max(total, 1))
+            with df.deferred_param_grads():
+                loss.backward()
+            value = float(_value(mse))
+            if not math.isfinite(value):
+                bad = True
+                runs.append(str(sample.get("run", sample.get("time"))))
+            if float(w) > 0:
+                losses.append(value)
+        self._reduce_dp(bad, runs)
+        if self.cfg.train.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_grad)
+        lr = self.opt.param_groups[0]["lr"]
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        loss = _dp_mean(losses, self.mesh, self.dp)
+        return StepLog(self.step, loss, lr, time.perf_counter() - t0, len(samples))
+
+    # -- the job ---------------------------------------------------------------------------------------
+    def fit(self, resume: bool = False) -> dict:
+        cfg = self.cfg
+        if resume:
+            self.resume()
+        elif self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        log = _MetricsLog(self.out / "metrics.jsonl", self.rank == 0, truncate_after=self.step)
+        bar = _progress(cfg, self.rank, self.step)
+        pending, current = [], None
+        try:
+            for s, total, sample in self._stream(self.step, cfg.train.steps):
+                if current is not None and s != current:
+                    self._after_step(self.train_step(pending), log, bar)
+                    pending = []
+                current = s
+                pending.append((total, sample))
+            if pending:
+                self._after_step(self.train_step(pending), log, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        if cfg.train.checkpoint_every == 0 or self.step % cfg.train.checkpoint_every:
+            self.save()
+        result = {"steps": self.step, "loss": self.history[-1]["loss"] if self.history else None,
+                  "out": str(self.out)}
+        result["eval"] = self.evaluate(log)
+        if cfg.output.plots:
+            result["figures"] = self.figures(result["eval"])
+        if self.rank == 0:
+            (self.out / "result.json").write_text(json.dumps(result, indent=1, default=str))
+        return result
+
+    def figures(self, evaluation: dict) -> list[str]:
+        """Loss curves, and the first validation sample: surface Cp predicted vs true (mesh) or maps of
+        prediction, truth and error (grid). Every rank takes part; rank 0 renders."""
+        from . import plots
+        from .predict import as_mesh, predict_run
+
+        made = []
+        runs = [r["run"] for r in evaluation.get("runs", [])]
+        if self.cfg.data.kind == "mesh" and runs:
+            result = predict_run(self.model, self.cfg, self.mesh, runs[0], self.param_stats)
+            if result is not None:
+                made.append(plots.surface_cp(as_mesh(self.ds.store, result), self.out / "surface_cp.png",
+                                             title=f"({runs[0]}, step {self.step})"))
+        elif runs:
+            made += self._grid_figure(int(runs[0]))
+        if self.rank == 0 and (self.out / "metrics.jsonl").exists():
+            made.append(plots.loss_curves(self.out / "metrics.jsonl", self.out / "loss.png"))
+        return [str(p) for p in made]
+
+    @torch.no_grad()
+    def _grid_figure(self, t: int) -> list:
+        from . import plots
+        from .data import build_dataset, make_batch
+
+        ds = build_dataset(self.cfg, self.mesh, self.cfg.data.val_split, shuffle=False)
+        sample = ds.wrap(ds.read_region(t, 1.0))
+        batch = make_batch(self.cfg, ds, sample, None)
+        self.model.eval()
+        pred = ds.denormalize(self.model(batch.x)).full_tensor()
+        self.model.train()
+        true = ds.denormalize(batch.target).full_tensor()
+        if self.rank != 0:
+            return []
+        v = ds.variables[0]
+        return [plots.grid_maps(pred[0, 0].cpu().numpy(), true[0, 0].cpu().numpy(), v, self.out / f"map_{v}.png")]
+
+    def _after_step(self, entry: StepLog, log, bar):
+        rec = {"step": entry.step, "loss": entry.loss, "lr": entry.lr,
+               "samples_per_s": entry.samples * self.dp / max(entry.seconds, 1e-9), "seconds": entry.seconds}
+        self.history.append(rec)
+        log.write(rec)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{entry.loss:.4g}", samples_s=f"{rec['samples_per_s']:.2f}")
+        t = self.cfg.train
+        if t.checkpoint_every and entry.step % t.checkpoint_every == 0:
+            self.save()
+        if t.eval_every and entry.step % t.eval_every == 0 and entry.step < t.steps:
+            self.evaluate(log)
+
+    def evaluate(self, log=None) -> dict:
+        res = evaluate(self, self.cfg.data.val_split)
+        if log is not None and res:
+            log.write({"step": self.step, "eval": res["summary"]})
+        return res
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def save(self) -> Path:
+        return ckpt.save(self.ckpt_dir, self.step, self.model, self.opt, self.cfg)
+
+    def resume(self) -> None:
+        path = ckpt.latest(self.ckpt_dir)
+        if path is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir}; start without --resume")
+        self.step = ckpt.load(path, self.model, self.opt)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(self.cfg, s),
+                                                       last_epoch=self.step - 1)
+        for g in self.opt.param_groups:
+            g["lr"] = self.cfg.train.lr * lr_factor(self.cfg, self.step)
+
+
+def _checkpointed(model, batch):
+    """Activation checkpointing of each block of the model (recomputed in backward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        return checkpoint(lambda x: model(x), batch.x, use_reentrant=False)
+    originals = [b.forward for b in blocks]
+    try:
+        for b, f in zip(blocks, originals):
+            b.forward = (lambda f: lambda x: checkpoint(f, x, use_reentrant=False))(f)
+        return model(batch.x, batch.globals) if batch.globals is not None else model(batch.x)
+    finally:
+        for b, f in zip(blocks, originals):
+            b.forward = f
+
+
+def _value(t) -> torch.Tensor:
+    if isinstance(t, df.ShardTensor):
+        t = t.full_tensor()
+    return t.detach()
+
+
+def _dp_mean(values: list[float], mesh, dp: int) -> float:
+    """The mean loss of the step's real samples over all dp ranks (for the log; not a gradient)."""
+    s = torch.tensor([sum(values), float(len(values))], dtype=torch.float64)
+    if dp > 1:
+        s = comm.all_reduce(s, "sum", mesh, 0)
+    return float(s[0] / s[1]) if float(s[1]) else float("nan")
+
+
+def _progress(cfg: Config, rank: int, start: int):
+    if rank != 0 or not cfg.output.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+
+class _MetricsLog:
+    """JSON lines on rank 0; a resumed run first drops the lines of steps after its checkpoint."""
+
+    def __init__(self, path: Path, active: bool, truncate_after: int):
+        self.path, self.active = path, active
+        if not active:
+            return
+        keep = []
+        if truncate_after and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if rec.get("step", 0) <= truncate_after:
+                    keep.append(line)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+
+    def write(self, rec: dict) -> None:
+        if self.active:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
