@@ -34,17 +34,17 @@ def init_mesh(shape: Sequence[int] | int, names: Sequence[str] | str | None = No
     device_type = _device_type()
     if not dist.is_initialized():
         env = os.environ
-        if "RANK" not in env or "WORLD_SIZE" not in env:
-            env.setdefault("MASTER_ADDR", "127.0.0.1")
-            env.setdefault("MASTER_PORT", str(_free_port()))
-            env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        # a plain process becomes a 1-rank group through an in-memory store; the launcher variables are left
+        # alone, so a later launch from this process does not mistake it for one of its ranks
+        alone = {} if "RANK" in env and "WORLD_SIZE" in env else {"store": dist.HashStore(), "rank": 0,
+                                                                   "world_size": 1}
         backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type not in ("cpu", "cuda"):
             backend = None  # let torch pick the accelerator's default backend
         if device_type != "cpu":
             getattr(torch, device_type).set_device(int(os.environ.get("LOCAL_RANK", "0")))
         t = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
-        dist.init_process_group(backend=backend, timeout=t)
+        dist.init_process_group(backend=backend, timeout=t, **alone)
     world = dist.get_world_size()
     total = 1
     for s in shape:
@@ -58,10 +58,3 @@ def init_mesh(shape: Sequence[int] | int, names: Sequence[str] | str | None = No
         device_type = "cpu"
     return init_device_mesh(device_type, shape, mesh_dim_names=tuple(names) if names else None)
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
