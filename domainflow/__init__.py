@@ -14,7 +14,7 @@ _EXPORTS = {
     "Shard": "placements", "REGISTRY": "registry", "register_aten": "registry", "register_function": "registry",
     "ShardTensor": "shard_tensor", "distribute_tensor": "shard_tensor", "scatter_tensor": "shard_tensor",
     "ShardSpec": "spec", "deferred_param_grads": "param_grads", "reduce_partials": "partials",
-    "knn": "neighbours", "radius": "neighbours",
+    "knn": "neighbours", "radius": "neighbours", "checkpoint": "activation_checkpoint",
 }
 _SUBMODULES = ("comm", "ops", "shapes", "dispatch", "redistribute", "launch", "spec", "neighbours", "point_search")
 
@@ -45,7 +45,7 @@ def __dir__():
 
 
 __all__ = [
-    "CollectiveError", "DomainflowError", "Partial", "Placement", "REGISTRY", "Replicate", "Shard",
+    "checkpoint", "CollectiveError", "DomainflowError", "Partial", "Placement", "REGISTRY", "Replicate", "Shard",
     "ShardSpec", "ShardTensor", "ShardingMismatchError", "ShardingShapeError", "UnsupportedShardedOp",
     "deferred_param_grads", "distribute_tensor", "fallback", "init_mesh", "knn", "radius", "reduce_partials",
     "register_aten", "register_function", "scatter_tensor",

@@ -232,3 +232,29 @@ def test_tiny_climate_demo_runs_end_to_end(tmp_path):
     assert any(k.startswith("rmse_") for k in summary["model"]) and any(k.startswith("acc_") for k in summary["model"])
     assert (tmp_path / "demo" / "train" / "loss.png").exists()
     assert list((tmp_path / "demo" / "train").glob("map_*.png"))
+
+
+def _options(store, out):
+    """Activation checkpointing changes nothing (float64); bf16 autocast trains (float32) with finite losses."""
+    from domainflow.train import Trainer
+
+    _, world = rank_and_world()
+    mesh = get_mesh((1, world), ("dp", "domain"))
+    plain = Trainer(_config("mesh", store, out + "/plain", ["train.steps=2", f"mesh.domain={world}"]), mesh=mesh)
+    plain.fit()
+    ckpt = Trainer(_config("mesh", store, out + "/ckpt", ["train.steps=2", f"mesh.domain={world}",
+                                                         "train.checkpoint_activations=true"]), mesh=mesh)
+    ckpt.fit()
+    bf16 = Trainer(_config("mesh", store, out + "/bf16", ["train.steps=2", f"mesh.domain={world}",
+                                                         "train.dtype=float32", "train.autocast=bf16",
+                                                         "train.clip_grad=0.5", "train.schedule=constant"]),
+                   mesh=mesh)
+    bf16.fit()
+    same = all(torch.equal(a, b) for a, b in zip(plain.model.state_dict().values(), ckpt.model.state_dict().values()))
+    return same, [h["loss"] for h in bf16.history]
+
+
+def test_activation_checkpointing_and_bf16_autocast(dist, stores, tmp_path):
+    for same, bf16_losses in dist.run(2, _options, stores["mesh"], str(tmp_path)):
+        assert same
+        assert len(bf16_losses) == 2 and all(np.isfinite(bf16_losses))

@@ -18,7 +18,7 @@ from .config import load_config
 
 SIZES = {
     # runs, cells per run, steps, model width, layers, slices
-    "full": dict(runs=24, cells=5000, steps=300, dim=64, layers=3, slices=32, lr=2e-3),
+    "full": dict(runs=24, cells=5000, steps=600, dim=64, layers=3, slices=32, lr=2e-3),
     "tiny": dict(runs=5, cells=1200, steps=8, dim=16, layers=1, slices=8, lr=2e-3),
 }
 GRID_SIZES = {
@@ -74,7 +74,7 @@ def _surface_data(out_dir: Path, size: dict, nproc: int, timings: dict):
         f"model.dim={size['dim']}", f"model.layers={size['layers']}", f"model.slices={size['slices']}",
         f"train.steps={size['steps']}", f"train.lr={size['lr']}", f"train.warmup={max(1, size['steps'] // 20)}",
         "train.clip_grad=1.0", f"train.checkpoint_every={max(1, size['steps'] // 3)}",
-        f"mesh.domain={nproc}", f"output.dir={out_dir / 'train'}"])
+        f"train.eval_every={max(1, size['steps'] // 4)}", f"mesh.domain={nproc}", f"output.dir={out_dir / 'train'}"])
     return store, cfg
 
 
@@ -104,10 +104,11 @@ def format_report(report: dict) -> str:
     summ = res.get("eval", {}).get("summary", {})
     lines = [f"\n== domainflow demo ({'climate UNet' if report['kind'] == 'grid' else 'surface Transolver'}, "
              f"domain = {report['domain']} CPU ranks) ==",
-             f"{'metric':<28}{'model':>12}{'mean field':>12}"]
-    model, base = summ.get("model", {}), summ.get("baseline", {})
+             f"{'metric':<28}{'model':>12}{'mean field':>12}" + (f"{'persistence':>13}" if "persistence" in summ else "")]
+    model, base, pers = summ.get("model", {}), summ.get("baseline", {}), summ.get("persistence")
     for k in model:
-        lines.append(f"{k:<28}{model[k]:>12.4f}{base.get(k, float('nan')):>12.4f}")
+        line = f"{k:<28}{model[k]:>12.4f}{base.get(k, float('nan')):>12.4f}"
+        lines.append(line + (f"{pers.get(k, float('nan')):>13.4f}" if pers else ""))
     lines.append(f"validation samples: {summ.get('samples', 0)};  final training loss {res.get('loss')}")
     lines.append("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in report["timings_s"].items()))
     lines.append(f"store: {report['store']}")

@@ -313,15 +313,15 @@ class Trainer:
 
 def _checkpointed(model, batch):
     """Activation checkpointing of each block of the model (recomputed in backward)."""
-    from torch.utils.checkpoint import checkpoint
+    from domainflow import checkpoint
 
     blocks = getattr(model, "blocks", None)
     if blocks is None:
-        return checkpoint(lambda x: model(x), batch.x, use_reentrant=False)
+        return checkpoint(lambda x: model(x), batch.x)
     originals = [b.forward for b in blocks]
     try:
         for b, f in zip(blocks, originals):
-            b.forward = (lambda f: lambda x: checkpoint(f, x, use_reentrant=False))(f)
+            b.forward = (lambda f: lambda x: checkpoint(f, x))(f)
         return model(batch.x, batch.globals) if batch.globals is not None else model(batch.x)
     finally:
         for b, f in zip(blocks, originals):

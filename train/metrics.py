@@ -7,7 +7,8 @@ drag and lift coefficients integrated from the predicted surface pressure and sh
 ``C = sum(-Cp n + Cf) A / A_ref`` (x: drag, z: lift), next to the same integral of the true fields and
 the run's ``force_mom_constref`` values. Grids: RMSE (physical units) and anomaly correlation (against
 the training mean, the climatology the data are normalised by) per variable. Every metric is also
-reported for a mean-field baseline (predicting the training mean everywhere).
+reported for a mean-field baseline (predicting the training mean everywhere), and on grids for
+persistence (the last input step).
 """
 
 from __future__ import annotations
@@ -102,8 +103,10 @@ def evaluate(trainer, split: str) -> dict:
                 rows.append({"run": key, "model": surface_metrics(ds, sample, pred, cfg.output.reference_area),
                              "baseline": surface_metrics(ds, sample, base, cfg.output.reference_area)})
             else:
+                last = batch.x[:, -batch.target.shape[1]:]   # persistence: the last input step
                 rows.append({"run": int(key), "model": grid_metrics(ds, sample, pred),
-                             "baseline": grid_metrics(ds, sample, base)})
+                             "baseline": grid_metrics(ds, sample, base),
+                             "persistence": grid_metrics(ds, sample, last)})
     finally:
         model.train(was_training)
     if ds.axes.dp_size > 1:
@@ -116,8 +119,8 @@ def evaluate(trainer, split: str) -> dict:
 
 def _summarise(rows: list[dict], kind: str) -> dict:
     out = {}
-    for which in ("model", "baseline"):
-        if not rows:
+    for which in ("model", "baseline", "persistence"):
+        if not rows or which not in rows[0]:
             continue
         if kind == "mesh":
             keys = [k for k in rows[0][which] if k.startswith("rel_l2")]

@@ -48,7 +48,9 @@ def loss_curves(metrics_jsonl: Path, out_png: Path) -> Path:
 def surface_cp(dataset, out_png: Path, title: str = "") -> Path:
     """Predicted and true Cp on a surface side by side, one colour scale (pyvista, off-screen)."""
     import pyvista as pv
+    import vtk
 
+    vtk.vtkLogger.SetStderrVerbosity(vtk.vtkLogger.VERBOSITY_ERROR)  # no "bad X server" warning off-screen
     pred, true = _field(dataset, "Cp_pred"), _field(dataset, "Cp_true")
     lo, hi = float(np.percentile(true, 1)), float(np.percentile(true, 99))
     plot = pv.Plotter(off_screen=True, shape=(1, 2), window_size=(1400, 560))
@@ -64,7 +66,7 @@ def surface_cp(dataset, out_png: Path, title: str = "") -> Path:
             plot.add_mesh(mesh, scalars="Cp", clim=(lo, hi), cmap="coolwarm", point_size=4,
                           render_points_as_spheres=True, show_scalar_bar=k == 1)
         plot.add_text(f"{name} {title}", font_size=10)
-        plot.view_isometric()
+        plot.view_vector((-1.0, -1.0, 0.7))   # from the front left, above: the stagnation region in view
     plot.link_views()
     plot.screenshot(str(out_png))
     plot.close()

@@ -187,10 +187,13 @@ class _LocalLinear(torch.autograd.Function):
         spec = ctx.spec
         out_spec = grad_spec(spec).with_(shape=tuple(spec.shape[:-1]) + (weight.shape[0],))
         g = _local_in(grad, grad._spec, out_spec) if isinstance(grad, ShardTensor) else grad
-        gx = g @ weight
-        g2, x2 = g.reshape(-1, g.shape[-1]), local.reshape(-1, local.shape[-1])
-        gw = g2.t() @ x2
-        parts = [gw] + ([g2.sum(0)] if ctx.has_bias else [])
+        # under autocast the forward ran in a lower precision: compute in the gradient's dtype, as torch's
+        # own linear backward does, and hand each gradient back in its input's dtype
+        cd = g.dtype
+        gx = (g @ weight.to(cd)).to(local.dtype)
+        g2, x2 = g.reshape(-1, g.shape[-1]), local.reshape(-1, local.shape[-1]).to(cd)
+        gw = (g2.t() @ x2).to(weight.dtype)
+        parts = [gw] + ([g2.sum(0).to(weight.dtype)] if ctx.has_bias else [])
         for m, p in enumerate(spec.placements):
             if isinstance(p, Shard):
                 parts = comm.all_reduce_coalesced(parts, "sum", spec.mesh, m)

@@ -174,3 +174,4 @@ def _cat_sharded_dim(tensors, dim, m, mesh):
     sz = list(ref_spec.sizes)
     sz[m] = tuple(per_rank)
     return ShardTensor(torch.cat(locals_, dim), ShardSpec(mesh, ref_spec.placements, shape, sz))
+
