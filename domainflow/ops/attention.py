@@ -70,6 +70,53 @@ def _expand(t, groups):
     return t.repeat_interleave(groups, dim=-3) if groups > 1 else t
 
 
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _flash_ok(q, kb, vb) -> bool:
+    """Blocks go through torch's fused CPU flash kernel (tiled: no (Lq, Lk) score matrix in memory) when
+    it applies; otherwise the plain math below (other devices, a value head size unlike the query's)."""
+    return (q.device.type == "cpu" and q.ndim == 4 and q.dtype in _FLASH_DTYPES and q.shape[-1] == vb.shape[-1]
+            and hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu"))
+
+
+def _block_bias(q, kb, causal, q0, k0, mask):
+    """(additive float mask or None, rows of this block with no allowed key or None, whole block masked)."""
+    lq, lk = q.shape[-2], kb.shape[-2]
+    if causal and k0 > q0 + lq - 1:
+        return None, None, True
+    bias, allowed = None, None
+    if mask is not None:
+        blk = mask[..., q0:q0 + lq, k0:k0 + lk]
+        if blk.dtype == torch.bool:
+            allowed = blk
+            bias = torch.zeros(blk.shape, dtype=q.dtype, device=q.device).masked_fill(~blk, float("-inf"))
+        else:
+            bias = blk.to(q.dtype)
+            allowed = torch.isfinite(bias)
+    if causal and k0 + lk - 1 > q0:  # the diagonal crosses this block
+        qi = torch.arange(q0, q0 + lq, device=q.device)[:, None]
+        kj = torch.arange(k0, k0 + lk, device=q.device)[None, :]
+        c = kj <= qi
+        allowed = c if allowed is None else allowed & c
+        cb = torch.zeros(c.shape, dtype=q.dtype, device=q.device).masked_fill(~c, float("-inf"))
+        bias = cb if bias is None else bias + cb
+    empty = None if allowed is None else ~allowed.any(-1, keepdim=True)
+    return bias, empty, False
+
+
+def _block_forward(q, ke, ve, scale, bias, empty):
+    """Attention of ``q`` to one K/V block: (output, log-sum-exp (.., Lq, 1)); rows with no allowed key give
+    (0, -inf) so they carry no weight when blocks are combined."""
+    o, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, ke, ve, 0.0, False, attn_mask=bias, scale=scale)
+    lse = lse.unsqueeze(-1)
+    if empty is not None:
+        empty = empty.expand(lse.shape)
+        lse = lse.masked_fill(empty, float("-inf"))
+        o = o.masked_fill(empty, 0.0)
+    return o, lse
+
+
 def ring_forward(q, k, v, q_sizes, k_sizes, mesh, m, causal, scale, groups, mask=None):
     """This rank's attention output and log-sum-exp (.., Lq_local, 1), folding in every K/V block as it
     passes around the ring (online softmax)."""
@@ -78,27 +125,42 @@ def ring_forward(q, k, v, q_sizes, k_sizes, mesh, m, causal, scale, groups, mask
     q0 = sum(q_sizes[:me])
     k_starts = [sum(k_sizes[:r]) for r in range(w)]
     shape = q.shape[:-1]
-    out = q.new_zeros(*shape, v.shape[-1])
-    mx = q.new_full((*shape, 1), float("-inf"))
-    den = q.new_zeros((*shape, 1))
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = q.new_zeros(*shape, v.shape[-1], dtype=acc)
+    lse = q.new_full((*shape, 1), float("-inf"), dtype=acc)
+    flash = _flash_ok(q, k, v)
+    den = None if flash else q.new_zeros((*shape, 1), dtype=acc)
     kb, vb, src = k, v, me
     for t in range(w):
         prev = (src - 1) % w
         if kb.shape[-2] and q.shape[-2]:
-            s = _scores(q, _expand(kb, groups), scale, causal, q0, k_starts[src], mask)
-            new = torch.maximum(mx, s.amax(-1, keepdim=True))
-            shift = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
-            p = torch.exp(s - shift)
-            corr = torch.exp(mx - shift)
-            den = den * corr + p.sum(-1, keepdim=True)
-            out = out * corr + p @ _expand(vb, groups)
-            mx = new
+            ke, ve = _expand(kb, groups), _expand(vb, groups)
+            if flash:
+                bias, empty, skip = _block_bias(q, kb, causal, q0, k_starts[src], mask)
+                if not skip:
+                    o_b, lse_b = _block_forward(q, ke, ve, scale, bias, empty)
+                    new = torch.logaddexp(lse, lse_b.to(acc))
+                    safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+                    out = out * torch.exp(lse - safe) + o_b.to(acc) * torch.exp(lse_b.to(acc) - safe)
+                    lse = new
+            else:  # out holds sum(exp(s - mx) v), den sum(exp(s - mx)), with lse as the running max mx
+                s = _scores(q, ke, scale, causal, q0, k_starts[src], mask)
+                new = torch.maximum(lse, s.amax(-1, keepdim=True).to(acc))
+                shift = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+                p = torch.exp(s - shift)
+                corr = torch.exp(lse - shift)
+                den = den * corr + p.sum(-1, keepdim=True)
+                out = out * corr + (p @ ve).to(acc)
+                lse = new
+                del s, p
         if t < w - 1:
             kb, vb = _ring_exchange([kb, vb], [_resized(kb, k_sizes[prev]), _resized(vb, k_sizes[prev])], mesh, m)
             src = prev
-    out = out / den
-    shift = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-    return out, shift + torch.log(den)
+    if not flash:
+        out = out / den
+        shift = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        lse = shift + torch.log(den)
+    return out.to(q.dtype), lse
 
 
 def ring_backward(dout, q, k, v, out, lse, q_sizes, k_sizes, mesh, m, causal, scale, groups, mask=None):
@@ -109,22 +171,39 @@ def ring_backward(dout, q, k, v, out, lse, q_sizes, k_sizes, mesh, m, causal, sc
     q0 = sum(q_sizes[:me])
     k_starts = [sum(k_sizes[:r]) for r in range(w)]
     dout = dout.contiguous()
-    delta = (dout * out).sum(-1, keepdim=True)
+    flash = _flash_ok(q, k, v)
+    # rows with no allowed key anywhere: +inf makes every exp(s - lse) vanish (their gradient is zero)
+    lse_bw = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))
+    delta = None if flash else (dout * out).sum(-1, keepdim=True)
     dq = torch.zeros_like(q)
     kb, vb, dkb, dvb, src = k, v, torch.zeros_like(k), torch.zeros_like(v), me
     for t in range(w):
         if kb.shape[-2] and q.shape[-2]:
             ke, ve = _expand(kb, groups), _expand(vb, groups)
-            s = _scores(q, ke, scale, causal, q0, k_starts[src], mask)
-            p = torch.exp(s - lse)
-            dv = p.transpose(-2, -1) @ dout
-            ds = p * (dout @ ve.transpose(-2, -1) - delta)
-            dq = dq + (ds @ ke) * scale
-            dk = (ds.transpose(-2, -1) @ q) * scale
-            if groups > 1:
-                dk = dk.unflatten(-3, (dk.shape[-3] // groups, groups)).sum(-3)
-                dv = dv.unflatten(-3, (dv.shape[-3] // groups, groups)).sum(-3)
-            dkb, dvb = dkb + dk, dvb + dv
+            dk = dv = None
+            if flash:
+                bias, _, skip = _block_bias(q, kb, causal, q0, k_starts[src], mask)
+                if not skip:
+                    g = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                        dout, q, ke, ve, out, lse_bw.squeeze(-1).to(q.dtype if q.dtype != torch.bfloat16
+                                                                      else torch.float32),
+                        0.0, False, attn_mask=bias, scale=scale)
+                    dq, dk, dv = dq + g[0], g[1], g[2]
+            else:
+                s = _scores(q, ke, scale, causal, q0, k_starts[src], mask)
+                p = torch.exp(s - lse_bw)
+                del s
+                dv = p.transpose(-2, -1) @ dout
+                ds = p * (dout @ ve.transpose(-2, -1) - delta)
+                del p
+                dq = dq + (ds @ ke) * scale
+                dk = (ds.transpose(-2, -1) @ q) * scale
+                del ds
+            if dk is not None:
+                if groups > 1:
+                    dk = dk.unflatten(-3, (dk.shape[-3] // groups, groups)).sum(-3)
+                    dv = dv.unflatten(-3, (dv.shape[-3] // groups, groups)).sum(-3)
+                dkb, dvb = dkb + dk, dvb + dv
         prev = (src - 1) % w
         n = k_sizes[prev]
         if t < w - 1:  # the block, with its gradients so far, moves on
