@@ -258,3 +258,20 @@ def test_activation_checkpointing_and_bf16_autocast(dist, stores, tmp_path):
     for same, bf16_losses in dist.run(2, _options, stores["mesh"], str(tmp_path)):
         assert same
         assert len(bf16_losses) == 2 and all(np.isfinite(bf16_losses))
+
+
+def _train_latlon(store, out, lat, lon):
+    from domainflow.train import Trainer
+
+    cfg = _config("grid", store, out, ["train.steps=3", "data.shard_dims=lat,lon", f"mesh.domain={lat}",
+                                       f"mesh.lon={lon}"])
+    trainer = Trainer(cfg, mesh=get_mesh((1, lat, lon), ("dp", "domain", "lon")))
+    trainer.fit()
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, [h["loss"] for h in trainer.history]
+
+
+def test_grid_sharded_over_lat_and_lon_equals_one_process(dist, stores, tmp_path):
+    ref, ref_losses = dist.run(1, _train_latlon, stores["grid"], str(tmp_path / "one"), 1, 1)[0]
+    for params, losses in dist.run(4, _train_latlon, stores["grid"], str(tmp_path / "four"), 2, 2):
+        _assert_same(params, ref, 1e-10)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)

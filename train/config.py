@@ -71,7 +71,12 @@ class TrainConfig:
 @dataclass
 class MeshConfig:
     dp: int = 1
-    domain: int = 1
+    domain: int = 1                      # ranks per sample: over the points, or over latitude on a grid
+    lon: int = 1                         # grids sharded over lat and lon (data.shard_dims=lat,lon): ranks over lon
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.domain * self.lon
 
 
 @dataclass
@@ -209,8 +214,14 @@ def _check(cfg: Config) -> None:
             raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
     if t.lr <= 0:
         raise ConfigError(f"train.lr must be > 0, got {t.lr}")
-    if cfg.mesh.dp < 1 or cfg.mesh.domain < 1:
-        raise ConfigError(f"mesh.dp and mesh.domain must be >= 1, got {cfg.mesh.dp} and {cfg.mesh.domain}")
+    if cfg.mesh.dp < 1 or cfg.mesh.domain < 1 or cfg.mesh.lon < 1:
+        raise ConfigError(f"mesh.dp, mesh.domain and mesh.lon must be >= 1, got {cfg.mesh.dp}, {cfg.mesh.domain} and "
+                          f"{cfg.mesh.lon}")
+    two_d = cfg.data.kind == "grid" and list(cfg.data.shard_dims) == ["lat", "lon"]
+    if cfg.mesh.lon > 1 and not two_d:
+        raise ConfigError(f"mesh.lon={cfg.mesh.lon} shards longitude: it needs data.kind=grid and data.shard_dims=lat,lon")
+    if cfg.data.kind == "grid" and list(cfg.data.shard_dims) not in (["lat"], ["lat", "lon"]):
+        raise ConfigError(f"data.shard_dims={cfg.data.shard_dims} is not one of [lat] or [lat, lon]")
     if t.batch and t.batch % cfg.mesh.dp:
         raise ConfigError(f"train.batch={t.batch} must be a multiple of mesh.dp={cfg.mesh.dp} (each dp rank takes "
                           f"batch/dp samples per step)")

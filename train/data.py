@@ -49,8 +49,9 @@ def build_dataset(cfg: Config, mesh, split: str, shuffle: bool, runs=None, extra
         return MeshDataset(d.store, mesh, split=split if runs is None else None, location=d.location,
                            fields=tuple(d.fields), inputs=inputs, shuffle=shuffle, seed=cfg.train.seed,
                            prefetch=0, dtype=dtype, runs=runs)
+    axes = ("domain",) if len(d.shard_dims) == 1 else ("domain", "lon")
     return GridDataset(d.store, mesh, split=split, shard_dims=tuple(d.shard_dims), lead=d.lead, history=d.history,
-                       shuffle=shuffle, seed=cfg.train.seed, prefetch=0, dtype=dtype)
+                       shuffle=shuffle, seed=cfg.train.seed, prefetch=0, dtype=dtype, domain_axes=axes)
 
 
 def model_io(cfg: Config, ds) -> ModelIO:

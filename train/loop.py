@@ -44,6 +44,9 @@ class StepLog:
 
 
 def build_mesh(cfg: Config):
+    """("dp", "domain"), or ("dp", "domain", "lon") for a grid sharded over latitude and longitude."""
+    if cfg.data.kind == "grid" and len(cfg.data.shard_dims) == 2:
+        return df.init_mesh((cfg.mesh.dp, cfg.mesh.domain, cfg.mesh.lon), ("dp", "domain", "lon"))
     return df.init_mesh((cfg.mesh.dp, cfg.mesh.domain), ("dp", "domain"))
 
 

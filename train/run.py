@@ -19,12 +19,13 @@ def run_training(cfg: Config, nproc: int | None = None, resume: bool = False) ->
     """Train with ``cfg`` on dp x domain ranks; returns rank 0's result (losses, evaluation, paths)."""
     from domainflow.launch import launch_local, under_launcher
 
-    need = cfg.mesh.dp * cfg.mesh.domain
+    need = cfg.mesh.size
     if nproc is not None and nproc != need:
         from .config import ConfigError
 
-        raise ConfigError(f"--nproc {nproc} does not match mesh.dp x mesh.domain = {cfg.mesh.dp} x {cfg.mesh.domain} "
-                          f"= {need}; set --dp/--domain (or mesh.dp / mesh.domain) so their product is {nproc}")
+        raise ConfigError(f"--nproc {nproc} does not match mesh.dp x mesh.domain x mesh.lon = {cfg.mesh.dp} x "
+                          f"{cfg.mesh.domain} x {cfg.mesh.lon} = {need}; set --dp/--domain (or mesh.dp / mesh.domain / "
+                          f"mesh.lon) so their product is {nproc}")
     if under_launcher() or need == 1:
         return rank_main(cfg.to_dict(), resume)
     results = launch_local(rank_main, need, cfg.to_dict(), resume)
