@@ -41,6 +41,8 @@ def _train(args) -> int:
     if args.out is not None:
         overrides.append(f"output.dir={args.out}")
     cfg = load_config(args.config, overrides)
+    if args.nproc and cfg.mesh.size == 1 and args.nproc > 1:
+        cfg.mesh.domain = args.nproc  # --nproc alone: all ranks on one sample's domain
     result = run_training(cfg, nproc=args.nproc, resume=args.resume)
     summary = result.get("eval", {}).get("summary")
     print(f"trained {result['steps']} steps; final loss {result['loss']}; output in {result['out']}")
@@ -201,7 +203,8 @@ def main(argv=None) -> int:
     train = sub.add_parser("train", help="train a model on a store (config file + key=value overrides)")
     train.add_argument("config", nargs="?", default=None, help="YAML or TOML config (default: built-in defaults)")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=200 data.store=cars.zarr")
-    train.add_argument("--nproc", type=int, default=None, help="local ranks to start (default: dp x domain)")
+    train.add_argument("--nproc", type=int, default=None,
+                       help="local ranks to start (default: dp x domain; alone, it sets the domain size)")
     train.add_argument("--dp", type=int, default=None, help="data-parallel size (mesh.dp)")
     train.add_argument("--domain", type=int, default=None, help="ranks per sample (mesh.domain)")
     train.add_argument("--out", default=None, help="output folder (output.dir)")

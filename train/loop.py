@@ -111,19 +111,27 @@ class Trainer:
         return epoch, mine[lo:hi], total
 
     def _stream(self, start: int, stop: int):
-        """Samples for steps ``start..stop-1``, read ahead on a background thread."""
+        """(step, [(real samples in the step, sample), ...], seconds waited for data) for steps
+        ``start..stop-1``, read ahead on a background thread."""
         from domainflow.readers.prefetch import Prefetcher
 
         plan = []
         for s in range(start, stop):
-            epoch, entries, total = self._entries(s)
-            for key, w in entries:
-                plan.append((s, total, key, w))
-        loads = [(lambda key=key, w=w: self.ds.read_region(key, w)) for _, _, key, w in plan]
+            _, entries, total = self._entries(s)
+            plan.extend((s, total, key, w, len(entries)) for key, w in entries)
+        loads = [(lambda key=key, w=w: self.ds.read_region(key, w)) for _, _, key, w, _ in plan]
         source = Prefetcher(loads, self.cfg.data.prefetch)
+        it = iter(source)
         try:
-            for (s, total, key, w), raw in zip(plan, source):
-                yield s, total, self.ds.wrap(raw)
+            batch, waited = [], 0.0
+            for s, total, _, _, count in plan:
+                t0 = time.perf_counter()
+                raw = next(it)
+                waited += time.perf_counter() - t0
+                batch.append((total, self.ds.wrap(raw)))
+                if len(batch) == count:
+                    yield s, batch, waited
+                    batch, waited = [], 0.0
         finally:
             source.close()
 
@@ -212,23 +220,14 @@ class Trainer:
         cfg = self.cfg
         if resume:
             self.resume()
-        elif self.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         log = _MetricsLog(self.out / "metrics.jsonl", self.rank == 0, truncate_after=self.step)
         bar = _progress(cfg, self.rank, self.step)
-        pending, current = [], None
         try:
-            for s, total, sample in self._stream(self.step, cfg.train.steps):
-                if current is not None and s != current:
-                    self._after_step(self.train_step(pending), log, bar)
-                    pending = []
-                current = s
-                pending.append((total, sample))
-            if pending:
-                self._after_step(self.train_step(pending), log, bar)
+            for _, samples, waited in self._stream(self.step, cfg.train.steps):
+                self._after_step(self.train_step(samples), log, bar, waited)
         finally:
             if bar is not None:
                 bar.close()
@@ -279,9 +278,10 @@ class Trainer:
         v = ds.variables[0]
         return [plots.grid_maps(pred[0, 0].cpu().numpy(), true[0, 0].cpu().numpy(), v, self.out / f"map_{v}.png")]
 
-    def _after_step(self, entry: StepLog, log, bar):
+    def _after_step(self, entry: StepLog, log, bar, waited: float = 0.0):
         rec = {"step": entry.step, "loss": entry.loss, "lr": entry.lr,
-               "samples_per_s": entry.samples * self.dp / max(entry.seconds, 1e-9), "seconds": entry.seconds}
+               "samples_per_s": entry.samples * self.dp / max(entry.seconds + waited, 1e-9), "seconds": entry.seconds,
+               "data_wait_s": waited}
         self.history.append(rec)
         log.write(rec)
         if bar is not None:
