@@ -152,7 +152,7 @@ def _nan(store, out):
 
 def test_nan_loss_stops_naming_step_and_sample_and_keeps_the_last_checkpoint(dist, stores, tmp_path):
     for msg, step in dist.run(2, _nan, stores["mesh"], str(tmp_path)):
-        assert msg is not None and "step 2" in msg and "run_" in msg and "step_00000002" in msg, msg
+        assert msg is not None and "step 3" in msg and "run_" in msg and "step_00000002" in msg, msg
         assert step == 2
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000002"
 

@@ -168,26 +168,30 @@ class Trainer:
             self._param_stats = param_stats(self.ds)
         return self._param_stats
 
-    def _reduce_dp(self, bad: bool, runs: list[str]):
-        """Sum gradients over dp (one coalesced all-reduce that also carries the non-finite flag)."""
+    def _reduce_dp(self, bad: bool, runs: list[str], losses: list[float]) -> float:
+        """Sum gradients over dp in one coalesced all-reduce, which also carries the non-finite flag and the
+        step's loss sum and count (for the log); returns the mean loss of the step's real samples."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flag = torch.tensor([float(bad)], dtype=grads[0].dtype, device=grads[0].device)
+        finite = [v for v in losses if math.isfinite(v)]
+        extra = torch.tensor([float(bad), sum(finite), float(len(losses))], dtype=grads[0].dtype,
+                             device=grads[0].device)
         dp_dim = 0
         if self.dp > 1:
-            out = comm.all_reduce_coalesced(grads + [flag], "sum", self.mesh, dp_dim)
-            grads, flag = out[:-1], out[-1]
+            out = comm.all_reduce_coalesced(grads + [extra], "sum", self.mesh, dp_dim)
+            grads, extra = out[:-1], out[-1]
         # the loss is a global value, so every domain rank of a sample sees the same flag
-        if float(flag) > 0:
+        if float(extra[0]) > 0:
             names = comm.all_gather_object(runs if bad else [], self.mesh, dp_dim) if self.dp > 1 else [runs]
             culprits = sorted({r for rs in names for r in rs})
             last = ckpt.latest(self.ckpt_dir)
             raise TrainingDiverged(
-                f"the loss is NaN/Inf at step {self.step} on sample(s) {culprits}; stopping. The last good "
+                f"the loss is NaN/Inf at step {self.step + 1} on sample(s) {culprits}; stopping. The last good "
                 f"checkpoint is {last or 'none (none was saved yet)'}; check those samples (domainflow inspect) "
                 f"or lower train.lr / set train.clip_grad")
         for p, g in zip(params, grads):
             p.grad = g
+        return float(extra[1] / extra[2]) if float(extra[2]) else float("nan")
 
     def train_step(self, samples) -> StepLog:
         t0 = time.perf_counter()
@@ -205,14 +209,13 @@ class Trainer:
                 runs.append(str(sample.get("run", sample.get("time"))))
             if float(w) > 0:
                 losses.append(value)
-        self._reduce_dp(bad, runs)
+        loss = self._reduce_dp(bad, runs, losses)
         if self.cfg.train.clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_grad)
         lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.sched.step()
         self.step += 1
-        loss = _dp_mean(losses, self.mesh, self.dp)
         return StepLog(self.step, loss, lr, time.perf_counter() - t0, len(samples))
 
     # -- the job ---------------------------------------------------------------------------------------
@@ -335,14 +338,6 @@ def _value(t) -> torch.Tensor:
     if isinstance(t, df.ShardTensor):
         t = t.full_tensor()
     return t.detach()
-
-
-def _dp_mean(values: list[float], mesh, dp: int) -> float:
-    """The mean loss of the step's real samples over all dp ranks (for the log; not a gradient)."""
-    s = torch.tensor([sum(values), float(len(values))], dtype=torch.float64)
-    if dp > 1:
-        s = comm.all_reduce(s, "sum", mesh, 0)
-    return float(s[0] / s[1]) if float(s[1]) else float("nan")
 
 
 def _progress(cfg: Config, rank: int, start: int):
