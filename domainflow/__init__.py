@@ -25,7 +25,9 @@ def _bind_exports():
     import importlib
 
     for export, module in _EXPORTS.items():
-        globals()[export] = getattr(importlib.import_module("." + module, __name__), export)
+        mod = importlib.import_module("." + module, __name__)
+        if hasattr(mod, export):  # a module still being imported (it imported the engine) binds on first use
+            globals()[export] = getattr(mod, export)
 
 
 def __getattr__(name):

@@ -525,3 +525,7 @@ def _warn_moved(func, idx, sts):
         f"domainflow: {func} got operands laid out differently ({describe_sharding([a for _, a in sts])}); "
         f"resharding operand(s) {sorted(set(idx))} to match the first sharded one (this communicates). "
         f"Redistribute them once up front to avoid it.", stacklevel=3)
+
+
+# the built-in handlers register themselves; loaded last, so that importing any engine module first works
+from . import ops as _ops  # noqa: E402,F401

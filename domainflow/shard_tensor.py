@@ -553,8 +553,7 @@ def _all_coords(mesh_shape) -> list[tuple[int, ...]]:
     return coords
 
 
-from . import dispatch as _dispatch  # noqa: E402  (dispatch needs ShardTensor defined first)
-from . import ops as _ops  # noqa: E402,F401  (registers the built-in handlers)
+from . import dispatch as _dispatch  # noqa: E402  (dispatch needs ShardTensor defined first; it loads ops/)
 
 import domainflow as _package  # noqa: E402
 

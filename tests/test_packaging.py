@@ -167,3 +167,17 @@ def test_editable_install_maps_folders(tmp_path: Path) -> None:
 
     assert Path(domainflow.readers.__file__).as_posix().endswith("readers/__init__.py")
     assert Path(domainflow.readers.__file__).resolve() == (REPO / "readers" / "__init__.py").resolve()
+
+
+@pytest.mark.parametrize("module", ["domainflow.dispatch", "domainflow.ops", "domainflow.comm", "domainflow.neighbours",
+                                    "domainflow.partials", "domainflow.registry", "domainflow.train"])
+def test_any_engine_module_can_be_imported_first(module):
+    """No import cycle bites whichever module a user (or a worker) imports first."""
+    import subprocess
+    import sys
+
+    code = (f"import {module}; import torch, domainflow as df; "
+            "x = df.distribute_tensor(torch.rand(4, 3), df.init_mesh((1,), ('d',)), [df.Shard(0)]); "
+            "assert df.knn(x, 2)[0].shape == (4, 2)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -173,14 +173,14 @@ class _LocalLinear(torch.autograd.Function):
         spec = x._spec
         local = x._local
         ctx.save_for_backward(local, weight)
-        ctx.spec, ctx.has_bias = spec, bias is not None
+        ctx.spec, ctx.has_bias, ctx.bias = spec, bias is not None, bias
         out = torch.nn.functional.linear(local, weight, bias)
         out_spec = spec.with_(shape=tuple(spec.shape[:-1]) + (weight.shape[0],))
         return ShardTensor(out, out_spec)
 
     @staticmethod
     def backward(ctx, grad):
-        from .. import comm
+        from ..param_grads import reduce_param_grads
         from ..redistribute import grad_spec
 
         local, weight = ctx.saved_tensors
@@ -193,12 +193,11 @@ class _LocalLinear(torch.autograd.Function):
         gx = (g @ weight.to(cd)).to(local.dtype)
         g2, x2 = g.reshape(-1, g.shape[-1]), local.reshape(-1, local.shape[-1]).to(cd)
         gw = (g2.t() @ x2).to(weight.dtype)
-        parts = [gw] + ([g2.sum(0).to(weight.dtype)] if ctx.has_bias else [])
-        for m, p in enumerate(spec.placements):
-            if isinstance(p, Shard):
-                parts = comm.all_reduce_coalesced(parts, "sum", spec.mesh, m)
-        gb = parts[1] if ctx.has_bias else None
-        return ShardTensor(gx, grad_spec(spec)), parts[0], gb
+        gb = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
+        mesh_dims = [m for m, p in enumerate(spec.placements) if isinstance(p, Shard)]
+        # summed over the domain now, or once per backward for the whole model (deferred_param_grads)
+        gw, gb = reduce_param_grads((weight, ctx.bias), (gw, gb), spec.mesh, mesh_dims)
+        return ShardTensor(gx, grad_spec(spec)), gw, gb
 
 
 def _linear_function(func, args, kwargs):
