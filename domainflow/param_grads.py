@@ -59,10 +59,16 @@ def reduce_param_grads(params, grads, mesh, mesh_dims):
 
 
 def _queue(mesh, mesh_dims, pairs):
-    pending = getattr(_state, "pending", None)
+    # one queue per running backward (graph task): a checkpointed block's recomputation may run its
+    # backward as a task of its own, whose end flushes what it queued
+    task = torch._C._current_graph_task_id()
+    queues = getattr(_state, "queues", None)
+    if queues is None:
+        queues = _state.queues = {}
+    pending = queues.get(task)
     if pending is None:
-        pending = _state.pending = {}
-        torch.autograd.Variable._execution_engine.queue_callback(_flush)
+        pending = queues[task] = {}
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _flush(task))
     group = pending.setdefault((id(mesh), mesh_dims), (mesh, {}))[1]
     for p, g in pairs:  # insertion order is the backward order: the same on every rank
         key = id(p)
@@ -72,11 +78,11 @@ def _queue(mesh, mesh_dims, pairs):
             group[key] = (p, g)
 
 
-def _flush():
+def _flush(task):
     """End of backward: one coalesced all-reduce per (mesh, mesh dim) for every queued gradient."""
     from . import comm
 
-    pending, _state.pending = getattr(_state, "pending", None), None
+    pending = getattr(_state, "queues", {}).pop(task, None)
     if not pending:
         return
     for (_, mesh_dims), (mesh, group) in pending.items():

@@ -250,7 +250,9 @@ def _options(store, out):
                                                          "train.clip_grad=0.5", "train.schedule=constant"]),
                    mesh=mesh)
     bf16.fit()
-    same = all(torch.equal(a, b) for a, b in zip(plain.model.state_dict().values(), ckpt.model.state_dict().values()))
+    # equal up to the order in which the deferred gradient sums are queued (recomputation reorders them)
+    same = all(float((a - b).abs().max()) <= 1e-12 * max(1.0, float(b.abs().max()))
+               for a, b in zip(plain.model.state_dict().values(), ckpt.model.state_dict().values()))
     return same, [h["loss"] for h in bf16.history]
 
 

@@ -173,7 +173,9 @@ class _LocalLinear(torch.autograd.Function):
         spec = x._spec
         local = x._local
         ctx.save_for_backward(local, weight)
-        ctx.spec, ctx.has_bias, ctx.bias = spec, bias is not None, bias
+        # the parameters themselves (saved tensors may come back as other objects, e.g. recomputed under
+        # activation checkpointing), for the deferred gradient sums that are keyed by parameter
+        ctx.spec, ctx.has_bias, ctx.params = spec, bias is not None, (weight, bias)
         out = torch.nn.functional.linear(local, weight, bias)
         out_spec = spec.with_(shape=tuple(spec.shape[:-1]) + (weight.shape[0],))
         return ShardTensor(out, out_spec)
@@ -196,7 +198,7 @@ class _LocalLinear(torch.autograd.Function):
         gb = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
         mesh_dims = [m for m, p in enumerate(spec.placements) if isinstance(p, Shard)]
         # summed over the domain now, or once per backward for the whole model (deferred_param_grads)
-        gw, gb = reduce_param_grads((weight, ctx.bias), (gw, gb), spec.mesh, mesh_dims)
+        gw, gb = reduce_param_grads(ctx.params, (gw, gb), spec.mesh, mesh_dims)
         return ShardTensor(gx, grad_spec(spec)), gw, gb
 
 
