@@ -132,7 +132,6 @@ def _own_block(full, mesh, dim: int, sizes: list[int]):
 
 
 def _plain_reference(q, k, v, g):
-    import torch
     import torch.nn.functional as F
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
