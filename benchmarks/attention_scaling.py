@@ -61,22 +61,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from measure import SavedBytes, available_memory, write_results  # noqa: E402  (benchmarks/measure.py, next to this script)
+from domainflow.shapes import balanced_sizes  # noqa: E402
 MiB = 2**20
 REL_TOL = 1e-4
 KNN_PARTS = 16
 KNN_FETCH_TARGET = 0.25
-
-
-def balanced(n: int, world: int) -> list[int]:
-    return [n // world + (1 if r < n % world else 0) for r in range(world)]
 
 
 def rel_err(a, b) -> float:
@@ -92,30 +87,6 @@ def _sync(world: int) -> None:
         import torch.distributed as dist
 
         dist.barrier()
-
-
-class SavedBytes:
-    """Counts the storage bytes autograd saves for backward (each storage once; a ShardTensor's local)."""
-
-    def __init__(self):
-        self.seen: dict[int, int] = {}
-
-    def pack(self, t):
-        import domainflow as df
-
-        local = t._local if isinstance(t, df.ShardTensor) else t
-        st = local.untyped_storage()
-        self.seen[st.data_ptr()] = max(self.seen.get(st.data_ptr(), 0), st.nbytes())
-        return t
-
-    def hooks(self):
-        import torch
-
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-    @property
-    def total(self) -> int:
-        return sum(self.seen.values())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -152,7 +123,7 @@ def _ring_case(seq: int, mesh, c: dict, check: bool) -> dict:
     gen = torch.Generator().manual_seed(c["seed"] + seq)
     shape = (c["batch"], c["heads"], seq, c["head_dim"])
     full = [torch.randn(shape, generator=gen) for _ in range(4)]  # q, k, v and the loss weights g
-    sizes = balanced(seq, world)
+    sizes = list(balanced_sizes(seq, world))
     if sharded:
         q, k, v, g = (_own_block(t, mesh, 2, sizes) for t in full)
         g = g.to_local()
@@ -223,7 +194,7 @@ def _transolver_case(mesh, c: dict) -> dict:
     from domainflow.train.models import PhysicsAttention, Transolver
 
     world, _ = _world_rank()
-    sizes = balanced(c["points"], world)
+    sizes = list(balanced_sizes(c["points"], world))
     gen = torch.Generator().manual_seed(c["seed"])
     x = torch.randn(1, c["points"], c["dim"], generator=gen)
     pts = torch.randn(1, c["points"], c["in_dim"], generator=gen)
@@ -327,17 +298,6 @@ def knn_inputs(cells: int, worlds: list[int], seed: int) -> dict:
 def fits(seq: int, world: int, ring: dict, available: int) -> bool:
     block = ring["batch"] * ring["heads"] * (-(-seq // world)) ** 2 * 4
     return world * 6 * block <= 0.8 * available
-
-
-def available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 2**30
 
 
 def ring_rows(plain: list[dict], sharded: dict[int, list[dict]], ring: dict) -> list[dict]:
@@ -547,11 +507,7 @@ def main() -> None:
            "targets_met": targets, "checks": checks,
            "ring": rows_a, "transolver": rows_b, "knn": rows_c,
            "per_rank": {"plain": plain, **{f"W{w}": rs for w, rs in sharded.items()}}}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS / "attention_scaling.json.tmp"
-    tmp.write_text(json.dumps(out, indent=2, default=str))
-    tmp.replace(RESULTS / "attention_scaling.json")
-    print(f"wrote {RESULTS / 'attention_scaling.json'}")
+    write_results("attention_scaling", out)
     if not all(checks.values()):
         raise SystemExit("a sharded result differs from the single-process one: its numbers measure a wrong "
                          "computation")

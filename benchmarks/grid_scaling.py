@@ -45,18 +45,13 @@ the slow-kernel effect.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from measure import SavedBytes, write_results  # noqa: E402  (benchmarks/measure.py, next to this script)
+from domainflow.shapes import balanced_sizes  # noqa: E402
 MiB = 2**20
-
-
-def balanced(n: int, world: int) -> list[int]:
-    return [n // world + (1 if r < n % world else 0) for r in range(world)]
 
 
 def _model(cin: int, c: int, cout: int, up: str):
@@ -112,7 +107,7 @@ def _rank(mode: str, cfg: dict, steps: int, warmup: int, threads: int) -> dict:
     x = torch.randn(1, cfg["cin"], *cfg["grid"])
     y = torch.randn(1, cfg["cout"], *cfg["grid"])
     d = cfg["shard_dim"]
-    sizes = balanced(cfg["grid"][d - 2], world)
+    sizes = list(balanced_sizes(cfg["grid"][d - 2], world))
     if sharded:
         x = df.distribute_tensor(x, mesh, [df.Shard(d)], sharding_shapes={0: sizes})
         y = df.distribute_tensor(y, mesh, [df.Shard(d)], sharding_shapes={0: sizes})
@@ -140,26 +135,13 @@ def _rank(mode: str, cfg: dict, steps: int, warmup: int, threads: int) -> dict:
         if isinstance(mod, (torch.nn.Conv3d, torch.nn.Upsample)):
             mod.register_forward_pre_hook(minimum)
 
-    seen: dict[int, int] = {}
-    kinds: dict[str, int] = {"ShardTensor": 0, "plain": 0}
-
-    def pack(t):
-        kinds["ShardTensor" if isinstance(t, df.ShardTensor) else "plain"] += 1
-        local = t.to_local() if isinstance(t, df.ShardTensor) else t
-        try:
-            st = local.untyped_storage()
-            ptr, n = st.data_ptr(), st.nbytes()
-        except (RuntimeError, NotImplementedError):  # no storage (should not happen here): count its elements
-            ptr, n = id(local), local.numel() * local.element_size()
-        if ptr not in param_ptrs:
-            seen[ptr] = max(seen.get(ptr, 0), n)
-        return t
+    saved = SavedBytes(exclude=param_ptrs)
 
     def step(hooked: bool):
         opt.zero_grad(set_to_none=True)
         comm.stats.reset()
         if hooked:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with saved.hooks():
                 loss = ((model(x) - y) ** 2).mean()
         else:
             loss = ((model(x) - y) ** 2).mean()
@@ -192,8 +174,8 @@ def _rank(mode: str, cfg: dict, steps: int, warmup: int, threads: int) -> dict:
             times.append(dt)
     sync()
     return {"rank": rank, "world": world, "mode": mode, "rows": sizes[rank], "first_loss": first_loss,
-            "first_step_s": first_s, "step_s": times, "saved_bytes": sum(seen.values()),
-            "saved_storages": len(seen), "saved_tensors": dict(kinds),
+            "first_step_s": first_s, "step_s": times, "saved_bytes": saved.total,
+            "saved_storages": len(saved.seen), "saved_tensors": dict(saved.kinds),
             "halo_fwd_bytes": fwd_bytes.get("halo", 0), "halo_min_bytes": analytic["bytes"],
             "fwd_comm_bytes": fwd_bytes,
             "step_comm_bytes": step_bytes, "step_comm_calls": step_calls,
@@ -310,11 +292,7 @@ def main() -> None:
                                      "per rank); also reported against plain torch",
                        "loss": "first-step loss of every sharded run equals plain within rel 1e-4"},
            "targets_met": targets, "cases": cases}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS / "grid_scaling.json.tmp"
-    tmp.write_text(json.dumps(out, indent=2, default=str))
-    tmp.replace(RESULTS / "grid_scaling.json")
-    print(f"wrote {RESULTS / 'grid_scaling.json'}")
+    write_results("grid_scaling", out)
     if not ok_all:
         raise SystemExit("a sharded run's first-step loss differs from the single-process loss: its numbers "
                          "measure a wrong computation")

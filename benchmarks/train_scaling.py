@@ -87,7 +87,7 @@ import statistics
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from measure import SavedBytes, available_memory, write_results  # noqa: E402  (benchmarks/measure.py, next to this script)
 MiB = 2**20
 REL_TOL = 1e-4
 MEM_TARGET = 1.15
@@ -147,7 +147,6 @@ def _rank(over: list[str], total_steps: int, warmup: int, threads: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    import domainflow as df
     from domainflow.preprocess.parallel import peak_memory, reset_peak_memory
     from domainflow.train import Trainer, load_config
 
@@ -157,20 +156,7 @@ def _rank(over: list[str], total_steps: int, warmup: int, threads: int) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     param_ptrs = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
 
-    seen: dict[int, int] = {}
-    kinds = {"ShardTensor": 0, "plain": 0}
-
-    def pack(t):
-        kinds["ShardTensor" if isinstance(t, df.ShardTensor) else "plain"] += 1
-        local = t._local if isinstance(t, df.ShardTensor) else t
-        try:
-            st = local.untyped_storage()
-            ptr, n = st.data_ptr(), st.nbytes()
-        except (RuntimeError, NotImplementedError):  # no storage (should not happen): count its elements
-            ptr, n = id(local), local.numel() * local.element_size()
-        if ptr not in param_ptrs:
-            seen[ptr] = max(seen.get(ptr, 0), n)
-        return t
+    saved = SavedBytes(exclude=param_ptrs)
 
     def sync():
         if world > 1:
@@ -189,7 +175,7 @@ def _rank(over: list[str], total_steps: int, warmup: int, threads: int) -> dict:
         _, samples, waited = next(stream)
         t1 = time.perf_counter()
         if k == 0:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with saved.hooks():
                 log = trainer.train_step(samples)
         else:
             log = trainer.train_step(samples)
@@ -209,7 +195,7 @@ def _rank(over: list[str], total_steps: int, warmup: int, threads: int) -> dict:
     sync()
     return {"rank": rank, "world": world, "rows": steps[0]["rows"][0], "first_loss": steps[0]["loss"],
             "first_step_s": steps[0]["step_s"], "steps": steps, "timed": steps[1 + warmup:],
-            "saved_bytes": sum(seen.values()), "saved_storages": len(seen), "saved_tensors": dict(kinds),
+            "saved_bytes": saved.total, "saved_storages": len(saved.seen), "saved_tensors": dict(saved.kinds),
             "base_rss": base_rss, "peak_rss": peak, "peak_above_base": peak - base_rss, "window": window}
 
 
@@ -247,17 +233,6 @@ def run_case(store: Path, world: int, steps: int, warmup: int, args, label: str,
         case["other_cpu_cores"] = max(0.0, other) / w0["wall_s"]
         case["ranks_cpu_cores"] = sum(r["window"]["cpu_s"] for r in ranks) / w0["wall_s"]
     return case
-
-
-def available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 2**30
 
 
 # --------------------------------------------------------------------------------------------------
@@ -460,11 +435,7 @@ def main() -> None:
                                "verification": verify},
            "w1_reference_best_s": ref_best, "w1_reference_median_s": ref_median,
            "cases": cases, "control": control, "w1_recheck": recheck}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS / "train_scaling.json.tmp"
-    tmp.write_text(json.dumps(out, indent=2, default=str))
-    tmp.replace(RESULTS / "train_scaling.json")
-    print(f"wrote {RESULTS / 'train_scaling.json'}")
+    write_results("train_scaling", out)
     if not ok_all:
         raise SystemExit("a domain-parallel run's first-step loss differs from domain = 1's: its numbers measure "
                          "a wrong computation")
