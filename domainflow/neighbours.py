@@ -45,11 +45,7 @@ def knn(points, k: int, queries=None, *, exclude_self: bool = False, boxes: torc
     """
     if k < 1:
         raise ValueError(f"knn: k must be at least 1, got {k}")
-    self_query = queries is None
-    queries = points if self_query else queries
-    if exclude_self and not self_query:
-        raise ValueError("knn: exclude_self needs queries=None (the points are their own queries)")
-    layout = _layout(points, queries, "knn")
+    queries, layout = _layout(points, queries, exclude_self, "knn")
     total = points.shape[0]
     if total - int(exclude_self) < k:
         raise ValueError(f"knn: k={k} but there are only {total} points"
@@ -82,11 +78,7 @@ def radius(points, r: float, queries=None, *, max_neighbors: int | None = None, 
     """
     if r < 0:
         raise ValueError(f"radius: r must be non-negative, got {r}")
-    self_query = queries is None
-    queries = points if self_query else queries
-    if exclude_self and not self_query:
-        raise ValueError("radius: exclude_self needs queries=None (the points are their own queries)")
-    layout = _layout(points, queries, "radius")
+    queries, layout = _layout(points, queries, exclude_self, "radius")
     if layout is None:
         p = points.detach()
         ids = torch.arange(len(p), device=p.device)
@@ -114,8 +106,17 @@ def comm_coord(mesh, m: int) -> int:
     return mesh_coordinate(mesh)[m]
 
 
-def _layout(points, queries, what: str):
-    """(local points, local queries, their global ids, mesh, mesh dim), or None for plain tensors."""
+def _layout(points, queries, exclude_self: bool, what: str):
+    """(queries, (local points, local queries, their global ids, mesh, mesh dim) or None for plain
+    tensors); queries None means the points themselves."""
+    if queries is None:
+        queries = points
+    elif exclude_self:
+        raise ValueError(f"{what}: exclude_self needs queries=None (the points are their own queries)")
+    return queries, _local_layout(points, queries, what)
+
+
+def _local_layout(points, queries, what: str):
     for name, t in (("points", points), ("queries", queries)):
         if t.ndim != 2 or not t.is_floating_point():
             raise ValueError(f"{what}: {name} must be a floating (rows, dims) tensor, got {t.dtype} {tuple(t.shape)}")

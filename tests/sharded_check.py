@@ -47,6 +47,17 @@ def random_sizes(n: int, parts: int, rng: random.Random, zeros: bool = True) -> 
             return sizes
 
 
+def nearly_empty_sizes(n: int, parts: int, rng: random.Random) -> tuple[int, ...]:
+    """Random uneven sizes of ``n`` over ``parts`` ranks, one rank holding at most one row."""
+    s = list(random_sizes(n, parts, rng))
+    if parts > 1:
+        k = rng.randrange(parts)
+        extra = s[k] - min(s[k], 1)
+        s[k] -= extra
+        s[(k + 1) % parts] += extra
+    return tuple(s)
+
+
 @dataclass
 class Sharded:
     """A full tensor and the layout to shard it with (``sizes`` per mesh dim; None: chunk sizes)."""

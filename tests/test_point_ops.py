@@ -11,18 +11,10 @@ import torch
 
 from dist_pool import rank_and_world
 from domainflow import Replicate, Shard, ShardTensor
-from sharded_check import Sharded, check_sharded, get_mesh, random_sizes
+from sharded_check import Sharded, check_sharded, get_mesh, nearly_empty_sizes
 
 
-def _sizes(n, world, rng):
-    """Random uneven sizes with one rank holding at most one row."""
-    s = list(random_sizes(n, world, rng))
-    if world > 1:
-        k = rng.randrange(world)
-        extra = s[k] - min(s[k], 1)
-        s[k] -= extra
-        s[(k + 1) % world] += extra
-    return tuple(s)
+_sizes = nearly_empty_sizes  # one rank holds at most one row
 
 
 def _gathers(seed):
