@@ -1,7 +1,7 @@
 """Grid scaling: activation memory per rank and training-step time of a small 3-D UNet at a fixed global
 grid, on 1, 2 and 4 ranks, with the grid sharded along its first spatial dim.
 
-Run: .venv/bin/python benchmarks/grid_scaling.py [--grid 64 64 64 --steps 5 --warmup 2]   (about 1-2 min)
+Run: .venv/bin/python benchmarks/grid_scaling.py [--grid 64 64 64 --steps 5 --warmup 2 --rounds 3]   (about 3 min)
 Prints a table and writes benchmarks/results/grid_scaling.json. All numbers of one run come from the same
 machine state; quote ratios, not absolute times.
 
@@ -26,7 +26,14 @@ Measured per rank:
 - peak RSS: the kernel's high-water mark (VmHWM, reset through /proc/self/clear_refs just before the first
   step) over all steps; "above base" subtracts the resident size after imports and mesh setup.
 - step time: from a barrier to the end of ``opt.step()``, slowest rank per step; best and median of
-  ``--steps`` steps after ``--warmup`` steps (the hooked first step is not timed).
+  ``--steps`` steps after ``--warmup`` steps (the hooked first step is not timed) in each of ``--rounds``
+  rounds. A round starts every case once, in turn (plain, W = 1, 2, 4), so the cases sample the same
+  stretches of this shared VM's load rather than one case running in a quiet minute and another in a busy
+  one; best and median are over all rounds' steps. Memory and halo numbers come from the first round.
+
+Allocator (``--malloc``, default "tuned"): the ranks start with ``measure.TUNED_MALLOC`` (see there) so
+that large blocks such as the im2col buffers of CPU convolutions are reused from the heap instead of being
+mmap-ed and page-faulted on every call, for every case alike; "system" keeps glibc's defaults.
 
 Correctness guard: every sharded run's first-step loss must equal the plain run's within rel 1e-4 (float32),
 else the row is marked and the script exits non-zero after writing the results.
@@ -49,7 +56,7 @@ import os
 import statistics
 import time
 
-from measure import SavedBytes, write_results  # noqa: E402  (benchmarks/measure.py, next to this script)
+from measure import TUNED_MALLOC, SavedBytes, write_results  # noqa: E402  (benchmarks/measure.py, next to this script)
 from domainflow.shapes import balanced_sizes  # noqa: E402
 MiB = 2**20
 
@@ -183,17 +190,29 @@ def _rank(mode: str, cfg: dict, steps: int, warmup: int, threads: int) -> dict:
 
 
 def run_case(mode: str, world: int, cfg: dict, args) -> dict:
+    """One launch of ``world`` ranks: the hooked first step, warm-up and timed steps."""
     from domainflow.launch import launch_local
 
     res = launch_local(_rank, world, mode, cfg, args.steps, args.warmup, args.threads,
                        threads_per_rank=args.threads)
     ranks = [res[r] for r in sorted(res)]
     slowest = [max(r["step_s"][i] for r in ranks) for i in range(len(ranks[0]["step_s"]))]
-    return {"mode": mode, "world": world, "best_s": min(slowest), "median_s": statistics.median(slowest),
-            "step_s": slowest, "first_loss": ranks[0]["first_loss"],
+    return {"mode": mode, "world": world, "step_s": slowest, "first_loss": ranks[0]["first_loss"],
             "max_saved_bytes": max(r["saved_bytes"] for r in ranks),
             "max_peak_rss": max(r["peak_rss"] for r in ranks),
             "max_peak_above_base": max(r["peak_rss"] - r["base_rss"] for r in ranks), "per_rank": ranks}
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """A case over all rounds: the first round's memory numbers, step times of every round."""
+    case = dict(rounds[0])
+    steps = [t for r in rounds for t in r["step_s"]]
+    case["step_s"] = steps
+    case["step_s_by_round"] = [r["step_s"] for r in rounds]
+    case["best_s"], case["median_s"] = min(steps), statistics.median(steps)
+    case["max_peak_rss"] = max(r["max_peak_rss"] for r in rounds)
+    case["max_peak_above_base"] = max(r["max_peak_above_base"] for r in rounds)
+    return case
 
 
 # --------------------------------------------------------------------------------------------------
@@ -210,20 +229,31 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per case")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps after the (hooked, untimed) first one")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    ap.add_argument("--rounds", type=int, default=3, help="times every case is started, in turn")
+    ap.add_argument("--malloc", choices=("tuned", "system"), default="tuned",
+                    help="glibc allocator settings of the ranks (see the module docstring)")
     args = ap.parse_args()
+    if args.malloc == "tuned":
+        os.environ.update(TUNED_MALLOC)  # the spawned ranks inherit it (glibc reads it at their start)
 
     import torch
 
     cfg = {"grid": list(args.grid), "cin": 4, "cout": 4, "channels": args.channels, "up": args.up, "seed": 0,
            "shard_dim": args.shard_dim}
     t0 = time.perf_counter()
-    cases = [run_case("plain", 1, cfg, args)] + [run_case("sharded", w, cfg, args) for w in args.worlds]
+    order = [("plain", 1)] + [("sharded", w) for w in args.worlds]
+    rounds: dict = {key: [] for key in order}
+    for _ in range(args.rounds):
+        for mode, w in order:
+            rounds[(mode, w)].append(run_case(mode, w, cfg, args))
+    cases = [merge_rounds(rounds[key]) for key in order]
     plain = cases[0]
     single = plain["max_saved_bytes"]
     print(f"3-D UNet, input 1 x {cfg['cin']} x {' x '.join(map(str, cfg['grid']))} float32, {args.channels} base "
           f"channels, upsample {args.up}; sharded along tensor dim {args.shard_dim} "
           f"({'DHW'[args.shard_dim - 2]}) in balanced slabs; {args.threads} torch thread(s) per "
-          f"rank on {os.cpu_count()} cores; best / median of {args.steps} steps after {args.warmup} warm-up")
+          f"rank on {os.cpu_count()} cores; malloc {args.malloc}; best / median of {args.rounds} rounds x "
+          f"{args.steps} steps after {args.warmup} warm-up")
     print(f"{'W':<6}{'step s best/med':>17}{'thru':>7}{'loss ok':>9}{'saved MiB':>11}{'halo MiB':>10}"
           f"{'bound MiB':>11}{'/bound':>8}{'peak RSS MiB':>14}{'above base':>12}")
     ok_all = True
@@ -286,7 +316,8 @@ def main() -> None:
     print(f"total {total:.0f} s")
 
     out = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "threads_per_rank": args.threads,
-           "config": cfg, "steps": args.steps, "warmup": args.warmup, "total_s": total,
+           "malloc": args.malloc, "malloc_env": TUNED_MALLOC if args.malloc == "tuned" else {},
+           "config": cfg, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "total_s": total,
            "targets": {"saved_bytes": "max over ranks saved <= 1.1 x (plain saved / W + halo forward bytes)",
                        "throughput": "W=2 best step throughput >= 1.6 x W=1 (parallel efficiency >= 0.8; 1 thread "
                                      "per rank); also reported against plain torch",

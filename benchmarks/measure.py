@@ -8,6 +8,12 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
+# glibc settings for the benchmark ranks (``--malloc tuned``): with the defaults every block above 32 MiB
+# (large activations, im2col buffers of CPU convolutions) is mmap-ed and unmapped on every use, so each step
+# pays page faults that depend on the block sizes rather than on the work; these keep freed memory in the
+# heap. Set in the environment before the ranks start (glibc reads it at process start).
+TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(4 * 2**30), "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30)}
+
 
 class SavedBytes:
     """Storage bytes of the tensors autograd saves for backward while ``hooks()`` is active: each storage

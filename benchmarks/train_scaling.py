@@ -87,13 +87,12 @@ import statistics
 import time
 from pathlib import Path
 
-from measure import SavedBytes, available_memory, write_results  # noqa: E402  (benchmarks/measure.py, next to this script)
+from measure import TUNED_MALLOC, SavedBytes, available_memory, write_results  # noqa: E402  (benchmarks/measure.py, next to this script)
 MiB = 2**20
 REL_TOL = 1e-4
 MEM_TARGET = 1.15
 THROUGHPUT_TARGET = 1.6
 STALL_TARGET = 0.05
-TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(4 * 2**30), "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30)}
 
 
 # --------------------------------------------------------------------------------------------------

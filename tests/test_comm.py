@@ -75,3 +75,49 @@ def _all_to_all(seed):
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_all_to_all_autograd(dist, world):
     assert all(dist.run(world, _all_to_all, 9 + world))
+
+
+def _all_reduce_paths(seed):
+    """``comm.all_reduce`` by point-to-point swap (small payloads on Gloo) and by Gloo's own all-reduce
+    (payload above ``EXCHANGE_REDUCE_MAX_BYTES``): same values, the same bits on every rank, NaN kept by
+    max/min, integer and bool inputs, bytes counted as all-reduce traffic (not halo)."""
+    import torch.distributed as tdist
+
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,))
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(5, 3, generator=g, dtype=torch.float32) for _ in range(world)]
+    big_n = comm.EXCHANGE_REDUCE_MAX_BYTES // 4 + 1  # float32 elements: over the threshold even at world 2
+    bigs = [torch.randn(big_n, generator=g, dtype=torch.float32) for _ in range(world)]
+    for x_parts in (parts, bigs):
+        mine = x_parts[rank].clone()
+        if x_parts is parts:
+            mine[0, 0] = float("nan") if rank == world - 1 else mine[0, 0]
+        comm.stats.reset()
+        for op, ref in (("sum", lambda t: torch.stack(t).sum(0)), ("avg", lambda t: torch.stack(t).mean(0)),
+                        ("max", lambda t: torch.stack(t).amax(0)), ("min", lambda t: torch.stack(t).amin(0)),
+                        ("product", lambda t: torch.stack(t).prod(0))):
+            got = comm.all_reduce(mine, op, mesh, 0)
+            full = [p.clone() for p in x_parts]
+            if x_parts is parts:
+                full[world - 1][0, 0] = float("nan")
+            want = ref(full)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True), op
+            if op in ("max", "min") and x_parts is parts:
+                assert torch.isnan(got[0, 0]), f"{op} dropped a NaN from rank {world - 1}"
+            everyone = [torch.empty_like(got) for _ in range(world)]
+            tdist.all_gather(everyone, got, group=mesh.get_group(0))
+            assert all(torch.equal(e, got) or torch.equal(torch.nan_to_num(e), torch.nan_to_num(got))
+                       for e in everyone), f"{op}: ranks got different bits"
+        if world > 1:
+            assert comm.stats.bytes.get("halo", 0) == 0 and comm.stats.calls["all_reduce"] == 5
+    ints = comm.all_reduce(torch.tensor([rank, 1]), "sum", mesh, 0)
+    assert ints.tolist() == [sum(range(world)), world]
+    flags = comm.all_reduce(torch.tensor([rank == 0, False]), "max", mesh, 0)
+    assert flags.dtype == torch.bool and flags.tolist() == [True, False]
+    return True
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_all_reduce_small_by_exchange_and_large_by_gloo(dist, world):
+    assert all(dist.run(world, _all_reduce_paths, 31 + world))

@@ -216,6 +216,41 @@ def test_normalization_layers(dist, world):
     assert all(dist.run(world, _norms, 500 + world))
 
 
+def _norm_far_from_zero(seed):
+    """float32 group and batch norm of data whose mean is far above its spread (kelvin-like temperatures):
+    the sharded statistics must be as accurate as torch's own float32 kernels, measured against float64."""
+    import domainflow as df
+
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    x64 = 280.0 + 0.5 * torch.randn(2, 4, 24, 10, generator=gen, dtype=torch.float64)
+    cot = torch.randn(2, 4, 24, 10, generator=gen, dtype=torch.float64)
+    sizes = _sizes(24, world, rng)
+    for norm in (lambda t: F.group_norm(t, 2), lambda t: F.batch_norm(t, None, None, training=True)):
+        ref_in = x64.clone().requires_grad_()
+        ref = norm(ref_in)
+        (ref * cot).sum().backward()
+        own_in = x64.float().requires_grad_()
+        own = norm(own_in)
+        (own * cot.float()).sum().backward()
+        xs = df.distribute_tensor(x64.float(), mesh, [Shard(2)], sharding_shapes={0: sizes}).requires_grad_()
+        ys = norm(xs)
+        (ys * df.distribute_tensor(cot.float(), mesh, [Shard(2)], sharding_shapes={0: sizes})).sum().backward()
+        for got, own_t, want, what in ((ys.full_tensor(), own, ref, "output"),
+                                       (xs.grad.full_tensor(), own_in.grad, ref_in.grad, "input gradient")):
+            err = (got.double() - want).abs().max().item()
+            torch_err = (own_t.double() - want).abs().max().item()
+            assert err <= 4 * torch_err + 1e-5, f"{what}: sharded error {err:.2e}, torch float32 {torch_err:.2e}"
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_normalization_statistics_stay_accurate_far_from_zero(dist, world):
+    assert all(dist.run(world, _norm_far_from_zero, 700 + world))
+
+
 INTERP = [dict(scale_factor=2, mode="nearest"), dict(size=(13, 9), mode="nearest"),
           dict(scale_factor=1.7, mode="nearest-exact"), dict(scale_factor=2, mode="bilinear", align_corners=False),
           dict(scale_factor=2, mode="bilinear", align_corners=True), dict(size=(5, 11), mode="bilinear"),

@@ -30,80 +30,113 @@ def _sharded_mesh_dims(spec, allowed_dims) -> tuple[list[int], str | None]:
     return dims, None
 
 
-def _global_moments(xs: torch.Tensor, dims: tuple[int, ...], count: int, spec, reduce_mesh_dims):
-    """Mean and biased variance (float64, no gradient) of ``xs`` over ``dims`` and the ranks of
-    ``reduce_mesh_dims``: one all-reduce per mesh dim carries the sums and the sums of squares."""
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype of local sums: float32 for half types (as torch's own norms), else the input's."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _sum(t: torch.Tensor, dims, dtype=None) -> torch.Tensor:
+    """``t`` summed over ``dims`` keeping them (size 1); no dims: ``t`` itself (torch would sum them all)."""
+    return t.sum(dims, keepdim=True, dtype=dtype) if dims else (t if dtype is None else t.to(dtype))
+
+
+def _keepdim_shape(x: torch.Tensor, dims) -> list[int]:
+    return [1 if d in dims else n for d, n in enumerate(x.shape)]
+
+
+def _centred_moments(xs: torch.Tensor, dims: tuple[int, ...], count: int, spec, reduce_mesh_dims):
+    """Global mean and biased variance (float64, keepdim shape, no gradient) of ``xs`` over ``dims`` and the
+    ranks of ``reduce_mesh_dims``; also the block centred on its own local mean, ``xs - shift``, and
+    ``delta = mean - shift``.
+
+    Each rank centres its block before squaring, so the sum of squares has no cancellation even where
+    |mean| >> std (say raw temperatures in kelvin). The local shifts and centred sums are combined exactly
+    in float64 (Chan's pairwise formula, written as sums) by one all-reduce per mesh dim. The centred block
+    is what the normalisation saves for backward, in place of the input (same size).
+    """
+    acc = _acc_dtype(xs.dtype)
+    n_loc = 1
+    for d in dims:
+        n_loc *= xs.shape[d]
     with torch.no_grad():
-        sums = torch.stack([xs.sum(dims, dtype=torch.float64), (xs * xs).sum(dims, dtype=torch.float64)])
+        if n_loc:
+            shift = _sum(xs, dims, acc).div(n_loc).to(xs.dtype)
+        else:
+            shift = xs.new_zeros(_keepdim_shape(xs, dims))
+        centred = xs - shift
+        m2 = _sum(centred.square(), dims, acc).double()
+        s = shift.double()
+        sums = torch.stack([s * n_loc, m2 + n_loc * s * s])
         for m in reduce_mesh_dims:
             sums = comm.all_reduce(sums.contiguous(), "sum", spec.mesh, m)
         mean = sums[0] / count
         var = (sums[1] / count - mean * mean).clamp_min(0)
-    return mean, var
-
-
-def _keep(t: torch.Tensor, dims, ndim: int) -> torch.Tensor:
-    """Re-insert the reduced ``dims`` as size-1 dims (broadcastable against the input)."""
-    for d in sorted(dims):
-        t = t.unsqueeze(d)
-    return t if t.ndim == ndim else t.reshape(t.shape + (1,) * (ndim - t.ndim))
+    return mean, var, centred, mean - s
 
 
 class _Normalize(torch.autograd.Function):
-    """y = (x - mean) * rstd * weight + bias with statistics over ``dims`` and the ranks of ``mesh_dims``.
+    """y = (centred - delta) * rstd * weight + bias, where ``centred`` is the input less a per-block shift
+    and ``delta`` the global mean less that shift; statistics over ``dims`` and the ranks of ``mesh_dims``.
 
-    Saves only the input and the (small) statistics, like torch's fused norms, and recomputes the normalised
-    values in backward. With batch statistics the input gradient needs two global means of the output
-    gradient: one all-reduce per mesh dim; with fixed statistics (eval) it is local. Weight and bias
-    gradients are summed over ``param_mesh_dims`` in one coalesced all-reduce.
+    ``x`` (the input) only links the graph; the centred block and the small statistics are saved, as in
+    torch's fused norms, and the backward works from per-cell sums (a cell: one index of the dims kept by the
+    statistics or the affine parameters), so it makes three passes over the activation instead of a dozen.
+    With batch statistics the input gradient needs two global means of the output gradient: one all-reduce
+    per mesh dim; with fixed statistics (eval) it is local. Weight and bias gradients are summed over
+    ``param_mesh_dims`` in one coalesced all-reduce (or queued under ``deferred_param_grads``).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mean, rstd, dims, count, spec, mesh_dims, param_mesh_dims, batch_stats,
-                affine_shape):
-        xhat = (x - mean) * rstd
-        y = xhat
-        if weight is not None:
-            y = y * weight.reshape(affine_shape)
+    def forward(ctx, x, centred, weight, bias, delta, rstd, dims, count, spec, mesh_dims, param_mesh_dims,
+                batch_stats, affine_shape):
+        scale = rstd if weight is None else rstd * weight.reshape(affine_shape)
+        offset = -delta * scale
         if bias is not None:
-            y = y + bias.reshape(affine_shape)
-        ctx.save_for_backward(x, weight, mean, rstd)
+            offset = offset + bias.reshape(affine_shape)
+        y = centred * scale.to(centred.dtype)
+        y.add_(offset.to(centred.dtype))
+        ctx.save_for_backward(centred, weight, delta, rstd)
         ctx.params, ctx.bias_shape = (weight, bias), (bias.shape if bias is not None else None)
         ctx.args = (dims, count, spec, mesh_dims, param_mesh_dims, batch_stats, affine_shape, bias is not None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, mean, rstd = ctx.saved_tensors
+        centred, weight, delta, rstd = ctx.saved_tensors
         dims, count, spec, mesh_dims, param_mesh_dims, batch_stats, affine_shape, has_bias = ctx.args
-        xhat = (x - mean) * rstd
-        g = dy * weight.reshape(affine_shape) if weight is not None else dy
+        acc = _acc_dtype(dy.dtype)
+        inner = tuple(d for d in dims if affine_shape[d] == 1)  # summed within a cell
+        db = _sum(dy, inner, acc).double()  # per cell: sum of dy
+        dxh = (_sum(dy * centred, inner, acc).double() - delta * db) * rstd  # per cell: sum of dy * xhat
+        w = weight.reshape(affine_shape).double() if weight is not None else None
+        scale = rstd if w is None else rstd * w
         if batch_stats:
-            sums = torch.stack([g.sum(dims, dtype=torch.float64), (g * xhat).sum(dims, dtype=torch.float64)])
+            outer = tuple(d for d in dims if d not in inner)
+            g, gx = (db, dxh) if w is None else (db * w, dxh * w)
+            sums = torch.stack([_sum(g, outer), _sum(gx, outer)])
             for m in mesh_dims:
                 sums = comm.all_reduce(sums.contiguous(), "sum", spec.mesh, m)
-            mg = _keep(sums[0] / count, dims, x.ndim).to(x.dtype)
-            mgx = _keep(sums[1] / count, dims, x.ndim).to(x.dtype)
-            dx = (g - mg - xhat * mgx) * rstd
+            mg, mgx = sums[0] / count, sums[1] / count
+            # dx = (g - mean(g) - xhat * mean(g * xhat)) * rstd, expanded over centred and dy
+            dx = centred * (-mgx * rstd * rstd).to(dy.dtype)
+            dx.add_(((delta * mgx * rstd - mg) * rstd).to(dy.dtype))
+            dx.addcmul_(dy, scale.to(dy.dtype))  # in place: half the time of adding dy * scale
         else:
-            dx = g * rstd
+            dx = dy * scale.to(dy.dtype)
         from ..param_grads import reduce_param_grads
 
-        keep = [k for k, n in enumerate(affine_shape) if n != 1]
-        other = tuple(k for k in range(x.ndim) if k not in keep)
-        gw = (dy * xhat).sum(other).reshape(weight.shape) if weight is not None else None
-        gb = dy.sum(other).reshape(ctx.bias_shape) if has_bias else None
+        other = tuple(k for k in range(dy.ndim) if affine_shape[k] == 1)
+        gw = dxh.sum(other).reshape(weight.shape).to(weight.dtype) if weight is not None else None
+        gb = db.sum(other).reshape(ctx.bias_shape).to(ctx.params[1].dtype) if has_bias else None
         gw, gb = reduce_param_grads(ctx.params, [gw, gb], spec.mesh, param_mesh_dims)
-        return dx, gw, gb, None, None, None, None, None, None, None, None, None
+        return dx, None, gw, gb, None, None, None, None, None, None, None, None, None
 
 
-def _normalize(x_local, weight, bias, mean, var, eps, dims, count, spec, mesh_dims, param_mesh_dims, batch_stats,
-               affine_shape):
-    rstd = torch.rsqrt(var + eps)
-    mean = _keep(mean, dims, x_local.ndim).to(x_local.dtype) if mean.ndim < x_local.ndim else mean.to(x_local.dtype)
-    rstd = _keep(rstd, dims, x_local.ndim).to(x_local.dtype) if rstd.ndim < x_local.ndim else rstd.to(x_local.dtype)
-    return _Normalize.apply(x_local, weight, bias, mean, rstd, dims, count, spec, mesh_dims, param_mesh_dims,
-                            batch_stats, affine_shape)
+def _normalize(x_local, centred, weight, bias, delta, var, eps, dims, count, spec, mesh_dims, param_mesh_dims,
+               batch_stats, affine_shape):
+    rstd = torch.rsqrt(var.double() + eps)
+    return _Normalize.apply(x_local, centred, weight, bias, delta.double(), rstd, dims, count, spec, mesh_dims,
+                            param_mesh_dims, batch_stats, affine_shape)
 
 
 def _prepare(func, args, kwargs, x, others):
@@ -130,10 +163,10 @@ def _group_norm(func, args, kwargs):
     view = local.reshape(local.shape[0], G, C // G, *local.shape[2:])  # stats per (sample, group)
     dims = tuple(range(2, view.ndim))
     count = (C // G) * (int(torch.tensor(x.shape[2:]).prod().item()) if x.ndim > 2 else 1)
-    mean, var = _global_moments(view, dims, count, spec, spatial_mesh_dims)
+    _, var, centred, delta = _centred_moments(view, dims, count, spec, spatial_mesh_dims)
     affine = (1, G, C // G) + (1,) * (x.ndim - 2)
-    y = _normalize(view, a["weight"], a["bias"], mean, var, a["eps"], dims, count, spec, spatial_mesh_dims,
-                   mesh_dims, True, affine)
+    y = _normalize(view, centred, a["weight"], a["bias"], delta, var, a["eps"], dims, count, spec,
+                   spatial_mesh_dims, mesh_dims, True, affine)
     return like(spec, y.reshape(local.shape))
 
 
@@ -168,21 +201,23 @@ def _channel_norm(func, args, kwargs, a, stats_over_batch: bool, use_batch_stats
     else:
         dims, reduce_mesh, count = spatial, [m for m in mesh_dims if spec.placements[m].dim >= 2], n_space
     if use_batch_stats:
-        mean, var = _global_moments(local, dims, count, spec, reduce_mesh)
+        mean, var, centred, delta = _centred_moments(local, dims, count, spec, reduce_mesh)
         rm, rv = a["running_mean"], a["running_var"]
         if rm is not None and rv is not None:
             with torch.no_grad():  # identical on every rank: the statistics are global
                 m = a["momentum"] if a["momentum"] is not None else 0.0
                 unbiased = var * (count / max(count - 1, 1))
-                rm.mul_(1 - m).add_((mean if stats_over_batch else mean.mean(0)).to(rm.dtype), alpha=m)
-                rv.mul_(1 - m).add_((unbiased if stats_over_batch else unbiased.mean(0)).to(rv.dtype), alpha=m)
-        y = _normalize(local, a["weight"], a["bias"], mean, var, a["eps"], dims, count, spec, reduce_mesh,
-                       mesh_dims, True, affine)
+                if not stats_over_batch:  # instance norm: the running statistics average the samples
+                    mean, unbiased = mean.mean(0), unbiased.mean(0)
+                rm.mul_(1 - m).add_(mean.reshape(rm.shape).to(rm.dtype), alpha=m)
+                rv.mul_(1 - m).add_(unbiased.reshape(rv.shape).to(rv.dtype), alpha=m)
+        y = _normalize(local, centred, a["weight"], a["bias"], delta, var, a["eps"], dims, count, spec,
+                       reduce_mesh, mesh_dims, True, affine)
     else:
         mean = a["running_mean"].reshape(affine)
         var = a["running_var"].reshape(affine)
-        y = _normalize(local, a["weight"], a["bias"], mean, var, a["eps"], dims, count, spec, [], mesh_dims, False,
-                       affine)
+        y = _normalize(local, local, a["weight"], a["bias"], mean, var, a["eps"], dims, count, spec, [],
+                       mesh_dims, False, affine)
     return like(spec, y)
 
 

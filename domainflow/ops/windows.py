@@ -411,7 +411,7 @@ def _make_pool(nd: int, func, kind: str):
         if kind == "max":
             real = _valid_mask(spec, sharded, plans, x.ndim, local.device, local.dtype,
                                lambda m, d, n: 0, lambda m, d, n: n)
-            if real is not None:
+            if real is not None and not bool(real.all()):  # padding rows in the block: never the max
                 local = local.masked_fill(real == 0, float("-inf"))
             out_local = func(local, kernel, stride, local_pad, dilation, ceil_mode=ceil)
         else:
