@@ -397,11 +397,12 @@ def _exchange_start(out_pieces: dict, in_shapes: dict, like: torch.Tensor, mesh:
     if ops:
         with _named(what, mesh, mesh_dim, detail):
             works = dist.batch_isend_irecv(ops)
-    return works, received, (what, mesh, mesh_dim, detail)
+    # the ops hold the (possibly temporary, made contiguous) pieces until the sends are waited on
+    return works, received, (what, mesh, mesh_dim, detail), ops
 
 
 def _exchange_wait(pending) -> dict:
-    works, received, (what, mesh, mesh_dim, detail) = pending
+    works, received, (what, mesh, mesh_dim, detail), _ops = pending
     if works:
         with _named(what, mesh, mesh_dim, detail):
             for w in works:
