@@ -31,6 +31,13 @@ not absolute times. The sample is what MeshDataset reads by default: inputs coor
     read_region (on the prefetch thread, z-score included) and wrap (ShardTensors, on the consumer); a
     second prefetch loop splits next() into waiting for the read and wrap.
 
+(e) What the integrity guarantees of store format 2 cost a sample: ``read_region`` on this store (every chunk
+    written, zstd with a content checksum; the reader refuses missing chunks, names undecodable ones and
+    ``stat``s the root metadata before and after the sample) against today's path before them: the same rows
+    of a copy of the store re-encoded as format 1 wrote them (zstd without checksum), read by read_region
+    with the checks bypassed (plain ``arr[a:b]``). Best of N per run, summed over runs, interleaved; a third
+    row reads the checksummed store without the checks, to split the cost. Target: <= 1.05x.
+
 torch runs with ``--threads`` intra-op threads (default 1, here and per rank in (c)): with two threads on this
 shared 2-core machine, a busy neighbour process turns the millisecond-scale ops of wrap into tens of ms.
 """
@@ -177,6 +184,57 @@ def read_vs_plain(ds, store_path: Path, runs: list[str], cases, repeats: int) ->
                     "plain_s": best["plain"], "stored_mib": mb / 2**20,
                     "ratio": best["plain"] / best["reader"]})
     _as_rank(ds, 0, 1)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# (e) the cost of the integrity checks
+# --------------------------------------------------------------------------------------------------
+def reencode_as_format1(src: Path, dst: Path, runs: list[str]) -> None:
+    """A copy of ``src`` whose sample arrays are encoded as store format 1 wrote them (zarr's defaults:
+    zstd level 0 without a checksum), same chunks and values."""
+    import zarr
+
+    shutil.copytree(src, dst)
+    root = zarr.open_group(dst, mode="r+")
+    for run in runs:
+        loc = root["runs"][run][LOC]
+        for key in _array_keys():
+            old = loc[key]
+            values, attrs = np.asarray(old[...]), dict(old.attrs)
+            group, name = (loc["fields"], key.split("/")[1]) if "/" in key else (loc, key)
+            del group[name]
+            group.create_array(name, shape=values.shape, chunks=old.chunks, dtype=values.dtype, attributes=attrs)[...] \
+                = values
+
+
+def _unchecked(ds):
+    """``ds`` reading as before the integrity checks: plain slicing, no store stamp checks."""
+    ds.store.read = lambda arr, selection=Ellipsis, orthogonal=False: np.asarray(arr[selection])
+    ds.store.check_unchanged = lambda: None
+    return ds
+
+
+def integrity_cost(make_ds, path: Path, old: Path, runs: list[str], cases, repeats: int) -> list[dict]:
+    variants = {"format 2, checks": make_ds(path), "format 1, no checks": _unchecked(make_ds(old)),
+                "format 2, no checks": _unchecked(make_ds(path))}
+    out = []
+    for world, rank in cases:
+        for ds in variants.values():
+            _as_rank(ds, rank, world)
+        times = {name: {run: [] for run in runs} for name in variants}
+        names = list(variants)
+        for k in range(repeats):
+            for run in runs:
+                for name in (names if k % 2 == 0 else names[::-1]):
+                    t = time.perf_counter()
+                    variants[name].read_region(run)
+                    times[name][run].append(time.perf_counter() - t)
+        best = {name: sum(min(v) for v in per.values()) for name, per in times.items()}
+        today = best["format 1, no checks"]
+        out.append({"world": world, "rank": rank, **{f"{n} s": v for n, v in best.items()},
+                    "ratio": best["format 2, checks"] / today,
+                    "checksum_ratio": best["format 2, no checks"] / today})
     return out
 
 
@@ -441,6 +499,23 @@ def main() -> None:
             print(f"{'W=%d rank %d' % (r['world'], r['rank']):<14}{r['stored_mib']:>11.1f}{r['reader_s']:>10.3f}"
                   f"{r['plain_s']:>9.3f}{r['ratio']:>14.2f}{'yes' if r['ratio'] >= 0.9 else 'NO':>6}")
 
+        # (e)
+        old = scratch / "format1.zarr"
+        reencode_as_format1(path, old, runs)
+        e_rows = integrity_cost(lambda p: MeshDataset(p, mesh, split=None, location=LOC, fields=FIELDS, inputs=INPUTS,
+                                                      shuffle=False, prefetch=0, normalize=False),
+                                path, old, runs, [(1, 0), (4, 1)], args.repeats)
+        print(f"\n(e) cost of the integrity checks per sample: read_region, best of {args.repeats} per run, summed over "
+              f"{len(runs)} runs")
+        print(f"{'rows of':<14}{'today s':>9}{'format 2 s':>12}{'ratio':>7}{'checksum only':>15}{'met':>6}")
+        for r in e_rows:
+            print(f"{'W=%d rank %d' % (r['world'], r['rank']):<14}{r['format 1, no checks s']:>9.4f}"
+                  f"{r['format 2, checks s']:>12.4f}{r['ratio']:>7.3f}{r['checksum_ratio']:>15.3f}"
+                  f"{'yes' if r['ratio'] <= 1.05 else 'NO':>6}")
+        print("today: format 1 encoding (no checksum), no checks; format 2: checksummed chunks, missing-chunk and "
+              "replaced-store checks; checksum only: format 2 encoding without the reader's checks")
+        shutil.rmtree(old)
+
         # (c)
         c = region_vs_scatter(path, runs, max(1, args.repeats // 3), whole, args.threads)
         print(f"\n(c) 4 ranks (Gloo, {args.threads} thread(s) each, on {os.cpu_count()} cores): region reads vs rank 0 "
@@ -484,6 +559,7 @@ def main() -> None:
             "a_bytes_per_rank_le_1_over_W_plus_2_chunks": all(r["met"] for r in a_rows),
             "b_plain_over_reader_ge_0.9": all(r["ratio"] >= 0.9 for r in b_rows),
             "d_stall_with_prefetch_lt_5pct (epoch 2)": d["modes"]["prefetch=2 normalize=True epoch=2"]["stall"] < 0.05,
+            "e_integrity_checks_le_1.05x": all(r["ratio"] <= 1.05 for r in e_rows),
         }
         print("\ntargets: " + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in targets.items())
               + f"; (c) no target: read-all + scatter time / region time = {c['speedup_median']:.2f}x")
@@ -494,8 +570,10 @@ def main() -> None:
                "layout_run0": {k: {kk: vv for kk, vv in v.items() if kk != "chunk_bytes"} |
                                {"chunk_stored_bytes": list(v["chunk_bytes"].values())} for k, v in lay0.items()},
                "a_bytes_per_rank": a_rows, "b_read_vs_plain": b_rows, "c_region_vs_scatter": c, "d_stall": d,
+               "e_integrity_cost": e_rows,
                "targets": {"a": "bytes per rank / whole <= 1/W + 2 chunks", "b": "plain time / reader time >= 0.9",
-                           "d": "stall with prefetch < 5%"},
+                           "d": "stall with prefetch < 5%",
+                           "e": "read_region on format 2 with checks / format 1 without them <= 1.05"},
                "targets_met": targets}
         RESULTS.mkdir(parents=True, exist_ok=True)
         tmp = RESULTS / "reader_throughput.json.tmp"

@@ -15,8 +15,10 @@ _EXPORTS = {
     "ShardTensor": "shard_tensor", "distribute_tensor": "shard_tensor", "scatter_tensor": "shard_tensor",
     "ShardSpec": "spec", "deferred_param_grads": "param_grads", "reduce_partials": "partials",
     "knn": "neighbours", "radius": "neighbours", "checkpoint": "activation_checkpoint",
+    "ReplicaMismatchError": "errors", "sync_module": "consistency",
 }
-_SUBMODULES = ("comm", "ops", "shapes", "dispatch", "redistribute", "launch", "spec", "neighbours", "point_search")
+_SUBMODULES = ("comm", "ops", "shapes", "dispatch", "redistribute", "launch", "spec", "neighbours", "point_search",
+               "consistency", "locks")
 
 
 def _bind_exports():
@@ -50,6 +52,6 @@ __all__ = [
     "checkpoint", "CollectiveError", "DomainflowError", "Partial", "Placement", "REGISTRY", "Replicate", "Shard",
     "ShardSpec", "ShardTensor", "ShardingMismatchError", "ShardingShapeError", "UnsupportedShardedOp",
     "deferred_param_grads", "distribute_tensor", "fallback", "init_mesh", "knn", "radius", "reduce_partials",
-    "register_aten", "register_function", "scatter_tensor",
+    "register_aten", "register_function", "ReplicaMismatchError", "scatter_tensor", "sync_module",
 ]
 __version__ = "0.1.0"

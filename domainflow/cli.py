@@ -53,11 +53,12 @@ def _train(args) -> int:
 
 def _predict(args) -> int:
     from .launch import launch_local, under_launcher
-    from .train.predict import predict_main
+    from .train.predict import predict_config, predict_main
 
     call = (args.checkpoint, args.store, args.run, args.out, args.domain)
     if args.domain == 1 or under_launcher():
         return predict_main(*call)
+    predict_config(args.checkpoint, args.store, args.run, args.domain)  # errors known before ranks start
     launch_local(predict_main, args.domain, *call)
     return 0
 
@@ -234,6 +235,10 @@ def main(argv=None) -> int:
         if args.command == "ingest":
             print("interrupted; the store is a valid partial store: rerun the same command to resume",
                   file=sys.stderr)
+        elif args.command == "train":
+            print("interrupted; rerun with --resume to continue from the last checkpoint", file=sys.stderr)
+        else:
+            print("interrupted", file=sys.stderr)
         return 130
     except (ValueError, RuntimeError, OSError) as exc:
         from .preprocess.errors import IngestError, RunError

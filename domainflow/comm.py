@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections import Counter
 from collections.abc import Sequence
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import consistency
 from .errors import CollectiveError
 from .spec import mesh_coordinate, mesh_shape
 
@@ -60,9 +62,50 @@ def _named(op: str, mesh: DeviceMesh | None, mesh_dim: int | None, detail: str =
     except RuntimeError as e:
         rank = dist.get_rank() if dist.is_initialized() else 0
         where = f" over mesh dim {_dim_name(mesh, mesh_dim)} of mesh {tuple(mesh.shape)}" if mesh is not None else ""
+        timed_out = "imeout" in str(e) or "imed out" in str(e)
         hint = ("another rank did not enter the same collective (it failed earlier, took another code path, "
-                "or passed a different shape)") if "imeout" in str(e) or "imed out" in str(e) else "see the cause above"
+                "or passed a different shape)") if timed_out else "see the cause above"
+        if timed_out:
+            hint += _stall_report(f"{op}{where}", mesh, mesh_dim)
         raise CollectiveError(f"rank {rank}: {op}{where}{detail} failed: {e}\nLikely cause: {hint}.") from e
+
+
+STALL_WAIT_S = 5.0  # how long a timed-out rank waits to hear which of its peers timed out too
+
+
+def _stall_report(what: str, mesh, mesh_dim) -> str:
+    """After a timeout: which peers are stuck elsewhere and which never reached a collective (the likely
+    culprits: still computing, hung or dead). Each timed-out rank posts where it waits in the job's
+    rendezvous store and reads its peers' posts for a few seconds; costs nothing until a timeout."""
+    import json
+    import time
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        me = dist.get_rank()
+        peers = dim_ranks(mesh, mesh_dim) if mesh is not None else list(range(dist.get_world_size()))
+        hit = _EXCHANGES.get(id(_group(mesh, mesh_dim))) if mesh is not None else None
+        mine = {"op": what, "n": hit[1] + 1 if hit else 0}  # point-to-point ops this rank ran on the group
+        store.set(f"domainflow/stalled/{me}", json.dumps(mine))
+        posts, deadline = {}, time.monotonic() + STALL_WAIT_S
+        while time.monotonic() < deadline and len(posts) < len(peers) - 1:
+            for r in peers:
+                if r != me and r not in posts and store.check([f"domainflow/stalled/{r}"]):
+                    posts[r] = json.loads(store.get(f"domainflow/stalled/{r}"))
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001  (a diagnosis must never hide the error itself)
+        return ""
+    silent = [r for r in peers if r != me and r not in posts]
+    elsewhere = {r: post for r, post in posts.items() if post != mine}
+    out = ""
+    if silent:
+        out += (f". Likely culprit: rank(s) {silent}, which did not reach any collective within the timeout "
+                f"(stalled in computation or I/O, hung, dead, or finished without this collective)")
+    if elsewhere:
+        out += (". The ranks ran different collectives (e.g. .item() of a pending value on some ranks only): "
+                f"this rank waits in {what} after {mine['n']} point-to-point ops on this mesh dim; " + "; ".join(
+                    f"rank {r} in {post['op']} after {post['n']}" for r, post in elsewhere.items()))
+    return out
 
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single
@@ -84,19 +127,27 @@ def _nbytes(t: torch.Tensor) -> int:
 # --------------------------------------------------------------------------------------------
 # primitives on local tensors (no autograd)
 # --------------------------------------------------------------------------------------------
-def all_reduce(t: torch.Tensor, reduce_op: str, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+def all_reduce(t: torch.Tensor, reduce_op: str, mesh: DeviceMesh, mesh_dim: int,
+               what: tuple[str, str] | None = None, kind: str = "all_reduce") -> torch.Tensor:
     """Out-of-place all-reduce of ``t`` over one mesh dim (``avg`` done as sum / size for Gloo).
-    Every rank gets the same bits. Small payloads on Gloo go by :func:`_reduce_by_exchange`."""
+    Every rank gets the same bits. Small payloads on Gloo go by :func:`_reduce_by_exchange`. ``what``:
+    (op, detail) to name in errors instead of "all_reduce(<op>)"; ``kind``: the ``stats`` key it counts under."""
     n = group_size(mesh, mesh_dim)
     if n == 1:
         return t.clone()
+    if consistency._pending:
+        consistency.flush(f"all_reduce({reduce_op})")
+    if _riders and reduce_op == "sum":
+        riding = _take_riders(mesh, mesh_dim, t.dtype, t.device)
+        if riding:
+            return _all_reduce_with_riders(t, riding, mesh, mesh_dim)
     out = t.detach().clone(memory_format=torch.contiguous_format)
-    stats.add("all_reduce", _nbytes(out))
+    stats.add(kind, _nbytes(out))
     bool_in = out.dtype == torch.bool
     if bool_in:
         out = out.to(torch.uint8)
     if _nbytes(out) * (n - 1) <= EXCHANGE_REDUCE_MAX_BYTES and _is_gloo(mesh, mesh_dim):
-        out = _reduce_by_exchange(out, reduce_op, mesh, mesh_dim)
+        out = _reduce_by_exchange(out, reduce_op, mesh, mesh_dim, what)
     else:
         nan = None
         if reduce_op in ("max", "min") and out.is_floating_point():
@@ -106,13 +157,88 @@ def all_reduce(t: torch.Tensor, reduce_op: str, mesh: DeviceMesh, mesh_dim: int)
             nan = nan.to(torch.uint8)
             with _named("all_reduce(max, NaN flags)", mesh, mesh_dim):
                 dist.all_reduce(nan, op=dist.ReduceOp.MAX, group=_group(mesh, mesh_dim))
-        with _named(f"all_reduce({reduce_op})", mesh, mesh_dim):
+        op, detail = what or (f"all_reduce({reduce_op}) of {out.numel()} values", "")
+        with _named(op, mesh, mesh_dim, detail):
             dist.all_reduce(out, op=_REDUCE_OPS[reduce_op], group=_group(mesh, mesh_dim))
         if nan is not None and bool(nan.any()):
             out = out.masked_fill(nan.bool(), float("nan"))
     if reduce_op == "avg":
         out = out / n if out.is_floating_point() or out.is_complex() else out // n
     return out.bool() if bool_in else out
+
+
+# --------------------------------------------------------------------------------------------
+# riders: small pending sums carried by the next all-reduce (a loss after backward)
+# --------------------------------------------------------------------------------------------
+class Rider:
+    """A small pending sum (``local``, Partial(sum) over ``dims`` of ``mesh``) that the next sum all-reduce
+    over each of those mesh dims carries along in its payload, so it costs no collective of its own;
+    ``on_done(reduced)`` runs when every dim is reduced. See :func:`ride_along`."""
+
+    __slots__ = ("local", "mesh", "dims", "on_done")
+
+    def __init__(self, local, mesh, dims, on_done):
+        self.local, self.mesh, self.dims, self.on_done = local, mesh, list(dims), on_done
+
+    def reduced(self, value: torch.Tensor) -> None:
+        self.local = value
+        self.dims.pop(0)
+        if not self.dims:
+            self.on_done(value)
+
+
+_riders: list[Rider] = []
+_riders_lock = threading.Lock()  # backward may run on autograd's device threads
+
+
+def ride_along(local: torch.Tensor, mesh: DeviceMesh, dims, on_done) -> Rider:
+    """Queue ``local`` (a pending sum over mesh ``dims``) to travel with the next sum all-reduce of its dtype
+    over each dim in turn; every rank must queue the same riders in the same order. :func:`land` finishes
+    those no all-reduce carried."""
+    rider = Rider(local.detach().contiguous(), mesh, [m for m in dims if group_size(mesh, m) > 1], on_done)
+    if not rider.dims:
+        on_done(rider.local)
+        return rider
+    with _riders_lock:
+        _riders.append(rider)
+    return rider
+
+
+def land(riders, drop: bool = False) -> None:
+    """Finish ``riders`` that no all-reduce carried, with one all-reduce per remaining mesh dim (or, with
+    ``drop``, forget them: the backward they were waiting for failed)."""
+    with _riders_lock:
+        for r in riders:
+            if r in _riders:
+                _riders.remove(r)
+    if drop:
+        return
+    for r in riders:
+        while r.dims:
+            r.reduced(all_reduce(r.local, "sum", r.mesh, r.dims[0]))
+
+
+def _take_riders(mesh, mesh_dim, dtype, device) -> list[Rider]:
+    group = _group(mesh, mesh_dim)
+    with _riders_lock:
+        riding = [r for r in _riders if r.local.dtype == dtype and r.local.device == device
+                  and _group(r.mesh, r.dims[0]) is group]
+        for r in riding:
+            _riders.remove(r)
+    return riding
+
+
+def _all_reduce_with_riders(t, riding, mesh, mesh_dim) -> torch.Tensor:
+    flat = torch.cat([t.detach().reshape(-1)] + [r.local.reshape(-1) for r in riding])
+    red = all_reduce(flat, "sum", mesh, mesh_dim)
+    out, i = red[:t.numel()].view(t.shape), t.numel()
+    for r in riding:
+        r.reduced(red[i:i + r.local.numel()].view(r.local.shape))
+        i += r.local.numel()
+        if r.dims:  # reduced over this dim; now waits for the next one's all-reduce
+            with _riders_lock:
+                _riders.append(r)
+    return out
 
 
 # Payload bytes a rank may send (tensor bytes x (peers)) for an all-reduce done as one point-to-point swap.
@@ -134,14 +260,16 @@ def _is_gloo(mesh: DeviceMesh, mesh_dim: int) -> bool:
 _FOLD = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum, "product": torch.mul}
 
 
-def _reduce_by_exchange(out: torch.Tensor, reduce_op: str, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+def _reduce_by_exchange(out: torch.Tensor, reduce_op: str, mesh: DeviceMesh, mesh_dim: int,
+                        what: tuple[str, str] | None = None) -> torch.Tensor:
     """All-reduce by sending ``out`` to every other rank of the mesh dim and folding the n parts in rank
     order, so every rank computes the same expression and gets the same bits; max/min propagate NaN."""
     n = group_size(mesh, mesh_dim)
     me = mesh_coordinate(mesh)[mesh_dim]
     peers = [k for k in range(n) if k != me]
-    got = _exchange({k: out for k in peers}, {k: out.shape for k in peers}, out, mesh, mesh_dim,
-                    f"all_reduce({reduce_op})", kind=None)
+    op, detail = what or (f"all_reduce({reduce_op}) of {out.numel()} values", "")
+    got = _exchange({k: out for k in peers}, {k: out.shape for k in peers}, out, mesh, mesh_dim, op,
+                    begin_exchange(mesh, mesh_dim, op), kind=None, detail=detail)
     fold = _FOLD[reduce_op]
     acc = out if me == 0 else got[0]
     for k in range(1, n):
@@ -173,6 +301,8 @@ def all_gather_uneven(t: torch.Tensor, dim: int, sizes: Sequence[int], mesh: Dev
     n = group_size(mesh, mesh_dim)
     if n == 1:
         return t
+    if consistency._pending:
+        consistency.flush("all_gather")
     shape = list(t.shape)
     row = math.prod(shape[:dim] + shape[dim + 1:])
     numels = [s * row for s in sizes]
@@ -199,6 +329,8 @@ def all_to_all_dims(t: torch.Tensor, split_dim: int, send_sizes: Sequence[int], 
     n = group_size(mesh, mesh_dim)
     if n == 1:
         return t
+    if consistency._pending:
+        consistency.flush("all_to_all")
     blocks = torch.split(t, list(send_sizes), dim=split_dim)
     send = torch.cat([b.reshape(-1) for b in blocks]) if t.numel() else t.new_empty(0)
     recv_numels = [math.prod(s) for s in recv_shapes]
@@ -216,6 +348,8 @@ def broadcast(t: torch.Tensor, src_coord: int, mesh: DeviceMesh, mesh_dim: int) 
     right shape (receivers' contents are ignored)."""
     if group_size(mesh, mesh_dim) == 1:
         return t
+    if consistency._pending:
+        consistency.flush("broadcast")
     out = t.detach().contiguous().clone()
     src = dist.get_global_rank(_group(mesh, mesh_dim), src_coord)
     stats.add("broadcast", _nbytes(out))
@@ -229,6 +363,8 @@ def all_gather_object(obj, mesh: DeviceMesh, mesh_dim: int) -> list:
     n = group_size(mesh, mesh_dim)
     if n == 1:
         return [obj]
+    if consistency._pending:
+        consistency.flush("all_gather_object")
     out = [None] * n
     with _named("all_gather_object", mesh, mesh_dim):
         dist.all_gather_object(out, obj, group=_group(mesh, mesh_dim))
@@ -240,6 +376,8 @@ def all_gather_ints(values: Sequence[int], mesh: DeviceMesh) -> list[list[int]]:
     ranks = mesh.mesh.flatten().tolist()
     if len(ranks) == 1:
         return [list(values)]
+    if consistency._pending:
+        consistency.flush("all_gather(shapes)")
     t = torch.tensor(list(values), dtype=torch.int64, device=_device(mesh))
     out = []
     # gather dim by dim: first over the last mesh dim, then outward, so any mesh shape works
@@ -274,6 +412,8 @@ def scatter_pieces(pieces: list[torch.Tensor] | None, recv_shape: Sequence[int],
     receives only its own piece (point-to-point, not a broadcast of the whole tensor)."""
     ranks = mesh.mesh.flatten().tolist()
     me = dist.get_rank() if dist.is_initialized() else 0
+    if consistency._pending:
+        consistency.flush("scatter")
     if me == src:
         ops, mine = [], None
         for k, r in enumerate(ranks):
@@ -365,21 +505,48 @@ def all_to_all_autograd(t: torch.Tensor, split_dim: int, send_sizes: Sequence[in
 # --------------------------------------------------------------------------------------------
 # halo exchange: neighbour point-to-point row fetches along one mesh dim
 # --------------------------------------------------------------------------------------------
-def _dim_ranks(mesh: DeviceMesh, mesh_dim: int) -> list[int]:
+def dim_ranks(mesh: DeviceMesh, mesh_dim: int) -> list[int]:
     """Global ranks along ``mesh_dim`` through this rank, in coordinate order."""
     return dist.get_process_group_ranks(_group(mesh, mesh_dim)) if dist.is_initialized() else [0]
 
 
+_dim_ranks = dim_ranks
+_EXCHANGES: dict = {}  # id(group) -> (group, exchanges started on it by this rank)
+
+
+def begin_exchange(mesh: DeviceMesh, mesh_dim: int, what: str = "exchange") -> int:
+    """Start a point-to-point exchange op along a mesh dim; every rank of the dim calls it (also one that then
+    has nothing to trade). Runs the pending cross-rank checks and returns the op's number on its group:
+    every rank of a group runs the same ops in the same order, so the numbers agree, and a rank that runs one
+    the others do not (``loss.item()`` on rank 0 only) gets numbers that no longer match (see :func:`_tag`)."""
+    if consistency._pending:
+        consistency.flush(what)
+    group = _group(mesh, mesh_dim)
+    hit = _EXCHANGES.get(id(group))
+    n = 0 if hit is None or hit[0] is not group else hit[1] + 1
+    _EXCHANGES[id(group)] = (group, n)
+    return n
+
+
+def _tag(seq: int, nbytes: int) -> int:
+    """Point-to-point tag of a message: its exchange's number and its size. Messages of two different
+    exchanges, or of disagreeing sizes, then never meet: they wait and time out with a CollectiveError
+    naming the op, instead of Gloo aborting the process (a message larger than the receive buffer) or
+    filling the buffer with another op's bytes."""
+    return (seq * 1_000_003 + nbytes * 7919) % 0x7FFFFFFF
+
+
 def _exchange(out_pieces: dict, in_shapes: dict, like: torch.Tensor, mesh: DeviceMesh, mesh_dim: int,
-              what: str, kind: str | None = "halo") -> dict:
+              what: str, seq: int, kind: str | None = "halo", detail: str = "") -> dict:
     """Send ``out_pieces[k]`` to the k-th rank along ``mesh_dim`` and receive ``in_shapes[k]``-shaped
-    tensors from it, all at once (only with the ranks that have rows to trade: not a collective). The bytes
-    sent are counted in ``stats`` under ``kind`` (None: the caller counts them)."""
-    return _exchange_wait(_exchange_start(out_pieces, in_shapes, like, mesh, mesh_dim, what, kind))
+    tensors from it, all at once (only with the ranks that have rows to trade: not a collective). ``seq`` is
+    the op's :func:`begin_exchange` number. The bytes sent are counted in ``stats`` under ``kind`` (None: the
+    caller counts them)."""
+    return _exchange_wait(_exchange_start(out_pieces, in_shapes, like, mesh, mesh_dim, what, seq, kind, detail))
 
 
 def _exchange_start(out_pieces: dict, in_shapes: dict, like: torch.Tensor, mesh: DeviceMesh, mesh_dim: int,
-                    what: str, kind: str | None = "halo"):
+                    what: str, seq: int, kind: str | None = "halo", detail: str = ""):
     """Post the sends and receives of :func:`_exchange` and return at once; the caller does local work
     (copying its own rows) while the rows travel, then calls :func:`_exchange_wait`."""
     ranks = _dim_ranks(mesh, mesh_dim)
@@ -388,11 +555,11 @@ def _exchange_start(out_pieces: dict, in_shapes: dict, like: torch.Tensor, mesh:
         piece = piece.contiguous()
         if kind is not None:
             stats.add(kind, _nbytes(piece))
-        ops.append(dist.P2POp(dist.isend, piece, ranks[k]))
+        ops.append(dist.P2POp(dist.isend, piece, ranks[k], tag=_tag(seq, _nbytes(piece))))
     for k, shape in in_shapes.items():
         received[k] = torch.empty(shape, dtype=like.dtype, device=like.device)
-        ops.append(dist.P2POp(dist.irecv, received[k], ranks[k]))
-    detail = f" with ranks {sorted(ranks[k] for k in set(out_pieces) | set(in_shapes))}"
+        ops.append(dist.P2POp(dist.irecv, received[k], ranks[k], tag=_tag(seq, _nbytes(received[k]))))
+    detail = f" with ranks {sorted(ranks[k] for k in set(out_pieces) | set(in_shapes))}{detail}"
     works = []
     if ops:
         with _named(what, mesh, mesh_dim, detail):
@@ -408,6 +575,31 @@ def _exchange_wait(pending) -> dict:
             for w in works:
                 w.wait()
     return received
+
+
+def ring_shift(tensors: Sequence[torch.Tensor], recv_shapes, mesh: DeviceMesh, mesh_dim: int,
+               what: str = "ring exchange") -> list[torch.Tensor]:
+    """Send ``tensors`` to the next rank of the ring along ``mesh_dim`` and receive ``recv_shapes``-shaped
+    tensors (same dtypes) from the previous one (ring attention's K/V blocks). Every rank of the dim calls it."""
+    seq = begin_exchange(mesh, mesh_dim, what)
+    n = group_size(mesh, mesh_dim)
+    me = mesh_coordinate(mesh)[mesh_dim]
+    nxt, prv = (me + 1) % n, (me - 1) % n
+    ranks = _dim_ranks(mesh, mesh_dim)
+    ops, got = [], []
+    for t in tensors:
+        t = t.contiguous()
+        stats.add("ring", _nbytes(t))
+        ops.append(dist.P2POp(dist.isend, t, ranks[nxt], tag=_tag(seq, _nbytes(t))))
+    for shape, ref in zip(recv_shapes, tensors):
+        buf = torch.empty(shape, dtype=ref.dtype, device=ref.device)
+        got.append(buf)
+        ops.append(dist.P2POp(dist.irecv, buf, ranks[prv], tag=_tag(seq, _nbytes(buf))))
+    detail = f" with ranks {sorted({ranks[nxt], ranks[prv]})}"
+    with _named(what, mesh, mesh_dim, detail):
+        works = dist.batch_isend_irecv(ops)
+    _exchange_wait((works, None, (what, mesh, mesh_dim, detail), ops))
+    return got
 
 
 def _runs(positions, rows):
@@ -439,11 +631,12 @@ def fetch_rows(local: torch.Tensor, dim: int, plan, mesh: DeviceMesh, mesh_dim: 
     other ranks' rows received from their owners, zero rows where asked. Not differentiable; see
     :func:`halo_exchange`."""
     pos, rows = plan.own
+    seq = begin_exchange(mesh, mesh_dim, "halo exchange")
     if _keeps_block(plan, local.shape[dim]):
         return local  # nothing to fetch and nothing to pad: the block itself
     sends = {k: _select(local, dim, v) for k, v in plan.send.items()}
     shapes = {k: _with_len(local.shape, dim, len(v)) for k, v in plan.recv.items()}
-    pending = _exchange_start(sends, shapes, local, mesh, mesh_dim, "halo exchange")
+    pending = _exchange_start(sends, shapes, local, mesh, mesh_dim, "halo exchange", seq)
     # every position is written once (own rows, received rows, zeros), so no zero-filled buffer first
     out = local.new_empty(_with_len(local.shape, dim, plan.length))
     if pos:
@@ -498,11 +691,12 @@ def return_rows(grad: torch.Tensor, dim: int, local_shape, plan, mesh: DeviceMes
     """The adjoint of :func:`fetch_rows`: each fetched row's gradient goes back to its owner and is added
     to the owner's row."""
     pos, rows = plan.own
+    seq = begin_exchange(mesh, mesh_dim, "halo exchange (backward)")
     if _keeps_block(plan, local_shape[dim]):
         return grad
     back = {k: _select(grad, dim, v) for k, v in plan.recv.items()}
     shapes = {k: _with_len(local_shape, dim, len(v)) for k, v in plan.send.items()}
-    pending = _exchange_start(back, shapes, grad, mesh, mesh_dim, "halo exchange (backward)")
+    pending = _exchange_start(back, shapes, grad, mesh, mesh_dim, "halo exchange (backward)", seq)
     if _covers_block(plan, local_shape[dim]):
         # the usual halo: the own rows are the whole block, in order, once: one copy, no zero fill first
         out = grad.narrow(dim, pos[0], len(pos)).clone(memory_format=torch.contiguous_format)

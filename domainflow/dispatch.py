@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from . import consistency as _consistency
 from .fallback import fallback as _fallback_mode
 from .fallback import warn_once as _warn_fallback
 from .errors import ShardingMismatchError, UnsupportedShardedOp
@@ -121,11 +122,34 @@ def describe_sharding(sts) -> str:
 # __torch_function__
 # --------------------------------------------------------------------------------------------
 def torch_function(func, types, args=(), kwargs=None):
+    # parameters meeting a ShardTensor are recorded for the replica check here, at the Python call the model
+    # makes, which every rank makes alike (aten-level decompositions may differ between ranks with strides)
+    for a in args:
+        if type(a) is _PARAMETER and not getattr(a, "_domainflow_recorded", False):
+            _record_parameters(args, kwargs)
+            break
+    else:
+        if kwargs:  # F.group_norm and friends pass weight and bias by keyword
+            for a in kwargs.values():
+                if type(a) is _PARAMETER and not getattr(a, "_domainflow_recorded", False):
+                    _record_parameters(args, kwargs)
+                    break
     handler = _functions.get(func)
     if handler is not None:
         with _no_subclass_functions():  # like torch's default: nested calls skip __torch_function__
             return handler(func, args, kwargs or {})
     return _run_function(func, types, args, kwargs if kwargs is not None else _NO_KWARGS)
+
+
+_PARAMETER = torch.nn.Parameter
+
+
+def _record_parameters(args, kwargs) -> None:
+    mesh = _first_mesh(args) or _first_mesh(tuple((kwargs or {}).values()))
+    if mesh is not None:
+        for a in list(args) + list((kwargs or {}).values()):
+            if type(a) is _PARAMETER:
+                _consistency.record_parameter(a, mesh)
 
 
 _NO_KWARGS: dict = {}
@@ -172,6 +196,17 @@ def hook_plain_grads(args):
                 a._domainflow_hooked = True
         elif type(a) in (list, tuple) and a and isinstance(a[0], torch.Tensor):
             hook_plain_grads(a)
+
+
+def _first_mesh(args):
+    for a in args:
+        if type(a) is ShardTensor:
+            return a._spec.mesh
+        if type(a) in (list, tuple):
+            for x in a:
+                if type(x) is ShardTensor:
+                    return x._spec.mesh
+    return None
 
 
 # --------------------------------------------------------------------------------------------

@@ -37,3 +37,7 @@ class ShardingShapeError(DomainflowError, ValueError):
 
 class CollectiveError(DomainflowError, RuntimeError):
     """A collective failed or timed out; the message names rank, op and mesh dim."""
+
+
+class ReplicaMismatchError(DomainflowError, ValueError):
+    """A tensor that must be equal on every rank (a replicated parameter) differs between ranks."""

@@ -1,10 +1,30 @@
-"""Start local ranks with torch's elastic launcher, so users never write a launch script."""
+"""Start local ranks with torch's elastic launcher, so users never write a launch script.
+
+A rank that fails with an error meant for the user (a bad store, config or checkpoint, a collective that
+timed out) prints nothing itself: it leaves its one-line message for the launcher, which raises
+:class:`LaunchError` with the first rank's message instead of torch's page of tracebacks. Bugs (any other
+exception) keep their traceback; ``DOMAINFLOW_TRACEBACK=1`` shows it for every error. Ctrl-C stops every
+rank and ends in a KeyboardInterrupt in the caller.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import shutil
+import sys
+import tempfile
+import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
+
+_ERRORS_ENV = "DOMAINFLOW_LAUNCH_ERRORS"
+
+
+class LaunchError(RuntimeError):
+    """A launched rank failed; the message is the first failing rank's own (one line)."""
 
 
 def under_launcher() -> bool:
@@ -18,6 +38,8 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
     Each rank gets the usual torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), so
     ``domainflow.init_mesh`` finds it. CPU threads are split between ranks unless given.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if threads_per_rank is not None:
@@ -29,12 +51,67 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
         start_method="spawn",
     )
-    before = os.environ.get("OMP_NUM_THREADS")
+    errors = tempfile.mkdtemp(prefix="domainflow-launch-")
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", _ERRORS_ENV)}
     os.environ["OMP_NUM_THREADS"] = threads  # the spawned ranks inherit it; this process gets its own back
+    os.environ[_ERRORS_ENV] = errors
+    # their warnings and errors repeat, at length, what the failing rank's own message says
+    quiet = [logging.getLogger(n) for n in ["torch.distributed.elastic", "torch.multiprocessing"] + [
+        n for n in logging.root.manager.loggerDict if n.startswith(("torch.distributed.elastic.", "torch.multiprocessing."))]]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.CRITICAL)
     try:
-        return elastic_launch(config, fn)(*args)
+        return elastic_launch(config, _rank_entry)(fn, *args)
+    except ChildFailedError as exc:
+        raise LaunchError(_first_failure(exc, Path(errors))) from None
+    except SignalException as exc:
+        raise KeyboardInterrupt(str(exc)) from None
     finally:
-        if before is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = before
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+        shutil.rmtree(errors, ignore_errors=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _rank_entry(fn: Callable, *args):
+    """What each launched rank runs: ``fn(*args)``, with user-facing errors left as one line for the launcher."""
+    try:
+        return fn(*args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except (ValueError, RuntimeError, OSError) as exc:
+        folder = os.environ.get(_ERRORS_ENV)
+        if folder is None or os.environ.get("DOMAINFLOW_TRACEBACK"):
+            raise
+        record = {"rank": int(os.environ.get("RANK", "0")), "time": time.time(), "type": type(exc).__name__,
+                  "message": str(exc)}
+        path = Path(folder) / f"rank{record['rank']}.json"
+        path.with_suffix(".tmp").write_text(json.dumps(record))
+        os.replace(path.with_suffix(".tmp"), path)
+        sys.exit(1)
+
+
+def _first_failure(exc, folder: Path) -> str:
+    """One line for a failed launch: the root-cause rank's message. A rank's own error beats a collective
+    error of its peers (which waited for it), and the earliest one wins."""
+    records = []
+    for p in folder.glob("rank*.json"):
+        try:
+            records.append(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            continue
+    if records:
+        records.sort(key=lambda r: (r["type"] == "CollectiveError", r["time"]))
+        first = records[0]
+        others = len({r["rank"] for r in records}) - 1
+        text = " ".join(first["message"].split("\n")[0].split())
+        more = f" ({others} other rank(s) failed too)" if others else ""
+        return f"rank {first['rank']}: {text}{more}"
+    rank, failure = exc.get_first_failure()
+    how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+    return f"rank {rank} died ({how}); its output above says why"

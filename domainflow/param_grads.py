@@ -69,7 +69,8 @@ def _queue(mesh, mesh_dims, pairs):
     if pending is None:
         pending = queues[task] = {}
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _flush(task))
-    group = pending.setdefault((id(mesh), mesh_dims), (mesh, {}))[1]
+    # by value: equal meshes are one group (cached layouts may carry an equal mesh made earlier)
+    group = pending.setdefault((mesh, mesh_dims), (mesh, {}))[1]
     for p, g in pairs:  # insertion order is the backward order: the same on every rank
         key = id(p)
         if key in group:

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import comm, shapes
+from . import comm, consistency, shapes
 from .errors import ShardingMismatchError, ShardingShapeError
 from .placements import Partial, Placement, Replicate, Shard, normalize_placements
 from .redistribute import grad_spec, partial_from_replicate, redistribute_local
@@ -76,6 +76,18 @@ class ShardTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _dispatch.torch_dispatch(func, types, args, kwargs)
 
+    def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+        """``Tensor.backward``; a pending sum (a loss that is ``Partial``) is reduced on the way, in the payload
+        of the backward pass's first all-reduce, so afterwards its value is known on every rank with no
+        collective of its own: ``loss.backward(); if rank == 0: print(loss.item())`` is safe."""
+        riders = _ride_backward(self)
+        try:
+            super().backward(gradient, retain_graph, create_graph, inputs)
+        except BaseException:
+            comm.land(riders, drop=True)
+            raise
+        comm.land(riders)
+
     # ----- torch.compile / serialization hooks ------------------------------------------------
     def __tensor_flatten__(self):
         return ["_local"], self._spec
@@ -126,6 +138,8 @@ class ShardTensor(torch.Tensor):
             raise TypeError("from_local got a ShardTensor; pass its .to_local() or call .redistribute()")
         placements = normalize_placements(placements, local.ndim, mesh.ndim)
         spec = _spec_for_local(local, mesh, placements, sharding_shapes, shape)
+        if not isinstance(sharding_shapes, str) or sharding_shapes != "infer":
+            consistency.record_layout(spec, "ShardTensor.from_local")  # each rank's word: checked later
         return _FromLocal.apply(local, spec)
 
     def to_local(self, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -155,6 +169,8 @@ class ShardTensor(torch.Tensor):
                 _redistribute_targets[key] = dst
         if dst == spec:
             return self
+        if key is None:
+            consistency.record_layout(dst, "redistribute(sharding_shapes=...)")
         if not (self.requires_grad and torch.is_grad_enabled()):
             return _redistribute_to(self, dst)  # no autograd node needed
         return _Redistribute.apply(self, dst)
@@ -202,6 +218,24 @@ class ShardTensor(torch.Tensor):
 
 _redistribute_targets: dict = {}
 _full_specs: dict = {}
+_MAX_RIDER_NUMEL = 4096
+
+
+def _ride_backward(x: ShardTensor) -> list:
+    """Riders for a pending sum that ``x.backward()`` reduces on the way (see :func:`comm.ride_along`)."""
+    spec = x._spec
+    if not spec.has_partial or x._local.numel() > _MAX_RIDER_NUMEL or not x._local.is_floating_point():
+        return []
+    if any(isinstance(p, Partial) and p.reduce_op != "sum" for p in spec.placements):
+        return []
+    dims = [m for m, p in enumerate(spec.placements) if isinstance(p, Partial)]
+    done_spec = spec.with_(placements=tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements))
+
+    def resolved(value, x=x, done_spec=done_spec):
+        # the same global value, now held whole on every rank: later .item() / full_tensor() need no collective
+        x._local, x._spec = value.to(x._local.dtype), done_spec
+
+    return [comm.ride_along(x._local, spec.mesh, dims, resolved)]
 
 
 def spec_strides(spec: ShardSpec) -> tuple[int, ...]:
@@ -486,6 +520,8 @@ def distribute_tensor(tensor: torch.Tensor, mesh: DeviceMesh, placements, shardi
     placements = normalize_placements(placements, tensor.ndim, mesh.ndim)
     full = ShardSpec(mesh, (Replicate(),) * mesh.ndim, tensor.shape, (None,) * mesh.ndim)
     dst = target_spec(full, placements, sharding_shapes if sharding_shapes is not None else "chunk")
+    if sharding_shapes is not None and not isinstance(sharding_shapes, str):
+        consistency.record_layout(dst, "distribute_tensor")  # each rank's word for the sizes: checked later
     return _Distribute.apply(tensor, dst)
 
 

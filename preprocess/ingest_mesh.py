@@ -265,7 +265,13 @@ def ingest_drivaerml(raw, store, opts: MeshOptions | None = None, **kw) -> Inges
     splits = split_runs(list(runs), opts.split, opts.seed, opts.split_file)
     wanted = [r for k in ("train", "val", "test") for r in splits[k]]
     wanted = [r for r in runs if r in set(wanted)]
-    writer = StoreWriter(store)
+    with StoreWriter(store) as writer:  # holds the store's writer lock until the end
+        return _ingest_runs(writer, raw, store, runs, splits, wanted, opts, t0)
+
+
+def _ingest_runs(writer: StoreWriter, raw: Path, store: Path, runs: dict, splits: dict, wanted: list,
+                 opts: MeshOptions, t0: float) -> IngestReport:
+    """The locked part of :func:`ingest_drivaerml`: open or resume, run the tasks, complete."""
     state = writer.open("mesh", str(raw.resolve()), opts.parts, opts.config(), overwrite=opts.overwrite)
     report = IngestReport(store=store, state=state)
     if state == "complete":

@@ -9,6 +9,11 @@
   and then a small JSON marker with its statistics; blocks without a marker are redone.
 - Each writer task writes whole chunks only and no two tasks share a chunk: zarr-python loses data when
   tasks write parts of the same chunk or shard concurrently.
+- Every chunk is written, fill values included (zarr skips all-fill chunks by default), and compressed with a
+  checksum, so a reader can tell a missing or damaged chunk file from data (store format 2).
+- One writer at a time: the coordinating process holds an exclusive OS lock on the store for the whole ingest
+  (it dies with the process, so a killed ingest never leaves a stale lock); ``--overwrite`` also locks out
+  readers (a training job reading the store makes it fail instead of changing what the job reads).
 
 Only the coordinating process writes root attributes; tasks return what they learnt.
 """
@@ -19,14 +24,29 @@ import json
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 
 import numpy as np
 
+from domainflow.locks import FileLock, LockHeld, LocksUnsupported, store_locks
+
 from .errors import IngestError
 
-FORMAT = 1
+FORMAT = 2
 TARGET_CHUNK_BYTES = 1 << 20
+
+
+def chunk_options() -> dict:
+    """``create_array`` options of every store array: all chunks written, each with a checksum."""
+    from zarr.codecs import ZstdCodec
+
+    return {"compressors": ZstdCodec(level=0, checksum=True), "config": {"write_empty_chunks": True}}
+
+
+def for_writing(arr):
+    """``arr`` (opened from disk) set to write every chunk, as :func:`chunk_options` promises readers."""
+    return arr.with_config({"write_empty_chunks": True})
 
 
 def chunk_rows(row_bytes: int, target: int = TARGET_CHUNK_BYTES) -> int:
@@ -40,7 +60,7 @@ def write_array(group, name: str, values: np.ndarray, target: int = TARGET_CHUNK
     row_bytes = values.dtype.itemsize * int(np.prod(values.shape[1:], dtype=np.int64))
     chunks = (min(max(1, len(values)), chunk_rows(row_bytes, target)),) + tuple(values.shape[1:])
     arr = group.create_array(name, shape=values.shape, chunks=chunks, dtype=values.dtype,
-                             attributes=attrs or {})
+                             attributes=attrs or {}, **chunk_options())
     if values.size:
         arr[...] = values
     return arr
@@ -60,58 +80,106 @@ def _json_safe(obj):
 
 
 class StoreWriter:
-    """Opens, resumes and completes one store at ``path`` (a local folder)."""
+    """Opens, resumes and completes one store at ``path`` (a local folder); holds the store's writer lock
+    from :meth:`open` until :meth:`close` (also a context manager)."""
 
     def __init__(self, path):
         # resolved: a symlinked store keeps its scratch next to the real folder (same file system, so the
         # final rename works) and dask workers in other working directories find it
         self.path = Path(path).resolve()
         self.scratch = self.path.with_name(self.path.name + ".ingest-tmp")
+        self._locks: list[FileLock] = []
+
+    def __enter__(self) -> "StoreWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the store's locks (a killed process releases them by dying)."""
+        while self._locks:
+            self._locks.pop().release()
 
     # -- opening -----------------------------------------------------------------------------------
     def open(self, kind: str, source: str, parts: int, config: dict, overwrite: bool = False) -> str:
         """Start or resume; returns "new", "resume" or "complete" (nothing to do).
 
         ``config`` holds every option that changes the store's contents; resuming or re-running with
-        different options is refused, so one store never mixes two ingests.
+        different options is refused, so one store never mixes two ingests. A second writer of the same
+        store is refused at once, naming the one at work.
         """
         import zarr
 
         config = _json_safe(config)
         source = str(Path(source).resolve())
         self._check_target(Path(source))
-        if overwrite:
+        self._lock_writers()
+        try:
+            if overwrite:
+                self._lock_readers()
+                self._remove_all()
+            head = self._head()
+            if head is not None:
+                if head.get("kind") != kind or head.get("format") != FORMAT:
+                    raise IngestError(f"{self.path} holds a {head.get('kind')!r} store of format {head.get('format')}, "
+                                      f"not a {kind!r} store of format {FORMAT}; pass --overwrite to replace it or "
+                                      f"choose another STORE path")
+                if head.get("source") != source:
+                    raise IngestError(f"{self.path} was ingested from {head.get('source')}, not {source}; rerun with "
+                                      f"the original RAW to resume, or pass --overwrite to start again")
+                root = zarr.open_group(self.path, mode="r+")
+                old = dict(root.attrs.get("ingest", {}).get("config", {}))
+                if old != config:
+                    diff = {k: (old.get(k), config.get(k)) for k in sorted(set(old) | set(config))
+                            if old.get(k) != config.get(k)}
+                    what = "; ".join(f"{k}: store has {a!r}, this ingest asks {b!r}" for k, (a, b) in diff.items())
+                    raise IngestError(f"{self.path} was written by an ingest with different options ({what}); rerun "
+                                      f"with the store's options to resume, or pass --overwrite to start again")
+                if head.get("complete"):
+                    return "complete"
+                self._clean_scratch()
+                if kind == "mesh" and "runs" not in root:
+                    root.create_group("runs")  # killed right after the root was written
+                return "resume"
             self._remove_all()
-        if (self.path / "zarr.json").exists():
-            root = zarr.open_group(self.path, mode="r+")
-            head = dict(root.attrs.get("domainflow", {}))
-            if head.get("kind") != kind or head.get("format") != FORMAT:
-                raise IngestError(f"{self.path} holds a {head.get('kind')!r} store of format {head.get('format')}, "
-                                  f"not a {kind!r} store of format {FORMAT}; pass --overwrite to replace it or "
-                                  f"choose another STORE path")
-            if head.get("source") != source:
-                raise IngestError(f"{self.path} was ingested from {head.get('source')}, not {source}; rerun with "
-                                  f"the original RAW to resume, or pass --overwrite to start again")
-            old = dict(root.attrs.get("ingest", {}).get("config", {}))
-            if old != config:
-                diff = {k: (old.get(k), config.get(k)) for k in sorted(set(old) | set(config))
-                        if old.get(k) != config.get(k)}
-                what = "; ".join(f"{k}: store has {a!r}, this ingest asks {b!r}" for k, (a, b) in diff.items())
-                raise IngestError(f"{self.path} was written by an ingest with different options ({what}); rerun "
-                                  f"with the store's options to resume, or pass --overwrite to start again")
-            if head.get("complete"):
-                return "complete"
-            self._clean_scratch()
-            return "resume"
-        self._remove_all()
-        root = zarr.open_group(self.path, mode="w", zarr_format=3)
-        root.attrs.update({
-            "domainflow": {"format": FORMAT, "kind": kind, "complete": False, "source": source, "parts": parts},
-            "ingest": {"config": config},
-        })
-        if kind == "mesh":
-            root.create_group("runs")
-        return "new"
+            # the root and its attrs in one (atomic) write: a kill leaves either nothing or a resumable store
+            root = zarr.create_group(self.path, zarr_format=3, attributes={
+                "domainflow": {"format": FORMAT, "kind": kind, "complete": False, "source": source, "parts": parts},
+                "ingest": {"config": config},
+            })
+            if kind == "mesh":
+                root.create_group("runs")
+            return "new"
+        except BaseException:
+            self.close()
+            raise
+
+    def _lock_writers(self) -> None:
+        """The exclusive writer lock (a file beside the store, never deleted), or IngestError naming its holder."""
+        writer, readers = store_locks(self.path)
+        writer.parent.mkdir(parents=True, exist_ok=True)
+        readers.touch()  # readers open it, never create it
+        try:
+            self._locks.append(FileLock(writer).acquire())
+        except LockHeld as held:
+            raise IngestError(f"{self.path} is being written by another ingest ({held.holder}); wait for it to "
+                              f"finish (or stop it) and rerun this command, which then resumes or finds the store "
+                              f"complete") from None
+        except LocksUnsupported as exc:
+            warnings.warn(f"{exc}: nothing stops a second ingest of {self.path} from running at the same time; "
+                          f"run one at a time", stacklevel=3)
+
+    def _lock_readers(self) -> None:
+        """Lock out readers before replacing a store (held until :meth:`close`): refused while one reads it."""
+        try:
+            self._locks.append(FileLock(store_locks(self.path)[1]).acquire())
+        except LockHeld as held:
+            raise IngestError(f"{self.path} is being read by {held.holder} (a training job?); --overwrite would "
+                              f"change the data under it. Stop the readers first, or ingest into a new STORE "
+                              f"path") from None
+        except LocksUnsupported:
+            pass  # readers then notice the replaced store themselves (Store.check_unchanged)
 
     def _check_target(self, source: Path) -> None:
         """Refuse a STORE path that is a file, overlaps the raw data, or is a folder we did not write."""
@@ -123,14 +191,27 @@ class StoreWriter:
             raise IngestError(f"{self.path} exists and is not a domainflow store; choose another STORE path or "
                               f"delete it yourself (--overwrite replaces only stores that ingest wrote)")
 
-    def _is_store(self) -> bool:
-        import json as _json
-
+    def _head(self) -> dict | None:
+        """``attrs["domainflow"]`` of the store on disk, or None when there is none yet."""
         try:
-            meta = _json.loads((self.path / "zarr.json").read_text())
+            meta = json.loads((self.path / "zarr.json").read_text())
+        except (OSError, ValueError):
+            return None
+        head = meta.get("attributes", {}).get("domainflow")
+        return dict(head) if isinstance(head, dict) else None
+
+    def _is_store(self) -> bool:
+        """A store ingest wrote, or the empty group an older ingest left when killed between creating the
+        root and writing its attrs (nothing in it to lose)."""
+        if self._head() is not None:
+            return True
+        try:
+            meta = json.loads((self.path / "zarr.json").read_text())
         except (OSError, ValueError):
             return False
-        return "domainflow" in meta.get("attributes", {})
+        rest = {p.name for p in self.path.iterdir()} - {"zarr.json"}
+        return (meta.get("node_type") == "group" and not meta.get("attributes")
+                and rest <= {"runs"} and not any(p.name != "zarr.json" for p in (self.path / "runs").glob("*")))
 
     def _remove_all(self):
         """Delete the store (only ever one that ingest wrote, see _check_target) and its scratch."""
@@ -209,3 +290,4 @@ class StoreWriter:
         root.attrs["domainflow"] = head
         if self.scratch.exists():
             shutil.rmtree(self.scratch)
+        self.close()

@@ -69,9 +69,37 @@ def whole_file(path: Path, scratch: Path | None = None):
             for piece in pieces:
                 with open(piece, "rb") as src:
                     shutil.copyfileobj(src, out, length=16 << 20)
+        _check_complete_xml(path, joined, pieces)
         yield joined
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+_XML_TAIL = 4096  # bytes read from the end of a joined file: room for </VTKFile> and trailing whitespace
+
+
+def _check_complete_xml(path: Path, joined: Path, pieces: list[Path]) -> None:
+    """A VTK XML file joined from pieces must end with ``</VTKFile>``: pieces 00..k with no gap can still
+    lack the last one(s), which VTK would report as a corrupt file. Reads only the head and the tail."""
+    size = joined.stat().st_size
+    with open(joined, "rb") as f:
+        head = f.read(64).lstrip(b"\xef\xbb\xbf \t\r\n")
+        if not head.startswith((b"<?xml", b"<VTKFile")):
+            return  # not VTK XML (legacy VTK, or garbage that the reader reports as corrupt)
+        f.seek(max(0, size - _XML_TAIL))
+        tail = f.read()
+    if tail.rstrip().endswith(b"</VTKFile>"):
+        return
+    digits = [_PIECE.search(p.name).group(1) for p in pieces]
+    found = digits[0] if len(digits) == 1 else f"{digits[0]}..{digits[-1]}"
+    empty = [p.name for p in pieces if p.stat().st_size == 0]
+    if empty:
+        raise IngestError(f"{path}: its .part pieces {found} end before the file does; piece(s) {empty} hold 0 "
+                          f"bytes: a corrupt or truncated download; download them again")
+    following = f"{int(digits[-1]) + 1:0{len(digits[-1])}d}"
+    raise IngestError(f"{path}: its .part pieces {found} end before the file does (no closing </VTKFile>); "
+                      f"the last piece(s) (.{following}.part and after?) seem to be missing (or "
+                      f".{digits[-1]}.part is cut short); download them")
 
 
 def read_cells(path: Path, arrays: list[str], shown_as: Path | None = None, optional: tuple[str, ...] = ()):

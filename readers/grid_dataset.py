@@ -121,10 +121,10 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
             cols = []
             for c, d in lon_reads:
                 if csel is not None:
-                    block = np.asarray(self.data[t0:t1, csel, a:b, c:d])
+                    block = self.store.read(self.data, (slice(t0, t1), csel, slice(a, b), slice(c, d)))
                 else:
-                    block = np.asarray(self.data.get_orthogonal_selection(
-                        (slice(t0, t1), ch, slice(a, b), slice(c, d))))
+                    block = self.store.read(self.data, (slice(t0, t1), ch, slice(a, b), slice(c, d)),
+                                            orthogonal=True)
                 cols.append(block)
             rows.append(np.concatenate(cols, axis=3) if len(cols) > 1 else cols[0])
         return np.concatenate(rows, axis=2) if len(rows) > 1 else rows[0]
@@ -132,8 +132,10 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
     def read_region(self, t: int, weight: float = 1.0) -> dict:
         """This rank's input window and target at time ``t`` as numpy arrays, cast and z-scored (on the
         prefetch thread, so the training loop only wraps them)."""
+        self.store.check_unchanged()
         window = self._prepare(self._read(t - self.history + 1, t + 1, halo=self.halo > 0))
         target = self._prepare(self._read(t + self.lead, t + self.lead + 1, halo=False))
+        self.store.check_unchanged()  # a store replaced mid-read would mix two stores in one sample
         return {"time": t, "weight": weight, "window": window, "target": target}
 
     def _prepare(self, block: np.ndarray) -> np.ndarray:

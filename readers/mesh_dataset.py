@@ -69,31 +69,7 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
 
     # -- checks (metadata only: every rank raises the same error, before any collective) -------------------
     def _check(self):
-        store, loc = self.store, self.location
-        world = self.axes.sizes[0]
-        if world > store.parts:
-            raise StoreError(f"{store.path} has {store.parts} spatial parts per run, so it serves domains of up to "
-                             f"{store.parts} ranks, not {world}; re-ingest with --parts {_pow2_at_least(world)} "
-                             f"or more")
-        known = set(store.runs())
-        unknown = [r for r in self.runs if r not in known]
-        if unknown:
-            raise StoreError(f"{store.path} has no run(s) {unknown[:10]}; it has {sorted(known)[:20]}")
-        if not self.runs:
-            raise StoreError(f"{store.path}: no runs to read (the split is empty)")
-        first = store.run(self.runs[0])
-        if loc not in first:
-            locs = [k for k in ("surface", "volume") if k in first]
-            raise StoreError(f"{store.path} has no {loc!r} data; its runs hold {locs}")
-        available = store.field_names(loc)
-        bad = [f for f in self.fields if f not in available]
-        if bad:
-            raise StoreError(f"{store.path}: no {loc} field(s) {bad}; the {loc} fields are {available}")
-        geometry = [g for g in GEOMETRY if g in first[loc]]
-        bad = [g for g in self.inputs if g not in geometry]
-        if bad:
-            raise StoreError(f"{store.path}: no {loc} input(s) {bad}; inputs are the geometry arrays {geometry} "
-                             f"(fields go in fields=)")
+        check_request(self.store, self.location, self.fields, self.inputs, self.runs, self.axes.sizes[0])
 
     # -- iteration ---------------------------------------------------------------------------------------
     def steps(self, epoch: int | None = None) -> list[tuple[str, float]]:
@@ -120,11 +96,15 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
         hit = self._runs_open.get(run_id)
         if hit is None:
             group = self.store.run(run_id)
-            loc = group[self.location]
-            arrays = {name: loc[name] for name in self.inputs}
-            arrays.update({name: loc["fields"][name] for name in self.fields})
-            offsets = tuple(int(x) for x in loc["parts"][...])
-            boxes = np.asarray(loc["part_boxes"][...], dtype=np.float64)
+            names = {n: f"{self.location}/{n}" for n in self.inputs + ("parts", "part_boxes")}
+            names.update({n: f"{self.location}/fields/{n}" for n in self.fields})
+            try:
+                arrays = {n: group[key] for n, key in names.items()}
+            except KeyError as exc:
+                raise StoreError(f"{self.store.path} is damaged: run {run_id} has no array {exc}; re-ingest it "
+                                 f"(`domainflow ingest ... --overwrite`)") from None
+            offsets = tuple(int(x) for x in self.store.read(arrays.pop("parts")))
+            boxes = self.store.read(arrays.pop("part_boxes")).astype(np.float64)
             hit = self._runs_open[run_id] = (offsets, arrays, dict(group.attrs), boxes)
         return hit
 
@@ -132,12 +112,13 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
         """Rows of one run for this rank (or domain coordinate ``rank``) as numpy arrays, already cast and
         z-scored, plus the run's replicated values. No torch and no communication: it runs on the
         prefetch thread, so the training loop only wraps the arrays."""
+        self.store.check_unchanged()
         offsets, arrays, attrs, part_boxes = self._open_run(run_id)
         rank = self.axes.coords[0] if rank is None else rank
         a, b = mesh_rows(offsets, rank, self.axes.sizes[0])
         out = {}
         for name, arr in arrays.items():
-            values = np.asarray(arr[a:b])
+            values = self.store.read(arr, slice(a, b))
             if name != "order":
                 values = values.astype(self._np_dtype, copy=False)
                 if values.ndim == 1:
@@ -148,6 +129,7 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
                     values -= mean
                     values *= inv_std
             out[name] = values
+        self.store.check_unchanged()  # a store replaced mid-read would mix two stores in one sample
         return {"run": run_id, "weight": weight, "arrays": out, "rows": (a, b),
                 "sizes": rows_per_rank(offsets, self.axes.sizes[0]), "attrs": attrs,
                 "boxes": self._rank_boxes(part_boxes)}
@@ -187,6 +169,36 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
     def denormalize(self, name: str, x):
         """Undo the z-score of field or input ``name`` (e.g. a model's Cp prediction)."""
         return self.normalizer.denormalize(f"{self.location}/{name}", x)
+
+
+def check_request(store: Store, location: str, fields, inputs, runs, world: int) -> None:
+    """What a MeshDataset checks before reading: the store serves ``world`` domain ranks and holds the runs,
+    location, fields and inputs asked for. Metadata only and needs no process group, so a launcher runs it
+    before it starts any rank."""
+    loc = location
+    if world > store.parts:
+        raise StoreError(f"{store.path} has {store.parts} spatial parts per run, so it serves domains of up to "
+                         f"{store.parts} ranks, not {world}; re-ingest with --parts {_pow2_at_least(world)} "
+                         f"or more")
+    known = set(store.runs())
+    unknown = [r for r in runs if r not in known]
+    if unknown:
+        raise StoreError(f"{store.path} has no run(s) {unknown[:10]}; it has {sorted(known)[:20]}")
+    if not runs:
+        raise StoreError(f"{store.path}: no runs to read (the split is empty)")
+    first = store.run(runs[0])
+    if loc not in first:
+        locs = [k for k in ("surface", "volume") if k in first]
+        raise StoreError(f"{store.path} has no {loc!r} data; its runs hold {locs}")
+    available = store.field_names(loc)
+    bad = [f for f in fields if f not in available]
+    if bad:
+        raise StoreError(f"{store.path}: no {loc} field(s) {bad}; the {loc} fields are {available}")
+    geometry = [g for g in GEOMETRY if g in first[loc]]
+    bad = [g for g in inputs if g not in geometry]
+    if bad:
+        raise StoreError(f"{store.path}: no {loc} input(s) {bad}; inputs are the geometry arrays {geometry} "
+                         f"(fields go in fields=)")
 
 
 def _pow2_at_least(n: int) -> int:

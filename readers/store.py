@@ -1,24 +1,43 @@
 """Opening a domainflow store (format in DESIGN.md) for reading, with a count of the bytes read.
 
-Readers never import ``domainflow.preprocess``: the two share only the store format.
+Readers never import ``domainflow.preprocess``: the two share only the store format. Nothing damaged is
+read as data: stores of format 2 have every chunk on disk, each with a checksum, so a missing chunk file
+(zarr would return fill values) or one that does not decode is a :class:`StoreError` naming the store, run,
+array and file. A reader holds a shared OS lock on the store, which makes ``ingest --overwrite`` refuse
+to replace it, and :meth:`Store.check_unchanged` tells when the store was replaced all the same.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FORMAT = 1
+from domainflow.locks import FileLock, LockHeld, store_locks
+
+FORMAT = 2
+_METADATA_KEYS = {"zarr.json", ".zgroup", ".zattrs", ".zarray", ".zmetadata"}
 
 
 class StoreError(ValueError):
-    """The path is not a complete domainflow store of a format and kind this reader understands."""
+    """The path is not a complete domainflow store of a format and kind this reader understands, or it is
+    damaged (a chunk missing or undecodable) or was replaced while being read."""
+
+
+def describe_key(root: Path, key: str) -> str:
+    """"run run_3, array surface/coords, chunk file <path>" for a store key (or the grid's ``data``)."""
+    head, _, chunk = key.partition("/c/")
+    parts = head.split("/")
+    where = f"run {parts[1]}, array {'/'.join(parts[2:])}" if parts[0] == "runs" and len(parts) > 2 \
+        else f"array {head}"
+    return f"{where}, chunk {chunk.replace('/', ',') or '?'} (file {root / key})"
 
 
 def _counting_store(path: Path):
-    """A read-only zarr local store that counts the bytes of every chunk and metadata read."""
+    """A read-only zarr local store that counts the bytes of every chunk and metadata read, and refuses to
+    let a missing chunk file read as fill values."""
     from zarr.storage import LocalStore, WrapperStore
 
     class CountingStore(WrapperStore):
@@ -26,9 +45,16 @@ def _counting_store(path: Path):
             super().__init__(store)
             self.counter = counter
 
+        def _missing(self, key):
+            if key.rsplit("/", 1)[-1] not in _METADATA_KEYS:
+                raise StoreError(f"{path} is damaged: {describe_key(path, key)} is missing (every chunk of a "
+                                 f"store is written at ingest); re-ingest it (`domainflow ingest ... --overwrite`)")
+
         async def get(self, key, prototype, byte_range=None):
             buf = await self._store.get(key, prototype, byte_range)
-            if buf is not None:
+            if buf is None:
+                self._missing(key)
+            else:
                 self.counter.add(key, len(buf))
             return buf
 
@@ -36,7 +62,9 @@ def _counting_store(path: Path):
             key_ranges = list(key_ranges)
             bufs = await self._store.get_partial_values(prototype, key_ranges)
             for (key, _), buf in zip(key_ranges, bufs):
-                if buf is not None:
+                if buf is None:
+                    self._missing(key)
+                else:
                     self.counter.add(key, len(buf))
             return bufs
 
@@ -85,6 +113,8 @@ class Store:
     attrs: dict
     group: object
     counter: ByteCounter
+    stamp: tuple = ()  # (inode, mtime, size) of the root metadata when opened: see check_unchanged
+    lock: FileLock | None = field(default=None, repr=False)  # shared readers lock, held while open
 
     @property
     def bytes_read(self) -> int:
@@ -115,6 +145,60 @@ class Store:
             raise StoreError(f"{self.path} is a {self.kind!r} store; use {what.get(self.kind, 'another reader')} "
                              f"instead of the reader for {kind!r} stores")
 
+    def close(self) -> None:
+        """Release the readers lock now (it is also released when the handle is collected or the process ends)."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def check_unchanged(self) -> None:
+        """Raise StoreError if the store was replaced (re-ingested) since it was opened: an ``--overwrite``
+        rewrites the root metadata, so its inode, mtime or size change. One ``stat``; readers call it
+        around every sample they read."""
+        if _stamp(self.path) != self.stamp:
+            raise StoreError(f"{self.path} was replaced or changed while this job was reading it (a re-ingest "
+                             f"with --overwrite?); the samples read so far may mix two stores. Restart the job")
+
+    def read(self, arr, selection=Ellipsis, orthogonal: bool = False):
+        """``arr[selection]`` (``orthogonal``: ``arr.get_orthogonal_selection``) as numpy; a chunk that does not
+        decode (truncated, damaged) is a StoreError naming its file (found by reading the selection's chunks
+        one by one, on the failure path only)."""
+        import numpy as np
+
+        try:
+            return np.asarray(arr.get_orthogonal_selection(selection) if orthogonal else arr[selection])
+        except StoreError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (zarr and numcodecs raise many types)
+            damaged = self._damaged(arr, selection, exc)
+            if damaged is None:
+                raise
+            raise damaged from exc
+
+    def _damaged(self, arr, selection, exc) -> StoreError | None:
+        """A StoreError naming the first chunk of ``selection`` that does not read, or None if all do."""
+        from zarr.core.indexing import OrthogonalIndexer
+
+        key = None
+        try:
+            if selection is Ellipsis:
+                selection = tuple(slice(None) for _ in arr.shape)
+            indexer = OrthogonalIndexer(selection, arr.shape, arr.metadata.chunk_grid)
+            coords = sorted({tuple(int(i) for i in c.chunk_coords) for c in indexer})
+        except Exception:  # noqa: BLE001  (a selection zarr itself refused: nothing is damaged)
+            coords = []
+        for c in coords:
+            block = tuple(slice(i * n, (i + 1) * n) for i, n in zip(c, arr.chunks))
+            try:
+                arr[block]
+            except Exception:  # noqa: BLE001
+                key = f"{arr.path}/{arr.metadata.encode_chunk_key(c)}"
+                break
+        if key is None:
+            return None
+        where = describe_key(self.path, key) if key else f"array {arr.path}"
+        return StoreError(f"{self.path} is damaged: {where} cannot be read ({type(exc).__name__}: {exc}); "
+                          f"re-ingest it (`domainflow ingest ... --overwrite`)")
+
     def field_names(self, location: str) -> list[str]:
         return sorted(k.split("/", 1)[1] for k, v in self.fields.items() if v.get("location") == location)
 
@@ -123,12 +207,43 @@ def _run_key(name: str):
     return (0, int(name[4:]), "") if name.startswith("run_") and name[4:].isdigit() else (1, 0, name)
 
 
+def _stamp(path: Path) -> tuple:
+    try:
+        st = os.stat(path / "zarr.json")
+    except OSError:
+        return ()
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _reader_lock(path: Path) -> FileLock | None:
+    """The shared readers lock of a store (None where it cannot be taken: an older or read-only store, or a
+    filesystem without locks); refused while an ``--overwrite`` holds it exclusively."""
+    try:
+        return FileLock(store_locks(path.resolve())[1], shared=True).acquire()
+    except LockHeld as held:
+        raise StoreError(f"{path} is being overwritten by an ingest ({held.holder}); wait until it completes") \
+            from None
+    except OSError:
+        return None
+
+
 def open_store(path) -> Store:
     """Open a complete store; refuses partial stores, unknown formats and paths that are not stores."""
+    path = Path(path)
+    lock = _reader_lock(path)
+    try:
+        return _open(path, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _open(path: Path, lock) -> Store:
     import zarr
 
-    path = Path(path)
     meta = path / "zarr.json"
+    stamp = _stamp(path)
     try:
         attrs = json.loads(meta.read_text()).get("attributes", {})
     except FileNotFoundError:
@@ -141,8 +256,10 @@ def open_store(path) -> Store:
         raise StoreError(f"{path} is a zarr group but not a domainflow store (no attrs['domainflow']); create "
                          f"one with `domainflow ingest`")
     if head.get("format") != FORMAT:
-        raise StoreError(f"{path} has store format {head.get('format')!r}; this domainflow reads format {FORMAT}. "
-                         f"Re-ingest it with this version (`domainflow ingest ... --overwrite`) or upgrade")
+        old = " (format 1 does not keep every chunk on disk, so a lost chunk would read as zeros)" \
+            if head.get("format") == 1 else ""
+        raise StoreError(f"{path} has store format {head.get('format')!r}; this domainflow reads format {FORMAT}"
+                         f"{old}. Re-ingest it with this version (`domainflow ingest ... --overwrite`) or upgrade")
     if not head.get("complete"):
         raise StoreError(f"{path} is incomplete: the ingest that writes it was interrupted (or is still "
                          f"running). Rerun the same `domainflow ingest` command to resume it; finished runs "
@@ -151,4 +268,4 @@ def open_store(path) -> Store:
     group = zarr.open_group(store, mode="r")
     return Store(path=path, kind=head.get("kind"), parts=head.get("parts"), fields=dict(attrs.get("fields", {})),
                  stats=dict(attrs.get("stats", {})), splits=dict(attrs.get("splits", {})), attrs=attrs, group=group,
-                 counter=counter)
+                 counter=counter, stamp=stamp, lock=lock)

@@ -33,3 +33,110 @@ def test_missing_rank_gives_named_collective_error():
     assert "rank 1: all_gather over mesh dim 'domain'" in msg
     assert "another rank did not enter the same collective" in msg
     assert elapsed < 45
+
+
+# -- a pending loss and the usual logging idiom ----------------------------------------------------------
+def _model_and_points(world, rank):
+    mesh = df.init_mesh((world,), ("domain",))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.GELU(), torch.nn.Linear(8, 1)).double()
+    x = torch.randn(40, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    sizes = [0, 40] if world == 2 else [5, 0, 35][:world] if world == 3 else [40]
+    return mesh, model, x, df.distribute_tensor(x, mesh, [Shard(0)], sharding_shapes={0: sizes})
+
+
+def _log_on_rank0_after_backward(with_params: bool, deferred: bool = False):
+    from domainflow import comm
+
+    rank, world = rank_and_world()
+    mesh, model, x, st = _model_and_points(world, rank)
+    if not with_params:
+        st = st.detach().requires_grad_()  # the loss's only input that needs a gradient
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.GELU(), torch.nn.Linear(8, 1)).double()
+    ref_model.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    logged, calls = [], []
+    for _ in range(3):
+        opt.zero_grad()
+        comm.stats.reset()
+        loss = (model(st) ** 2).mean() if with_params else (st ** 2).mean()
+        if deferred:
+            with df.deferred_param_grads():
+                loss.backward()
+        else:
+            loss.backward()
+        calls.append(dict(comm.stats.calls))
+        if rank == 0:  # the idiom: only rank 0 looks at the loss
+            logged.append(loss.item())
+        opt.step()
+        ref_opt.zero_grad()
+        ref = (ref_model(x) ** 2).mean() if with_params else (x ** 2).mean()
+        if with_params:
+            ref.backward()
+            ref_opt.step()
+        if rank == 0:
+            assert abs(logged[-1] - ref.item()) < 1e-12
+    return logged, calls
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_loss_item_on_rank0_after_backward_needs_no_collective(world):
+    """The loss rides on the backward pass's gradient all-reduces: one per layer (two Linear layers), or one
+    for the whole model under deferred_param_grads; none of its own, none for .item()."""
+    with WorkerPool(world, timeout=60, pg_timeout=10, grace=10) as pool:
+        for deferred, grad_reduces in ((False, 2), (True, 1)):
+            results = pool.run(_log_on_rank0_after_backward, True, deferred)
+            assert len(results[0][0]) == 3
+            for _, rank_calls in results:
+                for c in rank_calls:
+                    assert c.get("all_reduce", 0) == grad_reduces, rank_calls
+
+
+def test_a_loss_without_parameters_is_known_after_backward_too():
+    """Nothing to ride on: backward ends with one small all-reduce of the loss itself."""
+    with WorkerPool(2, timeout=60, pg_timeout=10, grace=10) as pool:
+        results = pool.run(_log_on_rank0_after_backward, False)
+    assert len(results[0][0]) == 3
+    for _, rank_calls in results:
+        assert all(c.get("all_reduce", 0) == 1 for c in rank_calls), rank_calls
+
+
+def _item_on_rank0_before_backward():
+    rank, world = rank_and_world()
+    mesh, model, x, st = _model_and_points(world, rank)
+    loss = (model(st) ** 2).mean()
+    if rank == 0:
+        loss.item()  # a pending value reduced on one rank only: the others go on into backward
+    loss.backward()
+    return loss.item()
+
+
+def test_item_of_a_pending_value_on_one_rank_is_a_collective_error_not_an_abort():
+    with WorkerPool(2, timeout=90, pg_timeout=5, grace=40) as pool:
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure) as info:
+            pool.run(_item_on_rank0_before_backward)
+        elapsed = time.monotonic() - t0
+    msg = str(info.value)
+    assert "died" not in msg, msg  # Gloo aborted the process (SIGABRT) before
+    for rank in (0, 1):
+        assert f"rank {rank} raised CollectiveError" in msg, msg
+    assert "The ranks ran different collectives" in msg and "all_reduce(sum) of 1 values" in msg, msg
+    assert elapsed < 60
+
+
+def _rank1_stalls():
+    rank, world = rank_and_world()
+    mesh, model, x, st = _model_and_points(world, rank)
+    if rank == 1:
+        time.sleep(12)  # longer than the collective timeout: a rank stuck computing
+    return (model(st) ** 2).mean().item()
+
+
+def test_a_stalled_rank_is_named_as_the_likely_culprit():
+    with WorkerPool(2, timeout=90, pg_timeout=4, grace=20) as pool:
+        with pytest.raises(RankFailure) as info:
+            pool.run(_rank1_stalls)
+    msg = str(info.value)
+    assert "rank 0 raised CollectiveError" in msg and "Likely culprit: rank(s) [1]" in msg, msg

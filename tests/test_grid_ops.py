@@ -164,11 +164,12 @@ def _halo_traffic():
 
 def test_halo_exchange_moves_only_halo_rows_point_to_point(dist):
     """A 3x3 convolution sends each neighbour one row (3 channels x 5 columns x 8 bytes) and nothing else:
-    no all-gather. The rank holding a single row forwards its own row both ways."""
+    no all-gather. The rank holding a single row forwards its own row both ways. (Before it, one small
+    all-reduce checks that the ranks agree on the sizes the test gave each of them: "check".)"""
     results = dist.run(4, _halo_traffic)
     row = 3 * 5 * 8
     for rank, ((nbytes, calls), out_sizes) in enumerate(results):
-        assert set(nbytes) == {"halo"}, nbytes
+        assert set(nbytes) == {"halo", "check"} and calls["check"] == 1 and nbytes["check"] <= 64, nbytes
         neighbours = (rank > 0) + (rank < 3)
         assert nbytes["halo"] == neighbours * row
         assert out_sizes == (4, 1, 3, 4)  # stride 1, "same" padding: the output keeps the input layout
@@ -446,7 +447,7 @@ def _along(seed):
         st = df.distribute_tensor(x, mesh, [Shard(1)], sharding_shapes={0: sizes}).requires_grad_()
         comm.stats.reset()  # the ops alone, forward and backward: reductions and halos, never the whole tensor
         (torch.softmax(st, 1) * torch.roll(st, 2, 1) + torch.logsumexp(st, 1, keepdim=True)).sum().backward()
-        assert set(comm.stats.calls) <= {"all_reduce", "halo"}, comm.stats.calls
+        assert set(comm.stats.calls) <= {"all_reduce", "halo", "check"}, comm.stats.calls  # check: of the sizes
     y = x.clone()
     y[0, :, 0] = float("-inf")  # a row that is -inf everywhere stays well defined where torch's is
     check_sharded(lambda t: torch.log_softmax(t, 1)[1:], [Sharded(y, [Shard(1)], {0: sizes})], mesh)

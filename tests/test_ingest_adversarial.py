@@ -210,6 +210,23 @@ def test_bad_raw_file_is_an_ingest_error_naming_it(raw, tmp_path, case):
     assert zarr.open_group(tmp_path / "s.zarr", mode="r").attrs["domainflow"]["complete"] is False
 
 
+def test_missing_last_part_piece_is_reported_as_missing_not_corrupt(tmp_path, capsys):
+    """Pieces 00..02 of 00..03 have no gap, so only the joined file's end shows that .03.part is missing;
+    the error says so (naming the file and the piece) instead of calling the volume file corrupt."""
+    src = tmp_path / "raw"
+    synth_drivaerml(src, runs=1, cells=300, volume_cells=400, volume_pieces=4, progress=False)
+    run = src / "run_1"
+    assert sorted(p.name for p in run.glob("volume_1.vtu.*.part")) == [f"volume_1.vtu.0{k}.part" for k in range(4)]
+    (run / "volume_1.vtu.03.part").unlink()
+    pattern = r"run_1: .*volume_1\.vtu: its \.part pieces 00\.\.02 end before.*\.03\.part and after\?\).*missing"
+    with pytest.raises(IngestError, match=pattern) as caught:
+        ingest_drivaerml(src, tmp_path / "s.zarr", **OPTS)
+    assert "corrupt" not in str(caught.value)
+    code = cli(["ingest", "drivaerml", str(src), str(tmp_path / "c.zarr"), "--parts", "4", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1 and "volume_1.vtu" in err and ".03.part" in err and "missing" in err and "corrupt" not in err
+
+
 def test_csv_that_is_not_text_names_the_file(raw, tmp_path):
     # BUG: read_csv_row opens the CSV as UTF-8 text and lets UnicodeDecodeError escape: the message
     # ("'utf-8' codec can't decode byte 0xff") names neither the run nor the file, and it is not an
@@ -549,7 +566,10 @@ def _grid_source(path: Path, *variables, lat=None, lon=None, time=True, time_chu
     lon = np.arange(W) * 360.0 / W if lon is None else np.asarray(lon, float)
 
     def put(name, values, dims, chunks, extra=None):
-        kw = {"dimension_names": dims} if fmt == 3 else {"attributes": {"_ARRAY_DIMENSIONS": dims}}
+        # v2 as xarray writes an array without missing values: no fill_value (to xarray a v2 fill_value is
+        # the _FillValue, and zarr-python's default 0 would make every 0 a missing value)
+        kw = ({"dimension_names": dims} if fmt == 3
+              else {"attributes": {"_ARRAY_DIMENSIONS": dims}, "fill_value": None})
         a = g.create_array(name, shape=values.shape, dtype=values.dtype, chunks=chunks, **kw)
         a[...] = values
         if extra:

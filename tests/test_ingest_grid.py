@@ -177,5 +177,5 @@ def test_cli_synth_ingest_inspect_climate(tmp_path, capsys):
     capsys.readouterr()
     assert cli(["inspect", str(store), "--domain", "1", "3"]) == 0
     out = capsys.readouterr().out
-    assert "grid store, format 1, complete" in out and "grid/t2m" in out and "domain 3: 2..3 rows" in out
+    assert "grid store, format 2, complete" in out and "grid/t2m" in out and "domain 3: 2..3 rows" in out
     assert cli(["ingest", "climate", str(raw), str(store), "--on-error", "skip", "--quiet"]) != 0

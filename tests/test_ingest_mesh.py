@@ -103,7 +103,7 @@ def test_run_attrs_hold_reference_forces_and_geometry(raw, store):
     fields = dict(root.attrs["fields"])
     assert fields["surface/Cp"]["source"] == "pMeanTrim" and fields["surface/Cf"]["components"] == 3
     head = dict(root.attrs["domainflow"])
-    assert head == {**head, "format": 1, "kind": "mesh", "complete": True, "parts": PARTS}
+    assert head == {**head, "format": 2, "kind": "mesh", "complete": True, "parts": PARTS}
 
 
 def test_forces_integrated_from_stored_fields_match_the_csv(store):
@@ -446,6 +446,6 @@ def test_cli_synth_ingest_inspect(tmp_path, capsys):
     capsys.readouterr()
     assert cli(["inspect", str(store), "--domain", "1", "3", "4"]) == 0
     out = capsys.readouterr().out
-    assert "mesh store, format 1, complete" in out and "runs: 3 published" in out
+    assert "mesh store, format 2, complete" in out and "runs: 3 published" in out
     assert "surface/fields/Cp" in out and "domain 3:" in out and "surface/Cp" in out
     assert cli(["inspect", str(tmp_path)]) == 1

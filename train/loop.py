@@ -184,7 +184,10 @@ class Trainer:
         if float(extra[0]) > 0:
             names = comm.all_gather_object(runs if bad else [], self.mesh, dp_dim) if self.dp > 1 else [runs]
             culprits = sorted({r for rs in names for r in rs})
-            last = ckpt.latest(self.ckpt_dir)
+            try:
+                last = ckpt.latest(self.ckpt_dir)
+            except ckpt.CheckpointError as exc:  # the divergence is the news; the checkpoint's state is a detail
+                last = f"unusable ({exc})"
             raise TrainingDiverged(
                 f"the loss is NaN/Inf at step {self.step + 1} on sample(s) {culprits}; stopping. The last good "
                 f"checkpoint is {last or 'none (none was saved yet)'}; check those samples (domainflow inspect) "
@@ -307,10 +310,11 @@ class Trainer:
         return ckpt.save(self.ckpt_dir, self.step, self.model, self.opt, self.cfg)
 
     def resume(self) -> None:
-        path = ckpt.latest(self.ckpt_dir)
-        if path is None:
+        """Continue from the latest checkpoint, or the newest older complete one if it is corrupt (warned)."""
+        found = ckpt.load_newest_complete(self.ckpt_dir, self.model, self.opt)
+        if found is None:
             raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir}; start without --resume")
-        self.step = ckpt.load(path, self.model, self.opt)
+        self.step = found[1]
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(self.cfg, s),
                                                        last_epoch=self.step - 1)
         for g in self.opt.param_groups:

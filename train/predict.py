@@ -91,8 +91,11 @@ def as_mesh(store, result: dict):
     return cloud
 
 
-def predict_main(checkpoint: str, store: str, run: str, out: str, domain: int = 1) -> int:
-    """``domainflow predict``: one rank per domain part (started by the caller)."""
+def predict_config(checkpoint: str, store: str, run: str, domain: int = 1):
+    """(checkpoint folder, config) for a prediction, with every error that needs no process group raised here
+    (the launcher calls it before it starts ranks): no checkpoint, a grid checkpoint, a store or run missing."""
+    from domainflow.readers import open_store
+
     path = ckpt.latest(Path(checkpoint))
     if path is None:
         raise FileNotFoundError(f"{checkpoint}: no checkpoint there (expected a step_<n> folder or a checkpoints "
@@ -103,6 +106,17 @@ def predict_main(checkpoint: str, store: str, run: str, out: str, domain: int = 
     cfg.mesh.dp, cfg.mesh.domain = 1, domain
     if cfg.data.kind != "mesh":
         raise ValueError(f"predict writes surface fields; the checkpoint was trained on a {cfg.data.kind} store")
+    handle = open_store(store)
+    try:
+        handle.run(run)
+    finally:
+        handle.close()
+    return path, cfg
+
+
+def predict_main(checkpoint: str, store: str, run: str, out: str, domain: int = 1) -> int:
+    """``domainflow predict``: one rank per domain part (started by the caller)."""
+    path, cfg = predict_config(checkpoint, store, run, domain)
     from .loop import build_model
 
     mesh = df.init_mesh((1, domain), ("dp", "domain"))

@@ -3,6 +3,8 @@ started with torch's elastic launcher (one rank in this process when the mesh ha
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from .config import Config, from_dict
 
 
@@ -28,5 +30,41 @@ def run_training(cfg: Config, nproc: int | None = None, resume: bool = False) ->
                           f"mesh.lon) so their product is {nproc}")
     if under_launcher() or need == 1:
         return rank_main(cfg.to_dict(), resume)
+    preflight(cfg, resume)
     results = launch_local(rank_main, need, cfg.to_dict(), resume)
     return results[0]
+
+
+def preflight(cfg: Config, resume: bool) -> None:
+    """The errors a job can know before any rank starts: the store (complete, of the right kind, with the
+    fields, inputs, splits and parts the config asks for) and, with ``resume``, a checkpoint to resume from.
+    Raised here, they are one line instead of one traceback per rank."""
+    from domainflow.readers import open_store
+    from domainflow.readers.mesh_dataset import check_request
+
+    from . import checkpoint as ckpt
+    from .config import ConfigError
+
+    d = cfg.data
+    if not d.store:
+        raise ConfigError("data.store is not set; give the path of an ingested store (domainflow ingest ...)")
+    store = open_store(d.store)
+    try:
+        store.require_kind(d.kind)
+        if d.kind == "mesh":
+            check_request(store, d.location, d.fields, d.inputs, store.runs("train"), cfg.mesh.domain)
+            store.runs(d.val_split)
+        else:
+            missing = [s for s in ("train", d.val_split) if s not in store.splits]
+            if missing:
+                raise ConfigError(f"{store.path} has no split(s) {missing}; its splits are {sorted(store.splits)}")
+    finally:
+        store.close()
+    if resume:
+        folder = Path(cfg.output.dir) / "checkpoints"
+        try:
+            found = ckpt.latest(folder)
+        except ckpt.CheckpointError:
+            found = True  # a damaged latest: the ranks fall back to an older one, or say why none works
+        if found is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {folder}; start without --resume")

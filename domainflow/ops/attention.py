@@ -33,25 +33,7 @@ from .windows import _params_for, _without_partial, like
 def _ring_exchange(tensors, recv_shapes, mesh, m):
     """Send ``tensors`` to the next rank of the ring along mesh dim ``m``, receive ``recv_shapes`` from the
     previous one."""
-    import torch.distributed as dist
-
-    ranks = comm._dim_ranks(mesh, m)
-    w = len(ranks)
-    me = ranks.index(dist.get_rank())
-    nxt, prv = ranks[(me + 1) % w], ranks[(me - 1) % w]
-    ops, got = [], []
-    for t in tensors:
-        t = t.contiguous()
-        comm.stats.add("ring", comm._nbytes(t))
-        ops.append(dist.P2POp(dist.isend, t, nxt))
-    for shape, ref in zip(recv_shapes, tensors):
-        buf = torch.empty(shape, dtype=ref.dtype, device=ref.device)
-        got.append(buf)
-        ops.append(dist.P2POp(dist.irecv, buf, prv))
-    with comm._named("ring attention exchange", mesh, m):
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return got
+    return comm.ring_shift(tensors, recv_shapes, mesh, m, "ring attention exchange")
 
 
 def _scores(q, kb, scale, causal, q0, k0, mask=None):

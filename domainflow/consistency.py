@@ -1,0 +1,256 @@
+"""Cross-rank checks of what every rank must agree on but declares alone: user-given layouts and replicated
+parameters.
+
+``from_local(..., sharding_shapes=mapping | "chunk")`` takes each rank's word for every rank's size, and a
+replicated ``nn.Parameter`` is assumed equal on every rank. Either, when wrong on one rank, gives a wrong
+result with no error. Checking them where they are declared would cost a collective per tensor on the
+reading hot path, so they are recorded there (no communication) and checked lazily: the collective layer
+(:mod:`domainflow.comm`) calls :func:`flush` before any collective, which checks everything recorded since
+the last one in one small all-reduce per mesh-dim group (a fingerprint per item, reduced by max of
+(+h, -h): equal everywhere iff max == -max(-h)). A disagreement raises on every rank, before the
+collective that would have used it: :class:`ShardingShapeError` for layouts, :class:`ReplicaMismatchError`
+for parameters. Layouts are recorded only when a user supplies them; layouts the engine derives from checked
+ones need no check. Each parameter is checked once, the first time it meets a ShardTensor.
+
+Ranks record items in the same order (SPMD), so they take part in the same check collectives; groups of
+one rank record nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import torch
+
+from .errors import ReplicaMismatchError, ShardingShapeError
+from .placements import Partial, Shard
+
+_lock = threading.Lock()
+_pending: dict = {}  # (group key) -> _Group, in the order first recorded (dicts keep it)
+_flushing = threading.local()
+stats = {"checks": 0, "items": 0}  # collectives spent on checks and items checked, for benchmarks and tests
+
+
+class _Group:
+    __slots__ = ("mesh", "mesh_dim", "items")
+
+    def __init__(self, mesh, mesh_dim):
+        self.mesh, self.mesh_dim = mesh, mesh_dim
+        self.items: dict = {}  # fingerprint key -> (kind, what, describe) ; dedupes repeats of one layout
+
+
+def _group_of(mesh, mesh_dim: int) -> _Group | None:
+    if mesh.shape[mesh_dim] == 1:
+        return None
+    key = (id(mesh.get_group(mesh_dim)), mesh_dim)
+    g = _pending.get(key)
+    if g is None:
+        g = _pending[key] = _Group(mesh, mesh_dim)
+    return g
+
+
+# --------------------------------------------------------------------------------------------
+# recording (no communication)
+# --------------------------------------------------------------------------------------------
+def record_layout(spec, source: str) -> None:
+    """A layout whose sizes a user gave (``source`` names the call): checked at the next collective over
+    every mesh dim it is sharded on."""
+    dims = [m for m, p in enumerate(spec.placements) if isinstance(p, Shard)]
+    if not dims:
+        return
+    h = _layout_fingerprint(spec)
+    with _lock:
+        for m in dims:
+            g = _group_of(spec.mesh, m)
+            if g is not None and ("layout", h) not in g.items:
+                g.items[("layout", h)] = (h, source, _layout_text(spec))
+
+
+def record_parameter(param: torch.Tensor, mesh) -> None:
+    """A replicated ``nn.Parameter`` was passed to a function together with a ShardTensor on ``mesh`` for the
+    first time (the dispatcher calls this once per parameter): checked at the next collective over every
+    mesh dim, since it must be equal on every rank of the mesh."""
+    if getattr(param, "_domainflow_recorded", False):
+        return
+    param._domainflow_recorded = True
+    with _lock:
+        for m in range(mesh.ndim):
+            g = _group_of(mesh, m)
+            if g is not None:
+                g.items[("param", id(param))] = (None, param, None)
+
+
+# --------------------------------------------------------------------------------------------
+# checking (at the next collective)
+# --------------------------------------------------------------------------------------------
+def mark_checked(param: torch.Tensor) -> None:
+    """``param`` needs no check (e.g. :func:`domainflow.sync_module` just made it equal on every rank)."""
+    param._domainflow_recorded = True
+
+
+def pending() -> bool:
+    return bool(_pending)
+
+
+def flush(before: str = "a collective") -> None:
+    """Check everything recorded so far; the collective layer calls it before each collective (``before``
+    names that one, which is what a timeout of the check reports)."""
+    if not _pending or getattr(_flushing, "on", False):
+        return
+    with _lock:
+        groups = list(_pending.values())
+        _pending.clear()
+    _flushing.on = True
+    try:
+        for g in groups:
+            _check_group(g, before)
+    finally:
+        _flushing.on = False
+
+
+def _check_group(g: _Group, before: str) -> None:
+    from . import comm
+
+    items = list(g.items.values())
+    values = [h if h is not None else param_fingerprint(what) for h, what, _ in items]
+    device = comm.mesh_device(g.mesh)
+    v = torch.tensor(values, dtype=torch.int64, device=device)
+    red = comm.all_reduce(torch.cat([v, -v]), "max", g.mesh, g.mesh_dim,
+                          what=(before, " (checking first that the ranks agree on layouts and parameters they "
+                                        "declared alone)"), kind="check")
+    stats["checks"] += 1
+    stats["items"] += len(items)
+    n = len(values)
+    bad = [k for k in range(n) if int(red[k]) != -int(red[n + k])]
+    if bad:
+        _raise(g, items, values, bad)
+
+
+def _raise(g: _Group, items, values, bad) -> None:
+    """Every rank raises the same error (the check's result is identical everywhere); the details come from
+    one all-gather of what each rank said, on this failure path only."""
+    from . import comm
+
+    said = comm.all_gather_object([values[k] if items[k][0] is None else items[k][2] for k in bad],
+                                  g.mesh, g.mesh_dim)
+    ranks = comm.dim_ranks(g.mesh, g.mesh_dim)
+    dim = _dim_name(g.mesh, g.mesh_dim)
+    layouts, params = [], []
+    for j, k in enumerate(bad):
+        h, what, _ = items[k]
+        if h is None:
+            ref = said[0][j]
+            differ = [ranks[r] for r in range(len(ranks)) if said[r][j] != ref]
+            params.append(f"{_param_name(what)} (shape {tuple(what.shape)}, {what.dtype}): rank(s) {differ} "
+                          f"differ from rank {ranks[0]}")
+        else:
+            views = "; ".join(f"rank {ranks[r]}: {said[r][j]}" for r in range(len(ranks)))
+            layouts.append(f"{what}: {views}")
+    if layouts:
+        raise ShardingShapeError(
+            f"the ranks of mesh dim {dim} disagree about the layout of a ShardTensor whose sizes were given "
+            f"per rank (sharding_shapes mapping or 'chunk'), so results would be wrong: " + " | ".join(layouts)
+            + ". Pass every rank the same sizes for every rank (e.g. from the store's part offsets), or use "
+              "sharding_shapes='infer' (one all-gather of the local shapes)")
+    raise ReplicaMismatchError(
+        f"replicated parameter(s) differ across the ranks of mesh dim {dim}, so training would silently diverge "
+        f"from one device: " + "; ".join(params) + ". Seed every rank alike before building the model, or call "
+        "domainflow.sync_module(model, mesh) after building it (copies the first rank's values to the others)")
+
+
+def _dim_name(mesh, m: int) -> str:
+    names = mesh.mesh_dim_names
+    return f"'{names[m]}'" if names else str(m)
+
+
+# --------------------------------------------------------------------------------------------
+# fingerprints
+# --------------------------------------------------------------------------------------------
+_OPS = {"sum": 1, "avg": 2, "max": 3, "min": 4, "product": 5}
+
+
+def _layout_fingerprint(spec) -> int:
+    ints = [len(spec.shape), *spec.shape]
+    for p, s in zip(spec.placements, spec.sizes):
+        if isinstance(p, Shard):
+            ints += [1, p.dim, len(s), *s]
+        elif isinstance(p, Partial):
+            ints += [2, _OPS.get(p.reduce_op, 0)]
+        else:
+            ints.append(0)
+    return _digest(repr(ints).encode())
+
+
+def _layout_text(spec) -> str:
+    parts = [f"Shard({p.dim}) sizes {list(s)}" if isinstance(p, Shard) else str(p)
+             for p, s in zip(spec.placements, spec.sizes)]
+    return f"global shape {tuple(spec.shape)}, " + ", ".join(parts)
+
+
+def _digest(data: bytes) -> int:
+    """A 63-bit non-negative int (so that -h never overflows int64)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+_BLOCK = 1 << 22
+
+
+def param_fingerprint(t: torch.Tensor) -> int:
+    """A 63-bit checksum of a tensor's bytes, dtype and shape, computed on its device in blocks (sums mod
+    2^64 of position-weighted 32-bit words, which any reduction order gives alike)."""
+    x = t.detach().contiguous().reshape(-1)
+    if x.is_complex():
+        x = torch.view_as_real(x).reshape(-1)
+    raw = x.view(torch.uint8)
+    pad = (-raw.numel()) % 4
+    if pad:
+        raw = torch.cat([raw, raw.new_zeros(pad)])
+    words = raw.view(torch.int32)
+    acc = torch.zeros((), dtype=torch.int64, device=t.device)
+    for i in range(0, words.numel(), _BLOCK):
+        w = words[i:i + _BLOCK].to(torch.int64)
+        pos = torch.arange(i, i + w.numel(), dtype=torch.int64, device=t.device)
+        acc = acc + (w * (pos * 0x9E3779B1 + 0x7F4A7C15)).sum()
+    return _digest(repr((str(t.dtype), tuple(t.shape), int(acc))).encode())
+
+
+def _param_name(param: torch.Tensor) -> str:
+    """'Model.blocks.0.norm.weight'-style name of a parameter, found (on the failure path only) among the
+    live modules that hold it; the longest path from a module that is nobody's child."""
+    import gc
+
+    modules = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+    children = {id(c) for m in modules for c in m.children()}
+    best = None
+    for m in modules:
+        if id(m) in children:
+            continue
+        for name, p in m.named_parameters(remove_duplicate=False):
+            if p is param and (best is None or len(name) > len(best)):
+                best = f"{type(m).__name__}.{name}"
+    return f"parameter {best!r}" if best else "a parameter"
+
+
+def sync_module(module: torch.nn.Module, mesh, buffers: bool = True) -> torch.nn.Module:
+    """Copy the parameters (and buffers) of the mesh's first rank to every rank of ``mesh``, for models built
+    with a per-rank seed: one broadcast per dtype and mesh dim (coalesced), from coordinate 0 along each dim.
+    Pass the domain sub-mesh (``mesh["domain"]``) to sync within each domain group only. Returns ``module``."""
+    from . import comm
+
+    tensors = [p for p in module.parameters()] + ([b for b in module.buffers()] if buffers else [])
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for ts in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            for m in range(mesh.ndim):
+                flat = comm.broadcast(flat, 0, mesh, m)
+            i = 0
+            for t in ts:
+                t.copy_(flat[i:i + t.numel()].view_as(t))
+                i += t.numel()
+    for p in module.parameters():
+        mark_checked(p)
+    return module

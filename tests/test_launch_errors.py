@@ -1,0 +1,94 @@
+"""`domainflow train --domain 2` ends in one line, not pages of launcher tracebacks: errors that can be known
+before ranks start are raised before any rank starts, a rank's own error comes back as its one-line message,
+and Ctrl-C stops every rank with one line. Real processes and real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+TRAIN = ["model.dim=8", "model.layers=1", "model.heads=2", "model.slices=4", "output.progress=false",
+         "output.plots=false", "train.eval_every=0", "data.prefetch=0"]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "DOMAINFLOW_COLLECTIVE_TIMEOUT": "60"}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    from domainflow.preprocess.ingest_mesh import ingest_drivaerml
+    from domainflow.preprocess.synth_drivaerml import synth_drivaerml
+
+    root = tmp_path_factory.mktemp("launch")
+    synth_drivaerml(root / "raw", runs=4, cells=600, seed=2, volume_cells=200, volume_pieces=1, progress=False)
+    ingest_drivaerml(root / "raw", root / "s.zarr", parts=4, progress=False, split=(0.5, 0.5, 0.0),
+                     locations=("surface",), chunk_bytes=2048)
+    return root / "s.zarr"
+
+
+def _train(args, timeout=240):
+    cmd = [sys.executable, "-m", "domainflow.cli", "train", *args]
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("problem", ["no store", "no field", "no checkpoint"])
+def test_errors_known_before_ranks_start_are_one_line_from_the_launcher(store, tmp_path, problem):
+    args = {"no store": [f"data.store={tmp_path / 'nothing.zarr'}"],
+            "no field": [f"data.store={store}", "data.fields=Cp,Cq"],
+            "no checkpoint": [f"data.store={store}", "--resume"]}[problem]
+    t0 = time.monotonic()
+    res = _train([*args, f"output.dir={tmp_path / 'out'}", "--domain", "2", *TRAIN])
+    lines = _lines(res.stderr)
+    assert res.returncode == 1 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: ") and not lines[0].startswith("error: rank "), lines  # no rank started
+    want = {"no store": "is not a domainflow store", "no field": "no surface field(s) ['Cq']",
+            "no checkpoint": "--resume: no checkpoint"}[problem]
+    assert want in lines[0], lines
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_rank_error_comes_back_as_its_one_line_message(store, tmp_path):
+    import shutil
+
+    damaged = tmp_path / "damaged.zarr"
+    shutil.copytree(store, damaged)
+    victim = next(p for p in sorted((damaged / "runs").rglob("c/*/*")) if "fields/Cp" in str(p))
+    victim.unlink()
+    res = _train([f"data.store={damaged}", f"output.dir={tmp_path / 'out'}", "--domain", "2", "train.steps=6",
+                  *TRAIN])
+    lines = _lines(res.stderr)
+    assert res.returncode == 1 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: rank ") and "is missing" in lines[0] and str(victim) in lines[0], lines
+
+
+def test_ctrl_c_stops_every_rank_with_one_line(store, tmp_path):
+    cmd = [sys.executable, "-m", "domainflow.cli", "train", f"data.store={store}", f"output.dir={tmp_path / 'out'}",
+           "--domain", "2", "train.steps=100000", *TRAIN]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    # wait until training runs (the metrics log gets lines), then press Ctrl-C: SIGINT to the process group
+    while time.monotonic() < deadline and proc.poll() is None:
+        log = tmp_path / "out" / "metrics.jsonl"
+        if log.exists() and log.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.communicate()
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert _lines(err) == ["interrupted; rerun with --resume to continue from the last checkpoint"], err
+    deadline = time.monotonic() + 15  # the ranks (and multiprocessing's resource tracker) exit right after
+    while time.monotonic() < deadline:
+        leftover = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        if not leftover:
+            break
+        time.sleep(0.2)
+    assert not leftover, f"processes still running after Ctrl-C: {leftover}"
