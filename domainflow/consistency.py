@@ -197,30 +197,43 @@ _BLOCK = 1 << 22
 
 
 def param_fingerprint(t: torch.Tensor) -> int:
-    """A 63-bit checksum of a tensor's bytes, dtype and shape, computed on its device in blocks (sums mod
-    2^64 of position-weighted 32-bit words, which any reduction order gives alike)."""
+    """A 63-bit checksum of a tensor's bytes, dtype and shape: BLAKE2 of the bytes on the CPU; on an
+    accelerator, computed there in blocks (sums mod 2^64 of position-weighted 32-bit words, which any
+    reduction order gives alike), so the parameters never travel to the host."""
     x = t.detach().contiguous().reshape(-1)
     if x.is_complex():
         x = torch.view_as_real(x).reshape(-1)
     raw = x.view(torch.uint8)
+    if raw.device.type == "cpu":
+        digest = hashlib.blake2b(raw.numpy().data, digest_size=8).hexdigest()
+    else:
+        digest = device_checksum(raw)
+    return _digest(repr((str(t.dtype), tuple(t.shape), digest)).encode())
+
+
+def device_checksum(raw: torch.Tensor) -> int:
+    """Checksum of a 1-D uint8 tensor where it lives: position-weighted 32-bit words summed mod 2^64."""
     pad = (-raw.numel()) % 4
     if pad:
         raw = torch.cat([raw, raw.new_zeros(pad)])
     words = raw.view(torch.int32)
-    acc = torch.zeros((), dtype=torch.int64, device=t.device)
+    acc = torch.zeros((), dtype=torch.int64, device=raw.device)
     for i in range(0, words.numel(), _BLOCK):
         w = words[i:i + _BLOCK].to(torch.int64)
-        pos = torch.arange(i, i + w.numel(), dtype=torch.int64, device=t.device)
+        pos = torch.arange(i, i + w.numel(), dtype=torch.int64, device=raw.device)
         acc = acc + (w * (pos * 0x9E3779B1 + 0x7F4A7C15)).sum()
-    return _digest(repr((str(t.dtype), tuple(t.shape), int(acc))).encode())
+    return int(acc)
 
 
 def _param_name(param: torch.Tensor) -> str:
     """'Model.blocks.0.norm.weight'-style name of a parameter, found (on the failure path only) among the
     live modules that hold it; the longest path from a module that is nobody's child."""
     import gc
+    import warnings
 
-    modules = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+    with warnings.catch_warnings():  # isinstance on every live object touches deprecated module attributes
+        warnings.simplefilter("ignore")
+        modules = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
     children = {id(c) for m in modules for c in m.children()}
     best = None
     for m in modules:

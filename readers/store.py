@@ -1,9 +1,9 @@
 """Opening a domainflow store (format in DESIGN.md) for reading, with a count of the bytes read.
 
 Readers never import ``domainflow.preprocess``: the two share only the store format. Nothing damaged is
-read as data: stores of format 2 have every chunk on disk, each with a checksum, so a missing chunk file
-(zarr would return fill values) or one that does not decode is a :class:`StoreError` naming the store, run,
-array and file. A reader holds a shared OS lock on the store, which makes ``ingest --overwrite`` refuse
+read as data: stores of format 2 have every chunk on disk, so a missing chunk file (zarr would return fill
+values) or one that does not decode (truncated) is a :class:`StoreError` naming the store, run, array and
+file. A reader holds a shared OS lock on the store, which makes ``ingest --overwrite`` refuse
 to replace it, and :meth:`Store.check_unchanged` tells when the store was replaced all the same.
 """
 

@@ -160,3 +160,17 @@ def _conv_net_with_a_per_rank_bias():
 def test_a_tiny_difference_in_a_grid_model_is_caught(dist):
     for res in dist.run(2, _conv_net_with_a_per_rank_bias):
         assert res is not None and res[0] == "ReplicaMismatchError" and "'Sequential.1.bias'" in res[1], res
+
+
+def test_the_accelerator_checksum_sees_one_flipped_bit_and_a_swap():
+    """The checksum parameters get on an accelerator (run here on CPU tensors): any bit or order change shows."""
+    from domainflow.consistency import device_checksum
+
+    raw = torch.randn(3 * (1 << 20) + 7, generator=torch.Generator().manual_seed(0)).view(torch.uint8)
+    base = device_checksum(raw)
+    assert device_checksum(raw.clone()) == base
+    flipped = raw.clone()
+    flipped[12345] ^= 1
+    swapped = raw.clone()
+    swapped[[0, 4]] = raw[[4, 0]]
+    assert device_checksum(flipped) != base and device_checksum(swapped) != base
