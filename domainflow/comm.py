@@ -71,6 +71,7 @@ def _named(op: str, mesh: DeviceMesh | None, mesh_dim: int | None, detail: str =
 
 
 STALL_WAIT_S = 5.0  # how long a timed-out rank waits to hear which of its peers timed out too
+_STALL_REPORTS = 0
 
 
 def _stall_report(what: str, mesh, mesh_dim) -> str:
@@ -86,12 +87,15 @@ def _stall_report(what: str, mesh, mesh_dim) -> str:
         peers = dim_ranks(mesh, mesh_dim) if mesh is not None else list(range(dist.get_world_size()))
         hit = _EXCHANGES.get(id(_group(mesh, mesh_dim))) if mesh is not None else None
         mine = {"op": what, "n": hit[1] + 1 if hit else 0}  # point-to-point ops this rank ran on the group
-        store.set(f"domainflow/stalled/{me}", json.dumps(mine))
+        global _STALL_REPORTS
+        key = f"domainflow/stalled/{_STALL_REPORTS}/{{}}"  # the n-th timeout of each rank: a fresh set of keys
+        _STALL_REPORTS += 1
+        store.set(key.format(me), json.dumps(mine))
         posts, deadline = {}, time.monotonic() + STALL_WAIT_S
         while time.monotonic() < deadline and len(posts) < len(peers) - 1:
             for r in peers:
-                if r != me and r not in posts and store.check([f"domainflow/stalled/{r}"]):
-                    posts[r] = json.loads(store.get(f"domainflow/stalled/{r}"))
+                if r != me and r not in posts and store.check([key.format(r)]):
+                    posts[r] = json.loads(store.get(key.format(r)))
             time.sleep(0.05)
     except Exception:  # noqa: BLE001  (a diagnosis must never hide the error itself)
         return ""
@@ -99,8 +103,9 @@ def _stall_report(what: str, mesh, mesh_dim) -> str:
     elsewhere = {r: post for r, post in posts.items() if post != mine}
     out = ""
     if silent:
-        out += (f". Likely culprit: rank(s) {silent}, which did not reach any collective within the timeout "
-                f"(stalled in computation or I/O, hung, dead, or finished without this collective)")
+        out += (f". Likely culprit: rank(s) {silent}, which had not timed out in a collective {STALL_WAIT_S:g} s "
+                f"after this rank did (stalled in computation or I/O, hung, dead, or finished without this "
+                f"collective)")
     if elsewhere:
         out += (". The ranks ran different collectives (e.g. .item() of a pending value on some ranks only): "
                 f"this rank waits in {what} after {mine['n']} point-to-point ops on this mesh dim; " + "; ".join(
@@ -233,7 +238,7 @@ def _all_reduce_with_riders(t, riding, mesh, mesh_dim) -> torch.Tensor:
     red = all_reduce(flat, "sum", mesh, mesh_dim)
     out, i = red[:t.numel()].view(t.shape), t.numel()
     for r in riding:
-        r.reduced(red[i:i + r.local.numel()].view(r.local.shape))
+        r.reduced(red[i:i + r.local.numel()].view(r.local.shape).clone())  # not a view keeping the payload
         i += r.local.numel()
         if r.dims:  # reduced over this dim; now waits for the next one's all-reduce
             with _riders_lock:

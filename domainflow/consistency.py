@@ -37,7 +37,7 @@ class _Group:
 
     def __init__(self, mesh, mesh_dim):
         self.mesh, self.mesh_dim = mesh, mesh_dim
-        self.items: dict = {}  # fingerprint key -> (kind, what, describe) ; dedupes repeats of one layout
+        self.items: dict = {}  # key -> (kind, fingerprint or None, layout text or parameter); repeats are one
 
 
 def _group_of(mesh, mesh_dim: int) -> _Group | None:
@@ -64,7 +64,7 @@ def record_layout(spec, source: str) -> None:
         for m in dims:
             g = _group_of(spec.mesh, m)
             if g is not None and ("layout", h) not in g.items:
-                g.items[("layout", h)] = (h, source, _layout_text(spec))
+                g.items[("layout", h)] = ("layout", h, (source, _layout_text(spec)))
 
 
 def record_parameter(param: torch.Tensor, mesh) -> None:
@@ -78,15 +78,23 @@ def record_parameter(param: torch.Tensor, mesh) -> None:
         for m in range(mesh.ndim):
             g = _group_of(mesh, m)
             if g is not None:
-                g.items[("param", id(param))] = (None, param, None)
+                g.items[("param", id(param))] = ("param", None, param)
 
 
 # --------------------------------------------------------------------------------------------
 # checking (at the next collective)
 # --------------------------------------------------------------------------------------------
-def mark_checked(param: torch.Tensor) -> None:
-    """``param`` needs no check (e.g. :func:`domainflow.sync_module` just made it equal on every rank)."""
-    param._domainflow_recorded = True
+def mark_checked(params) -> None:
+    """``params`` need no check (:func:`sync_module` just made them equal on every rank): forgotten if
+    recorded and not checked yet, and never recorded again."""
+    ids = set()
+    for p in params:
+        p._domainflow_recorded = True
+        ids.add(id(p))
+    with _lock:
+        for g in _pending.values():
+            for key in [k for k in g.items if k[0] == "param" and k[1] in ids]:
+                del g.items[key]
 
 
 def pending() -> bool:
@@ -99,7 +107,7 @@ def flush(before: str = "a collective") -> None:
     if not _pending or getattr(_flushing, "on", False):
         return
     with _lock:
-        groups = list(_pending.values())
+        groups = [g for g in _pending.values() if g.items]
         _pending.clear()
     _flushing.on = True
     try:
@@ -110,53 +118,62 @@ def flush(before: str = "a collective") -> None:
 
 
 def _check_group(g: _Group, before: str) -> None:
+    """One all-reduce of a fixed size whatever each rank recorded: (+h, -h) by max for one fingerprint of the
+    rank's whole ordered list, so ranks agree iff max(h) == min(h)."""
     from . import comm
 
     items = list(g.items.values())
-    values = [h if h is not None else param_fingerprint(what) for h, what, _ in items]
-    device = comm.mesh_device(g.mesh)
-    v = torch.tensor(values, dtype=torch.int64, device=device)
-    red = comm.all_reduce(torch.cat([v, -v]), "max", g.mesh, g.mesh_dim,
+    values = [h if h is not None else param_fingerprint(obj) for _, h, obj in items]
+    combined = _digest(repr(values).encode())
+    v = torch.tensor([combined, -combined], dtype=torch.int64, device=comm.mesh_device(g.mesh))
+    red = comm.all_reduce(v, "max", g.mesh, g.mesh_dim,
                           what=(before, " (checking first that the ranks agree on layouts and parameters they "
-                                        "declared alone)"), kind="check")
+                                        "declared alone)"), kind="check").tolist()
     stats["checks"] += 1
     stats["items"] += len(items)
-    n = len(values)
-    bad = [k for k in range(n) if int(red[k]) != -int(red[n + k])]
-    if bad:
-        _raise(g, items, values, bad)
+    if red[0] != -red[1]:
+        _raise(g, items, values)
 
 
-def _raise(g: _Group, items, values, bad) -> None:
-    """Every rank raises the same error (the check's result is identical everywhere); the details come from
-    one all-gather of what each rank said, on this failure path only."""
+def _raise(g: _Group, items, values) -> None:
+    """Every rank raises the same error (the check's result is identical everywhere): what each rank declared
+    comes from one all-gather on this failure path, and the message is built from it alike on every rank."""
     from . import comm
 
-    said = comm.all_gather_object([values[k] if items[k][0] is None else items[k][2] for k in bad],
-                                  g.mesh, g.mesh_dim)
+    mine = [(kind, value, obj if kind == "layout" else (_param_name(obj), tuple(obj.shape), str(obj.dtype)))
+            for (kind, _, obj), value in zip(items, values)]
+    said = comm.all_gather_object(mine, g.mesh, g.mesh_dim)
     ranks = comm.dim_ranks(g.mesh, g.mesh_dim)
     dim = _dim_name(g.mesh, g.mesh_dim)
     layouts, params = [], []
-    for j, k in enumerate(bad):
-        h, what, _ = items[k]
-        if h is None:
-            ref = said[0][j]
-            differ = [ranks[r] for r in range(len(ranks)) if said[r][j] != ref]
-            params.append(f"{_param_name(what)} (shape {tuple(what.shape)}, {what.dtype}): rank(s) {differ} "
-                          f"differ from rank {ranks[0]}")
-        else:
-            views = "; ".join(f"rank {ranks[r]}: {said[r][j]}" for r in range(len(ranks)))
-            layouts.append(f"{what}: {views}")
+    for j in range(max(len(s) for s in said)):
+        entries = [s[j] if j < len(s) else None for s in said]
+        if all(e == entries[0] for e in entries):
+            continue
+        first = next(e for e in entries if e is not None)
+        if first[0] == "param" and all(e is not None and e[0] == "param" and e[2] == first[2] for e in entries):
+            name, shape, dtype = first[2]
+            differ = [ranks[r] for r, e in enumerate(entries) if e[1] != entries[0][1]]
+            params.append(f"{name} (shape {shape}, {dtype}): rank(s) {differ} differ from rank {ranks[0]}")
+            continue
+        views = "; ".join(f"rank {ranks[r]}: " + (_entry_text(e) if e is not None else "nothing")
+                          for r, e in enumerate(entries))
+        layouts.append(f"{first[2][0] if first[0] == 'layout' else 'a declaration'}: {views}")
     if layouts:
         raise ShardingShapeError(
             f"the ranks of mesh dim {dim} disagree about the layout of a ShardTensor whose sizes were given "
-            f"per rank (sharding_shapes mapping or 'chunk'), so results would be wrong: " + " | ".join(layouts)
+            f"per rank (sharding_shapes mapping or 'chunk'), so results would be wrong: " + " | ".join(layouts[:4])
             + ". Pass every rank the same sizes for every rank (e.g. from the store's part offsets), or use "
               "sharding_shapes='infer' (one all-gather of the local shapes)")
     raise ReplicaMismatchError(
         f"replicated parameter(s) differ across the ranks of mesh dim {dim}, so training would silently diverge "
         f"from one device: " + "; ".join(params) + ". Seed every rank alike before building the model, or call "
         "domainflow.sync_module(model, mesh) after building it (copies the first rank's values to the others)")
+
+
+def _entry_text(e) -> str:
+    kind, _, obj = e
+    return obj[1] if kind == "layout" else f"parameter {obj[0]} of shape {obj[1]}"
 
 
 def _dim_name(mesh, m: int) -> str:
@@ -251,6 +268,7 @@ def sync_module(module: torch.nn.Module, mesh, buffers: bool = True) -> torch.nn
     Pass the domain sub-mesh (``mesh["domain"]``) to sync within each domain group only. Returns ``module``."""
     from . import comm
 
+    mark_checked(module.parameters())  # a forward before syncing recorded them: their check is moot now
     tensors = [p for p in module.parameters()] + ([b for b in module.buffers()] if buffers else [])
     by_dtype: dict = {}
     for t in tensors:
@@ -264,6 +282,4 @@ def sync_module(module: torch.nn.Module, mesh, buffers: bool = True) -> torch.nn
             for t in ts:
                 t.copy_(flat[i:i + t.numel()].view_as(t))
                 i += t.numel()
-    for p in module.parameters():
-        mark_checked(p)
     return module

@@ -1,9 +1,10 @@
 """Start local ranks with torch's elastic launcher, so users never write a launch script.
 
-A rank that fails with an error meant for the user (a bad store, config or checkpoint, a collective that
-timed out) prints nothing itself: it leaves its one-line message for the launcher, which raises
-:class:`LaunchError` with the first rank's message instead of torch's page of tracebacks. Bugs (any other
-exception) keep their traceback; ``DOMAINFLOW_TRACEBACK=1`` shows it for every error. Ctrl-C stops every
+A rank that fails with an error meant for the user (a ``DomainflowError``: a bad store, config or checkpoint,
+a collective that timed out; or an ``OSError``) prints nothing itself: it leaves its message for the launcher,
+which raises :class:`LaunchError` with the first rank's message on one line instead of torch's page of
+tracebacks. Bugs (any other exception) keep their traceback; ``DOMAINFLOW_TRACEBACK=1`` shows it for every
+error. Ctrl-C stops every
 rank and ends in a KeyboardInterrupt in the caller.
 """
 
@@ -13,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -20,10 +22,12 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from .errors import DomainflowError
+
 _ERRORS_ENV = "DOMAINFLOW_LAUNCH_ERRORS"
 
 
-class LaunchError(RuntimeError):
+class LaunchError(DomainflowError, RuntimeError):
     """A launched rank failed; the message is the first failing rank's own (one line)."""
 
 
@@ -80,11 +84,12 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
 
 def _rank_entry(fn: Callable, *args):
     """What each launched rank runs: ``fn(*args)``, with user-facing errors left as one line for the launcher."""
+    signal.signal(signal.SIGINT, _interrupt_once)
     try:
         return fn(*args)
     except KeyboardInterrupt:
         sys.exit(130)
-    except (ValueError, RuntimeError, OSError) as exc:
+    except (DomainflowError, OSError) as exc:
         folder = os.environ.get(_ERRORS_ENV)
         if folder is None or os.environ.get("DOMAINFLOW_TRACEBACK"):
             raise
@@ -94,6 +99,13 @@ def _rank_entry(fn: Callable, *args):
         path.with_suffix(".tmp").write_text(json.dumps(record))
         os.replace(path.with_suffix(".tmp"), path)
         sys.exit(1)
+
+
+def _interrupt_once(signum, frame):
+    """Ctrl-C in a rank: the terminal and the launcher both pass it on; a second one during clean-up would
+    interrupt the clean-up and print a traceback, so it is ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _first_failure(exc, folder: Path) -> str:
@@ -109,9 +121,10 @@ def _first_failure(exc, folder: Path) -> str:
         records.sort(key=lambda r: (r["type"] == "CollectiveError", r["time"]))
         first = records[0]
         others = len({r["rank"] for r in records}) - 1
-        text = " ".join(first["message"].split("\n")[0].split())
+        text = " ".join(first["message"].split())  # every line (a timeout's "Likely cause" is on the second)
+        prefix = f"rank {first['rank']}: "
         more = f" ({others} other rank(s) failed too)" if others else ""
-        return f"rank {first['rank']}: {text}{more}"
+        return (text if text.startswith(prefix) else prefix + text) + more
     rank, failure = exc.get_first_failure()
     how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
     return f"rank {rank} died ({how}); its output above says why"

@@ -14,6 +14,7 @@ import fcntl
 import os
 import socket
 import time
+import weakref
 from pathlib import Path
 
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS}
@@ -40,9 +41,27 @@ class LocksUnsupported(OSError):
     """The filesystem of ``path`` does not support file locks."""
 
 
+_held: "weakref.WeakSet[FileLock]" = weakref.WeakSet()
+
+
+def _drop_in_child() -> None:
+    """After a fork: the child closes its copies of the parent's lock descriptors. An flock belongs to the
+    open file, which a forked worker shares; a worker that outlives a killed parent would hold the lock."""
+    for lock in list(_held):
+        if lock._fd is not None:
+            try:
+                os.close(lock._fd)
+            except OSError:
+                pass
+            lock._fd = None
+
+
+os.register_at_fork(after_in_child=_drop_in_child)
+
+
 class FileLock:
     """A non-blocking ``flock`` on ``path``: exclusive (one holder, who writes its pid/host into the file)
-    or shared (any number of holders, none exclusive)."""
+    or shared (any number of holders, none exclusive). Held by this process only: forked children drop it."""
 
     def __init__(self, path, shared: bool = False):
         self.path, self.shared = Path(path), shared
@@ -66,6 +85,7 @@ class FileLock:
                 raise LocksUnsupported(f"{self.path}: the filesystem does not support file locks ({exc})") from None
             raise
         self._fd = fd
+        _held.add(self)
         if not self.shared:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()} since "

@@ -22,7 +22,7 @@ from . import comm
 from .errors import ShardingMismatchError
 from .placements import Replicate, Shard
 from .point_search import kd_order, knn_search, merge_knn, radius_search
-from .shard_tensor import ShardTensor
+from .shard_tensor import ShardTensor, derived_from_local
 
 _last_fetch = {"points": 0, "local": 0}
 
@@ -94,7 +94,7 @@ def radius(points, r: float, queries=None, *, max_neighbors: int | None = None, 
     counts = comm.all_gather_uneven(torch.tensor([len(qi)], device=q.device), 0, [1] * n, mesh, m)
     placements = [Shard(0) if k == m else Replicate() for k in range(mesh.ndim)]
     sizes = {m: [int(c) for c in counts]}
-    return tuple(ShardTensor.from_local(t, mesh, placements, sharding_shapes=sizes) for t in (qi, pi, d2.sqrt()))
+    return tuple(derived_from_local(t, mesh, placements, sharding_shapes=sizes) for t in (qi, pi, d2.sqrt()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def _global_ids(t: ShardTensor, m: int) -> torch.Tensor:
 
 def _like_queries(local: torch.Tensor, queries: ShardTensor) -> ShardTensor:
     spec = queries._spec
-    return ShardTensor.from_local(local, spec.mesh, list(spec.placements),
+    return derived_from_local(local, spec.mesh, list(spec.placements),
                                   sharding_shapes={k: list(s) for k, s in enumerate(spec.sizes) if s is not None})
 
 

@@ -136,8 +136,8 @@ class ShardTensor(torch.Tensor):
         """
         if isinstance(local, ShardTensor):
             raise TypeError("from_local got a ShardTensor; pass its .to_local() or call .redistribute()")
-        placements = normalize_placements(placements, local.ndim, mesh.ndim)
-        spec = _spec_for_local(local, mesh, placements, sharding_shapes, shape)
+        spec = _spec_for_local(local, mesh, normalize_placements(placements, local.ndim, mesh.ndim), sharding_shapes,
+                               shape)
         if not isinstance(sharding_shapes, str) or sharding_shapes != "infer":
             consistency.record_layout(spec, "ShardTensor.from_local")  # each rank's word: checked later
         return _FromLocal.apply(local, spec)
@@ -214,6 +214,14 @@ class ShardTensor(torch.Tensor):
                  for m, p in enumerate(placements)]
         spec = ShardSpec.build(mesh, placements, dt.shape, sizes)
         return _FromLocal.apply(dt.to_local(), spec)
+
+
+def derived_from_local(local: torch.Tensor, mesh: DeviceMesh, placements, sharding_shapes) -> ShardTensor:
+    """``from_local`` for the engine's own outputs, whose sizes it derived from checked layouts: not recorded
+    for the cross-rank layout check (that would cost a collective per op)."""
+    spec = _spec_for_local(local, mesh, normalize_placements(placements, local.ndim, mesh.ndim), sharding_shapes,
+                           None)
+    return _FromLocal.apply(local, spec)
 
 
 _redistribute_targets: dict = {}

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from domainflow.errors import DomainflowError
 
-class IngestError(ValueError):
+
+class IngestError(DomainflowError, ValueError):
     """Bad raw input (corrupt or truncated file, missing array or file, NaN/Inf) or an incompatible store."""
 
 

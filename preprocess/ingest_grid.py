@@ -280,14 +280,15 @@ def _ingest_blocks(writer: StoreWriter, raw: Path, store: Path, src: GridSource,
         report.seconds = time.perf_counter() - t0
         return report
     root = zarr.open_group(store, mode="r+")
-    # coordinates first, data last: a kill in between leaves no "data", so a resume makes what is missing
+    # coordinates first, data last; a resume writes the (small) coordinates again, since a kill may have come
+    # between creating one and writing it
     for name, values, attrs in (("lat", src.lat, {"units": "degrees_north"}),
                                 ("lon", src.lon, {"units": "degrees_east"}),
                                 ("time", src.time, src.time_attrs)):
-        if name not in root:
-            arr = root.create_array(name, shape=values.shape, dtype=values.dtype, chunks=values.shape,
-                                    dimension_names=[name], attributes=attrs, **chunk_options())
-            arr[...] = values
+        arr = root[name] if name in root else root.create_array(
+            name, shape=values.shape, dtype=values.dtype, chunks=values.shape, dimension_names=[name],
+            attributes=attrs, **chunk_options())
+        for_writing(arr)[...] = values
     if "data" not in root:
         root.create_array("data", shape=(T, len(src.variables), H, W), chunks=(1, 1, hc, wc), dtype="float32",
                           dimension_names=["time", "channel", "lat", "lon"], **chunk_options())

@@ -60,8 +60,28 @@ def _local(func, calls, workers, bar):
 
 def _init_worker():
     """One core per worker process: VTK's SMP filters and zarr's codec threads would otherwise each use
-    every core, so N workers would oversubscribe the machine N-fold."""
+    every core, so N workers would oversubscribe the machine N-fold. On Linux a worker also dies with the
+    ingest that started it (a ``kill -9`` of the command would otherwise leave its workers running)."""
     _set_threads(1)
+    _die_with_parent()
+
+
+def _die_with_parent() -> None:
+    import os
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(1)
 
 
 def _set_threads(n: int | None) -> tuple:

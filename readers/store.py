@@ -15,13 +15,14 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from domainflow.errors import DomainflowError
 from domainflow.locks import FileLock, LockHeld, store_locks
 
 FORMAT = 2
 _METADATA_KEYS = {"zarr.json", ".zgroup", ".zattrs", ".zarray", ".zmetadata"}
 
 
-class StoreError(ValueError):
+class StoreError(DomainflowError, ValueError):
     """The path is not a complete domainflow store of a format and kind this reader understands, or it is
     damaged (a chunk missing or undecodable) or was replaced while being read."""
 
@@ -232,11 +233,27 @@ def open_store(path) -> Store:
     path = Path(path)
     lock = _reader_lock(path)
     try:
-        return _open(path, lock)
+        store = _open(path, lock)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
+    if lock is None:
+        store.lock = _new_reader_lock(path)
+    return store
+
+
+def _new_reader_lock(path: Path) -> FileLock | None:
+    """A store that has no readers lock file yet (copied without its lock folder, or written by an older
+    version), now known to be a store: make the file and take the lock (None where that is not possible,
+    e.g. a read-only folder; the store's stamp check still notices a replacement)."""
+    readers = store_locks(path.resolve())[1]
+    try:
+        readers.parent.mkdir(exist_ok=True)
+        readers.touch()
+    except OSError:
+        return None
+    return _reader_lock(path)
 
 
 def _open(path: Path, lock) -> Store:

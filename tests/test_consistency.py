@@ -107,8 +107,8 @@ def test_agreeing_declarations_cost_one_small_collective_and_nothing_per_op(dist
     for per_step, _items in dist.run(world, _agreeing_costs):
         for step, (first, total, nbytes) in enumerate(per_step):
             assert first == total == 1, per_step  # one check per sample, none for the ops after it
-            # items of the first sample: 1 layout + 4 parameters (fingerprint and its negation, int64)
-            assert nbytes == (5 if step == 0 else 1) * 2 * 8, per_step
+            # one fingerprint of everything declared (and its negation, int64), however much that was
+            assert nbytes == 2 * 8, per_step
 
 
 def _per_rank_seed(sync):
@@ -174,3 +174,53 @@ def test_the_accelerator_checksum_sees_one_flipped_bit_and_a_swap():
     swapped = raw.clone()
     swapped[[0, 4]] = raw[[4, 0]]
     assert device_checksum(flipped) != base and device_checksum(swapped) != base
+
+
+def _disagreeing_after_repeats():
+    """Rank 0 declares one layout twice, rank 1 that layout and then a wrong one: the check is still one
+    collective of one size on every rank, so it fails with the named error, not a timeout."""
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    local = torch.ones(2 + rank, 3)
+    second = [2, 3] if rank == 0 else [3, 3]  # rank 1 alone misdescribes rank 0
+    xs = [df.ShardTensor.from_local(local, mesh, [Shard(0)], sharding_shapes={"domain": sizes})
+          for sizes in ([2, 3], second)]
+    return _error_of(lambda: sum(x.sum() for x in xs).item())
+
+
+def test_different_numbers_of_declarations_still_fail_by_name(dist):
+    for res in dist.run(2, _disagreeing_after_repeats):
+        assert res is not None and res[0] == "ShardingShapeError", res
+
+
+def _sync_after_a_forward():
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(3, 2).double()
+    x = df.distribute_tensor(torch.ones(6, 3, dtype=torch.float64), mesh, [Shard(0)])
+    model(x)  # records the (different) parameters; nothing has communicated yet
+    df.sync_module(model, mesh)
+    return model(x).sum().item(), [p.detach().clone() for p in model.parameters()]
+
+
+def test_sync_module_after_a_forward_syncs_instead_of_raising(dist):
+    results = dist.run(2, _sync_after_a_forward)
+    (v0, p0), (v1, p1) = results
+    assert v0 == v1 and all(torch.equal(a, b) for a, b in zip(p0, p1))
+
+
+def _loss_does_not_hold_the_gradient_buffer():
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 64).double()
+    x = df.distribute_tensor(torch.ones(8, 3, dtype=torch.float64), mesh, [Shard(0)])
+    loss = model(x).sum()
+    loss.backward()
+    return loss._local.untyped_storage().nbytes()
+
+
+def test_a_loss_after_backward_holds_only_its_own_value(dist):
+    for nbytes in dist.run(2, _loss_does_not_hold_the_gradient_buffer):
+        assert nbytes == 8, nbytes

@@ -106,14 +106,22 @@ def test_a_second_ingest_a_moment_later_fails_at_once_and_the_first_completes(ra
     assert_same_store(reference, path)
 
 
-def test_a_killed_ingest_leaves_no_stale_lock(raw, reference, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_killed_ingest_leaves_no_stale_lock(raw, reference, tmp_path, workers):
+    """Also with forked worker processes, which outlive the killed command for a while and must not have
+    inherited its lock."""
     path = tmp_path / "s.zarr"
-    proc = subprocess.Popen(_ingest_cmd(raw, path), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    assert _wait_for(lambda: (path / "runs").exists(), proc=proc)
+    proc = subprocess.Popen(_ingest_cmd(raw, path, "--workers", str(workers)), env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    building = path.with_name(path.name + ".ingest-tmp") / "runs"  # a task is writing a run: kill it mid-task
+    assert _wait_for(lambda: building.exists() and any(building.iterdir()), proc=proc)
+    workers_of = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert cli(["ingest", "drivaerml", str(raw), str(path), *ARGS]) == 0  # resumes: the lock died with it
     assert_same_store(reference, path)
+    assert _wait_for(lambda: not any(Path(f"/proc/{w}").exists() for w in workers_of), timeout=10), \
+        f"worker processes {workers_of} outlived the killed ingest"
 
 
 def test_readers_are_not_blocked_by_a_writer(reference, tmp_path):
@@ -150,8 +158,9 @@ def test_overwrite_is_refused_while_a_job_reads_the_store(raw, reference, tmp_pa
 
 
 def test_a_reader_notices_a_store_replaced_under_it(raw, tmp_path):
-    """Where the readers lock cannot be taken (here: an older store without the lock file, as on a
-    filesystem without locks), an overwrite goes ahead, and the reader's next sample is an error."""
+    """Where the readers lock cannot be taken (here: its folder cannot be made while the reader opens the
+    store, as on a read-only mount or a filesystem without locks), an overwrite goes ahead, and the reader's
+    next sample is an error."""
     import torch
 
     import domainflow as df
@@ -160,9 +169,15 @@ def test_a_reader_notices_a_store_replaced_under_it(raw, tmp_path):
 
     path = tmp_path / "s.zarr"
     ingest_drivaerml(raw, path, **OPTS)
-    store_locks(path.resolve())[1].unlink()
+    import shutil
+
+    folder = store_locks(path.resolve())[1].parent
+    shutil.rmtree(folder)
+    folder.write_text("not a folder")  # the reader can neither find nor make its lock file
     mesh = df.init_mesh((1,), ("domain",))
     ds = MeshDataset(path, mesh, split="train", prefetch=0, dtype=torch.float64)
+    assert ds.store.lock is None
+    folder.unlink()
     first = ds.read_region(ds.runs[0])
     assert first["arrays"]["coords"].shape[1] == 3
     assert cli(["ingest", "drivaerml", str(raw), str(path), *ARGS, "--overwrite", "--seed", "1"]) == 0
@@ -292,3 +307,21 @@ def test_a_new_store_appears_with_its_attrs_in_one_write(raw, tmp_path):
         meta = json.loads((path / "zarr.json").read_text())
         assert meta["attributes"]["domainflow"]["complete"] is False
         assert cli(["ingest", "drivaerml", str(raw), str(path), *ARGS]) == 0
+
+
+def test_a_copied_store_gets_its_readers_lock_back(raw, tmp_path, capsys):
+    """``cp -r`` of a store leaves its lock folder behind: the first reader makes it, so --overwrite is still
+    refused while the copy is read."""
+    import shutil
+
+    src = tmp_path / "s.zarr"
+    ingest_drivaerml(raw, src, **OPTS)
+    copy = tmp_path / "copy.zarr"
+    shutil.copytree(src, copy)
+    reader = _holder(READER, copy)
+    try:
+        code = cli(["ingest", "drivaerml", str(raw), str(copy), *ARGS, "--overwrite"])
+        assert code == 1 and "is being read by" in capsys.readouterr().err
+    finally:
+        reader.kill()
+        reader.wait()

@@ -30,12 +30,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from domainflow.errors import DomainflowError
+
 SHARED_STORAGE = ("the checkpoint directory{} must be on storage every node can see (a shared filesystem): DCP "
                   "spreads even replicated parameters over the ranks' files, so every rank's file is needed")
 _STEP = re.compile(r"step_\d+")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(DomainflowError, RuntimeError):
     """A checkpoint is not visible to every rank, or is corrupt; the message names the folder and why."""
 
 

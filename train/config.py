@@ -16,8 +16,10 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from domainflow.errors import DomainflowError
 
-class ConfigError(ValueError):
+
+class ConfigError(DomainflowError, ValueError):
     """A configuration key or value that cannot be used; the message says which and what is valid."""
 
 

@@ -30,7 +30,7 @@ from .metrics import evaluate
 from .models import Transolver, UNet
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(df.DomainflowError, RuntimeError):
     """The loss became NaN/Inf; the message names the step and the samples."""
 
 

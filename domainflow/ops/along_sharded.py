@@ -15,7 +15,7 @@ from .. import comm
 from ..dispatch import bind, run_function_default
 from ..placements import Replicate, Shard
 from ..registry import register_function
-from ..shard_tensor import ShardTensor
+from ..shard_tensor import ShardTensor, derived_from_local
 from .windows import _without_partial, like
 
 
@@ -102,7 +102,7 @@ def _logsumexp(func, args, kwargs):
             placements.append(Replicate())
     if not a["keepdim"]:
         y = y.squeeze(dims) if dims else y
-    return ShardTensor.from_local(y, spec.mesh, placements, sharding_shapes=mapping)
+    return derived_from_local(y, spec.mesh, placements, sharding_shapes=mapping)
 
 
 def _roll(func, args, kwargs):

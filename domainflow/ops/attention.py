@@ -25,7 +25,7 @@ from .. import comm
 from ..dispatch import _unsupported_or_fallback, bind, run_function_default, run_replicated, shard_tensors
 from ..placements import Partial, Replicate, Shard
 from ..registry import register_aten, register_function
-from ..shard_tensor import ShardTensor
+from ..shard_tensor import ShardTensor, derived_from_local
 from .along_sharded import _SumToReplicated
 from .windows import _params_for, _without_partial, like
 
@@ -358,7 +358,7 @@ def _sdpa(func, args, kwargs):
     den = _SumToReplicated.apply(p.sum(-1, keepdim=True), spec.mesh, mk)
     out = num / den
     placements = [Replicate() if k_ == mk else p_ for k_, p_ in enumerate(spec.placements)]
-    return ShardTensor.from_local(out, spec.mesh, placements,
+    return derived_from_local(out, spec.mesh, placements,
                                   sharding_shapes={d: list(s_) for d, s_ in enumerate(spec.sizes)
                                                    if s_ is not None and d != mk})
 

@@ -27,7 +27,7 @@ from ..dispatch import _unsupported_or_fallback, bind, run_function_default
 from ..errors import ShardingMismatchError
 from ..placements import Partial, Replicate, Shard
 from ..registry import register_function
-from ..shard_tensor import ShardTensor, distribute_tensor
+from ..shard_tensor import ShardTensor, distribute_tensor, derived_from_local
 from .windows import _params_for, _without_partial
 
 
@@ -93,7 +93,7 @@ def _wrap(out_local, x_spec, m: int, dim: int, index_sizes, shift: int = 0) -> S
             mapping[k] = list(x_spec.sizes[k])
         else:
             placements.append(p)
-    return ShardTensor.from_local(out_local, x_spec.mesh, placements, sharding_shapes=mapping)
+    return derived_from_local(out_local, x_spec.mesh, placements, sharding_shapes=mapping)
 
 
 def _plan(index_local, x_spec, m: int, what: str, dedupe: bool = True, cache_on=None) -> comm.IndexPlan:
@@ -193,7 +193,7 @@ def _replicated_source(func, args, kwargs, x, index, dim):
     else:
         placements = list(spec.placements)
     mapping = {k: list(spec.sizes[k]) for k in mesh_dims}
-    return ShardTensor.from_local(out, spec.mesh, placements, sharding_shapes=mapping)
+    return derived_from_local(out, spec.mesh, placements, sharding_shapes=mapping)
 
 
 def _gather(func, args, kwargs):
@@ -318,7 +318,7 @@ def _scatter(kind: str):
                 got = _scatter_rows(flat, _flat_index(idx, local).reshape(-1), src_m.reshape(-1), flat_spec, m,
                                     "index_reduce", reduce, a["include_self"], what)
                 out = got.reshape(local.shape)
-        return _finish(func, a["self"], ShardTensor.from_local(
+        return _finish(func, a["self"], derived_from_local(
             out.movedim(0, d), spec.mesh, list(spec.placements),
             sharding_shapes={k: list(s) for k, s in enumerate(spec.sizes) if s is not None}), inplace)
     return handler
@@ -390,7 +390,7 @@ def _scatter_to_replicated(kind, a, src):
     else:
         out = local_x.scatter_add(a["dim"], index_l, src_l)
     placements = [Partial("sum") if k in mesh_dims else Replicate() for k in range(spec.mesh.ndim)]
-    return ShardTensor.from_local(out, spec.mesh, placements, sharding_shapes={})
+    return derived_from_local(out, spec.mesh, placements, sharding_shapes={})
 
 
 def _finish(func, x, out, inplace):

@@ -19,7 +19,7 @@ from .. import comm
 from ..dispatch import _unsupported_or_fallback, bind, run_function_default
 from ..placements import Shard
 from ..registry import register_function
-from ..shard_tensor import ShardTensor
+from ..shard_tensor import ShardTensor, derived_from_local
 from .windows import _without_partial
 
 _MODES = {"nearest": 1, "nearest-exact": 1, "linear": 2, "bilinear": 2, "trilinear": 2, "bicubic": 4}
@@ -169,7 +169,7 @@ def _interpolate(func, args, kwargs):
             if m is not None and not done[i]:
                 sizes_out[m] = (out_sizes[i],)
     mapping = {m: list(s) for m, s in enumerate(sizes_out) if s is not None}
-    return ShardTensor.from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+    return derived_from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
 
 
 register_function(F.interpolate)(_interpolate)

@@ -20,7 +20,7 @@ from .. import comm, shapes
 from ..dispatch import _unsupported_or_fallback, bind, run_function_default
 from ..placements import Partial, Replicate, Shard
 from ..registry import register_function
-from ..shard_tensor import ShardTensor
+from ..shard_tensor import ShardTensor, derived_from_local
 
 
 # --------------------------------------------------------------------------------------------
@@ -64,7 +64,7 @@ def _tuple(v, n: int, name: str) -> tuple[int, ...]:
 def like(spec, local: torch.Tensor) -> ShardTensor:
     """``local`` wrapped with ``spec``'s placements and per-rank sizes (differentiable; no communication)."""
     mapping = {m: list(s) for m, s in enumerate(spec.sizes) if s is not None}
-    return ShardTensor.from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+    return derived_from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
 
 
 def _without_partial(x: ShardTensor) -> ShardTensor:
@@ -268,7 +268,7 @@ def _insert_zeros(x: ShardTensor, stride) -> ShardTensor:
             sizes[m] = tuple(max(0, min((a + k) * s, total) - a * s) if k else 0 for a, k in zip(starts, sz))
         shape[d] = total
     mapping = {m: list(v) for m, v in enumerate(sizes) if v is not None}
-    return ShardTensor.from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+    return derived_from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
 
 
 def _scatter_strided(local, new_shape, d, s):
@@ -357,7 +357,7 @@ def _pad(func, args, kwargs):
     if any(rest):
         local = F.pad(local, rest, mode=mode, value=value) if mode == "constant" else F.pad(local, rest, mode=mode)
     mapping = {m: list(sizes[m]) for m, p in enumerate(spec.placements) if isinstance(p, Shard)}
-    return ShardTensor.from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+    return derived_from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
 
 
 register_function(F.pad)(_pad)
