@@ -51,7 +51,7 @@ ranks are Gloo processes started with ``launch_local``; W = 4 oversubscribes the
     ``--surface-cells`` cells. "spatial": the points reordered by ``partition(points, 16)`` (RCB, as ingest
     stores them) and rank r of W given parts [r*P//W, (r+1)*P//W) (``rows_per_rank``); "random": the same
     points shuffled before sharding, with the same sizes per rank. Per rank: points fetched from other
-    ranks in the search (``domainflow.neighbours.last_fetch()``), as a fraction of the whole cloud, and the
+    ranks in the search (``domainflow.ops.neighbours.last_fetch()``), as a fraction of the whole cloud, and the
     search time (slowest rank, best of ``--repeats``); "plain" is one process on a plain tensor. Guard:
     every rank's index rows equal the single-process ``knn`` index exactly. Target: at W = 4 the spatial
     partition's largest fetched fraction < 0.25.
@@ -67,7 +67,7 @@ import time
 import numpy as np
 
 from measure import SavedBytes, available_memory, write_results  # noqa: E402  (benchmarks/measure.py, next to this script)
-from domainflow.shapes import balanced_sizes  # noqa: E402
+from domainflow.layout.shapes import balanced_sizes  # noqa: E402
 MiB = 2**20
 REL_TOL = 1e-4
 KNN_PARTS = 16
@@ -217,7 +217,7 @@ def _knn_case(points: np.ndarray, sizes: list[int], mesh, c: dict, ref) -> dict:
     import torch
 
     import domainflow as df
-    from domainflow.neighbours import last_fetch
+    from domainflow.ops.neighbours import last_fetch
 
     world, rank = _world_rank()
     p = torch.from_numpy(points)
@@ -263,7 +263,7 @@ def _rank(mode: str, cfg: dict) -> dict:
 
 
 def launch(mode: str, world: int, cfg: dict) -> list[dict]:
-    from domainflow.launch import launch_local
+    from domainflow.app.launch import launch_local
 
     res = launch_local(_rank, world, mode, cfg, threads_per_rank=cfg["threads"])
     return [res[r] for r in sorted(res)]
@@ -285,7 +285,7 @@ def surface_points(cells: int) -> np.ndarray:
 
 def knn_inputs(cells: int, worlds: list[int], seed: int) -> dict:
     from domainflow.preprocess.partition import partition
-    from domainflow.shapes import rows_per_rank
+    from domainflow.layout.shapes import rows_per_rank
 
     pts = surface_points(cells)
     part = partition(pts, KNN_PARTS)

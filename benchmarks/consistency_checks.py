@@ -45,7 +45,9 @@ def _rank(points: int, repeats: int) -> dict:
     import torch.distributed as dist
 
     import domainflow as df
-    from domainflow import comm, consistency, dispatch
+    from domainflow import comm
+    from domainflow.tensor import consistency
+    from domainflow.dispatch import engine as dispatch
 
     torch.set_num_threads(1)
     mesh = df.init_mesh((int(os.environ["WORLD_SIZE"]),), ("domain",))
@@ -144,7 +146,7 @@ def main() -> None:
     ap.add_argument("--points", type=int, default=200_000, help="points per sample (over 2 ranks)")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
-    from domainflow.launch import launch_local
+    from domainflow.app.launch import launch_local
 
     res = launch_local(_rank, 2, args.points, args.repeats, threads_per_rank=1)
     r0 = res[0]

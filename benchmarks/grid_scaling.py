@@ -65,7 +65,7 @@ import statistics
 import time
 
 from measure import TUNED_MALLOC, SavedBytes, write_results  # noqa: E402  (benchmarks/measure.py, next to this script)
-from domainflow.shapes import balanced_sizes  # noqa: E402
+from domainflow.layout.shapes import balanced_sizes  # noqa: E402
 MiB = 2**20
 
 
@@ -199,7 +199,7 @@ def _rank(mode: str, cfg: dict, steps: int, warmup: int, threads: int) -> dict:
 
 def run_case(mode: str, world: int, cfg: dict, args) -> dict:
     """One launch of ``world`` ranks: the hooked first step, warm-up and timed steps."""
-    from domainflow.launch import launch_local
+    from domainflow.app.launch import launch_local
 
     res = launch_local(_rank, world, mode, cfg, args.steps, args.warmup, args.threads,
                        threads_per_rank=args.threads)

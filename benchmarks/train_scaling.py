@@ -201,7 +201,7 @@ def _rank(over: list[str], total_steps: int, warmup: int, threads: int) -> dict:
 def run_case(store: Path, world: int, steps: int, warmup: int, args, label: str, dp: int = 1) -> dict:
     """``dp`` x ``world`` ranks (world = the domain size) on ``store``; per-step slowest-rank times, memory
     maxima over ranks, and the CPU other processes used during the timed steps."""
-    from domainflow.launch import launch_local
+    from domainflow.app.launch import launch_local
 
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()

@@ -9,34 +9,43 @@ PyTorch model gives the single-device answer.
 # pay for importing torch; the first access to any of them loads the engine and its built-in handlers.
 _EXPORTS = {
     "CollectiveError": "errors", "DomainflowError": "errors", "ShardingMismatchError": "errors",
-    "ShardingShapeError": "errors", "UnsupportedShardedOp": "errors", "fallback": "fallback",
-    "init_mesh": "mesh", "Partial": "placements", "Placement": "placements", "Replicate": "placements",
-    "Shard": "placements", "REGISTRY": "registry", "register_aten": "registry", "register_function": "registry",
-    "ShardTensor": "shard_tensor", "distribute_tensor": "shard_tensor", "scatter_tensor": "shard_tensor",
-    "ShardSpec": "spec", "deferred_param_grads": "param_grads", "reduce_partials": "partials",
-    "knn": "neighbours", "radius": "neighbours", "checkpoint": "activation_checkpoint",
-    "ReplicaMismatchError": "errors", "sync_module": "consistency",
+    "ShardingShapeError": "errors", "UnsupportedShardedOp": "errors", "ReplicaMismatchError": "errors",
+    "init_mesh": "layout.mesh", "Partial": "layout.placements", "Placement": "layout.placements",
+    "Replicate": "layout.placements", "Shard": "layout.placements", "ShardSpec": "layout.spec",
+    "ShardTensor": "tensor.shard_tensor", "distribute_tensor": "tensor.shard_tensor",
+    "scatter_tensor": "tensor.shard_tensor", "reduce_partials": "tensor.partials", "sync_module": "tensor.consistency",
+    "REGISTRY": "dispatch.registry", "register_aten": "dispatch.registry", "register_function": "dispatch.registry",
+    "fallback": "dispatch.fallback", "deferred_param_grads": "dispatch.param_grads",
+    "checkpoint_activations": "dispatch.activation_checkpoint",
+    "knn": "ops.neighbours", "radius": "ops.neighbours",
 }
-_SUBMODULES = ("comm", "ops", "shapes", "dispatch", "redistribute", "launch", "spec", "neighbours", "point_search",
-               "consistency", "locks")
+# Folders and top-level modules reachable as attributes (``domainflow.comm``, ``domainflow.layout.shapes``).
+_SUBMODULES = ("errors", "locks", "layout", "comm", "tensor", "dispatch", "ops", "app")
+
+
+def load_engine() -> None:
+    """Import the engine and the built-in op handlers (``ops/`` registers them on import); idempotent."""
+    import importlib
+
+    engine = importlib.import_module(".dispatch.engine", __name__)
+    importlib.import_module(".ops", __name__)
+    importlib.import_module(".tensor.shard_tensor", __name__).install_engine(engine)
 
 
 def _bind_exports():
-    """Bind every exported name (called once the engine has loaded). Also undoes Python's binding of a
-    submodule over an export of the same name (``domainflow.fallback`` the module vs the function)."""
+    """Bind every exported name (called once the engine has loaded)."""
     import importlib
 
     for export, module in _EXPORTS.items():
         mod = importlib.import_module("." + module, __name__)
-        if hasattr(mod, export):  # a module still being imported (it imported the engine) binds on first use
-            globals()[export] = getattr(mod, export)
+        globals()[export] = getattr(mod, export)
 
 
 def __getattr__(name):
     import importlib
 
     if name in _EXPORTS:
-        importlib.import_module(".shard_tensor", __name__)  # the engine, dispatch and built-in handlers
+        load_engine()
         _bind_exports()
         return globals()[name]
     if name in _SUBMODULES:
@@ -49,7 +58,7 @@ def __dir__():
 
 
 __all__ = [
-    "checkpoint", "CollectiveError", "DomainflowError", "Partial", "Placement", "REGISTRY", "Replicate", "Shard",
+    "checkpoint_activations", "CollectiveError", "DomainflowError", "Partial", "Placement", "REGISTRY", "Replicate", "Shard",
     "ShardSpec", "ShardTensor", "ShardingMismatchError", "ShardingShapeError", "UnsupportedShardedOp",
     "deferred_param_grads", "distribute_tensor", "fallback", "init_mesh", "knn", "radius", "reduce_partials",
     "register_aten", "register_function", "ReplicaMismatchError", "scatter_tensor", "sync_module",

@@ -19,9 +19,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import consistency
-from .errors import CollectiveError
-from .spec import mesh_coordinate, mesh_shape
+from domainflow.errors import CollectiveError
+from domainflow.layout.spec import mesh_coordinate, mesh_shape
+
+# Checks that must run before the next collective (cross-rank layout and parameter checks,
+# domainflow.tensor.consistency). That layer files them here and installs their runner; this layer never
+# imports it. ``pending_checks`` is truthy while one waits, so a collective pays one dict test.
+pending_checks: dict = {}
+_run_checks = None
+
+
+def set_check_runner(run) -> None:
+    """Install ``run(before: str)``, called before a collective while ``pending_checks`` is non-empty."""
+    global _run_checks
+    _run_checks = run
+
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
@@ -140,8 +152,8 @@ def all_reduce(t: torch.Tensor, reduce_op: str, mesh: DeviceMesh, mesh_dim: int,
     n = group_size(mesh, mesh_dim)
     if n == 1:
         return t.clone()
-    if consistency._pending:
-        consistency.flush(f"all_reduce({reduce_op})")
+    if pending_checks:
+        _run_checks(f"all_reduce({reduce_op})")
     if _riders and reduce_op == "sum":
         riding = _take_riders(mesh, mesh_dim, t.dtype, t.device)
         if riding:
@@ -306,8 +318,8 @@ def all_gather_uneven(t: torch.Tensor, dim: int, sizes: Sequence[int], mesh: Dev
     n = group_size(mesh, mesh_dim)
     if n == 1:
         return t
-    if consistency._pending:
-        consistency.flush("all_gather")
+    if pending_checks:
+        _run_checks("all_gather")
     shape = list(t.shape)
     row = math.prod(shape[:dim] + shape[dim + 1:])
     numels = [s * row for s in sizes]
@@ -334,8 +346,8 @@ def all_to_all_dims(t: torch.Tensor, split_dim: int, send_sizes: Sequence[int], 
     n = group_size(mesh, mesh_dim)
     if n == 1:
         return t
-    if consistency._pending:
-        consistency.flush("all_to_all")
+    if pending_checks:
+        _run_checks("all_to_all")
     blocks = torch.split(t, list(send_sizes), dim=split_dim)
     send = torch.cat([b.reshape(-1) for b in blocks]) if t.numel() else t.new_empty(0)
     recv_numels = [math.prod(s) for s in recv_shapes]
@@ -353,8 +365,8 @@ def broadcast(t: torch.Tensor, src_coord: int, mesh: DeviceMesh, mesh_dim: int) 
     right shape (receivers' contents are ignored)."""
     if group_size(mesh, mesh_dim) == 1:
         return t
-    if consistency._pending:
-        consistency.flush("broadcast")
+    if pending_checks:
+        _run_checks("broadcast")
     out = t.detach().contiguous().clone()
     src = dist.get_global_rank(_group(mesh, mesh_dim), src_coord)
     stats.add("broadcast", _nbytes(out))
@@ -368,8 +380,8 @@ def all_gather_object(obj, mesh: DeviceMesh, mesh_dim: int) -> list:
     n = group_size(mesh, mesh_dim)
     if n == 1:
         return [obj]
-    if consistency._pending:
-        consistency.flush("all_gather_object")
+    if pending_checks:
+        _run_checks("all_gather_object")
     out = [None] * n
     with _named("all_gather_object", mesh, mesh_dim):
         dist.all_gather_object(out, obj, group=_group(mesh, mesh_dim))
@@ -381,8 +393,8 @@ def all_gather_ints(values: Sequence[int], mesh: DeviceMesh) -> list[list[int]]:
     ranks = mesh.mesh.flatten().tolist()
     if len(ranks) == 1:
         return [list(values)]
-    if consistency._pending:
-        consistency.flush("all_gather(shapes)")
+    if pending_checks:
+        _run_checks("all_gather(shapes)")
     t = torch.tensor(list(values), dtype=torch.int64, device=_device(mesh))
     out = []
     # gather dim by dim: first over the last mesh dim, then outward, so any mesh shape works
@@ -417,8 +429,8 @@ def scatter_pieces(pieces: list[torch.Tensor] | None, recv_shape: Sequence[int],
     receives only its own piece (point-to-point, not a broadcast of the whole tensor)."""
     ranks = mesh.mesh.flatten().tolist()
     me = dist.get_rank() if dist.is_initialized() else 0
-    if consistency._pending:
-        consistency.flush("scatter")
+    if pending_checks:
+        _run_checks("scatter")
     if me == src:
         ops, mine = [], None
         for k, r in enumerate(ranks):
@@ -524,8 +536,8 @@ def begin_exchange(mesh: DeviceMesh, mesh_dim: int, what: str = "exchange") -> i
     has nothing to trade). Runs the pending cross-rank checks and returns the op's number on its group:
     every rank of a group runs the same ops in the same order, so the numbers agree, and a rank that runs one
     the others do not (``loss.item()`` on rank 0 only) gets numbers that no longer match (see :func:`_tag`)."""
-    if consistency._pending:
-        consistency.flush(what)
+    if pending_checks:
+        _run_checks(what)
     group = _group(mesh, mesh_dim)
     hit = _EXCHANGES.get(id(group))
     n = 0 if hit is None or hit[0] is not group else hit[1] + 1
@@ -632,7 +644,7 @@ def _copy_rows(dst, dim, positions, src, rows):
 
 
 def fetch_rows(local: torch.Tensor, dim: int, plan, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
-    """The rows ``plan`` (a :class:`domainflow.shapes.RowFetch`) asks for along ``dim``: own rows copied,
+    """The rows ``plan`` (a :class:`domainflow.layout.shapes.RowFetch`) asks for along ``dim``: own rows copied,
     other ranks' rows received from their owners, zero rows where asked. Not differentiable; see
     :func:`halo_exchange`."""
     pos, rows = plan.own
@@ -751,7 +763,7 @@ def halo_exchange(local: torch.Tensor, dim: int, sizes, wanted, mesh: DeviceMesh
     any order, repeats allowed: halos, periodic wrap-around, reflection). Rows move point-to-point between
     the ranks that hold and want them (neighbours for a halo, further ranks when a neighbour holds fewer
     rows than the halo needs); the backward adds each row's gradient back on its owner."""
-    from .shapes import row_fetch_plan
+    from domainflow.layout.shapes import row_fetch_plan
 
     me = mesh_coordinate(mesh)[mesh_dim]
     plan = _fetch_plan(tuple(sizes), tuple(tuple(w) for w in wanted), me, row_fetch_plan)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from domainflow.shapes import balanced_sizes, rows_per_rank
+from domainflow.layout.shapes import balanced_sizes, rows_per_rank
 
 from .errors import IngestError
 

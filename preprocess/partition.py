@@ -1,7 +1,7 @@
 """Spatial partitioning of mesh points into P contiguous, compact parts.
 
 A partition reorders the rows of a run so that each of P parts is one contiguous row range; a rank of a
-W-rank domain then reads parts ``[r*P//W, (r+1)*P//W)`` (``domainflow.shapes.part_range``), one
+W-rank domain then reads parts ``[r*P//W, (r+1)*P//W)`` (``domainflow.layout.shapes.part_range``), one
 contiguous, spatially compact slab of rows. P is a power of two so that every power-of-two domain size
 gets whole subtrees of the bisection.
 

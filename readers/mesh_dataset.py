@@ -12,7 +12,7 @@ import functools
 import numpy as np
 import torch
 
-from domainflow.shapes import rows_per_rank
+from domainflow.layout.shapes import rows_per_rank
 
 from .axes import resolve_axes
 from .normalize import Normalizer

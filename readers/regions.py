@@ -1,6 +1,6 @@
 """Which rows / hyperslab each rank of a domain reads: pure arithmetic on store metadata, no I/O.
 
-A mesh run's rank r of W reads the rows of parts ``[r*P//W, (r+1)*P//W)`` (``domainflow.shapes``); a grid
+A mesh run's rank r of W reads the rows of parts ``[r*P//W, (r+1)*P//W)`` (``domainflow.layout.shapes``); a grid
 is split into balanced slabs along each sharded dim, optionally widened by a halo that wraps around a
 periodic dim (longitude on a global grid) and is clipped at a closed one (the poles).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from domainflow.shapes import balanced_sizes, part_range
+from domainflow.layout.shapes import balanced_sizes, part_range
 
 
 def mesh_rows(part_offsets, rank: int, world: int) -> tuple[int, int]:

@@ -729,7 +729,7 @@ def _launch_tiny(k):
 
 
 def test_launch_local_returns_rank_results():
-    from domainflow.launch import launch_local
+    from domainflow.app.launch import launch_local
 
     old = os.environ.get("OMP_NUM_THREADS")
     try:
@@ -747,13 +747,13 @@ def test_launch_local_returns_rank_results():
 
 
 def _demo_in_pool(tmp):
-    from domainflow.selfcheck import rank_main
+    from domainflow.app.selfcheck import rank_main
 
     return rank_main(60, 3, 3e-3, 1.0, tmp)           # split 1.0: every point on rank 0, others empty
 
 
 def test_demo_rank_main_with_empty_shards_matches_independent_reference(dist, tmp_path):
-    from domainflow.selfcheck import PointNet, sphere_cloud
+    from domainflow.app.selfcheck import PointNet, sphere_cloud
 
     res = dist.run(3, _demo_in_pool, str(tmp_path))
     r0 = res[0]
@@ -777,7 +777,7 @@ def test_demo_rank_main_with_empty_shards_matches_independent_reference(dist, tm
 
 
 def test_demo_cli_end_to_end(tmp_path, capsys):
-    from domainflow.cli import main
+    from domainflow.app.cli import main
 
     old = os.environ.get("OMP_NUM_THREADS")
     try:
@@ -805,7 +805,7 @@ def test_demo_report_any_step_count(steps, tmp_path, capsys):
     # Regression test (bug found in review, now fixed): `domainflow demo --steps 1` (or 2) trains, then crashes in
     # demo.report: it prints rows for steps sorted({0, 1, 2, n // 2, n - 1}) without clipping to
     # n, so losses[1] / losses[2] raise IndexError: list index out of range.
-    from domainflow.selfcheck import report
+    from domainflow.app.selfcheck import report
 
     assert report(_fake_result(steps), str(tmp_path)) == 0
     assert "PASS" in capsys.readouterr().out

@@ -40,7 +40,7 @@ def store(tmp_path_factory):
 
 
 def _train_args(store, out, extra=()):
-    return ["-m", "domainflow.cli", "train", f"data.store={store}", *MESH_OVERRIDES, *extra, "--domain", "2",
+    return ["-m", "domainflow.app.cli", "train", f"data.store={store}", *MESH_OVERRIDES, *extra, "--domain", "2",
             "--out", str(out)]
 
 

@@ -80,7 +80,8 @@ def test_chunk_layouts_guessed_differently_are_refused(dist):
 
 
 def _agreeing_costs():
-    from domainflow import comm, consistency
+    from domainflow import comm
+    from domainflow.tensor import consistency
 
     rank, world = rank_and_world()
     mesh = get_mesh((world,), ("domain",))
@@ -164,7 +165,7 @@ def test_a_tiny_difference_in_a_grid_model_is_caught(dist):
 
 def test_the_accelerator_checksum_sees_one_flipped_bit_and_a_swap():
     """The checksum parameters get on an accelerator (run here on CPU tensors): any bit or order change shows."""
-    from domainflow.consistency import device_checksum
+    from domainflow.tensor.consistency import device_checksum
 
     raw = torch.randn(3 * (1 << 20) + 7, generator=torch.Generator().manual_seed(0)).view(torch.uint8)
     base = device_checksum(raw)

@@ -221,7 +221,8 @@ def _views(mesh_shape, seed):
             raise AssertionError(f"{name}: {e}") from e
     # slicing a sharded dim keeps each rank's part, no communication: sizes follow arithmetically
     st = df.distribute_tensor(x.full, mesh, [Shard(0)] + rest, sharding_shapes={0: a_sizes})
-    from domainflow import comm, shapes
+    from domainflow import comm
+    from domainflow.layout import shapes
 
     comm.stats.reset()
     y = st[1::2]
@@ -375,7 +376,7 @@ def _unsupported():
         warnings.simplefilter("always")
         assert torch.equal(torch.cumsum(x2, 0).full_tensor(), torch.cumsum(full.reshape(5, 2), 0))
     assert any("moved the shard off" in str(m.message) for m in w2) or mesh.shape[0] == 1
-    sys.modules["domainflow.fallback"]._warned.clear()  # warnings are once per op per process
+    sys.modules["domainflow.dispatch.fallback"]._warned.clear()  # warnings are once per op per process
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         with df.fallback("gather"):

@@ -18,7 +18,7 @@ import pytest
 pv = pytest.importorskip("pyvista")
 zarr = pytest.importorskip("zarr")
 
-from domainflow.cli import main as cli  # noqa: E402
+from domainflow.app.cli import main as cli  # noqa: E402
 from domainflow.preprocess import ingest_grid, ingest_mesh  # noqa: E402
 from domainflow.preprocess.errors import IngestError  # noqa: E402
 from domainflow.preprocess.ingest_grid import ingest_climate  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 
 zarr = pytest.importorskip("zarr")
 
-from domainflow.cli import main as cli  # noqa: E402
+from domainflow.app.cli import main as cli  # noqa: E402
 from domainflow.preprocess import ingest_grid  # noqa: E402
 from domainflow.preprocess.errors import IngestError  # noqa: E402
 from domainflow.preprocess.ingest_grid import ingest_climate, spatial_tile  # noqa: E402

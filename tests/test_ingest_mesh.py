@@ -17,7 +17,7 @@ import pytest
 pv = pytest.importorskip("pyvista")
 zarr = pytest.importorskip("zarr")
 
-from domainflow.cli import main as cli  # noqa: E402
+from domainflow.app.cli import main as cli  # noqa: E402
 from domainflow.preprocess import ingest_mesh  # noqa: E402
 from domainflow.preprocess.errors import IngestError  # noqa: E402
 from domainflow.preprocess.ingest_mesh import FIELDS, ingest_drivaerml  # noqa: E402
@@ -260,7 +260,7 @@ def test_resume_redoes_a_published_run_whose_raw_files_changed(raw, tmp_path, mo
 def test_resume_after_sigkill_of_the_command(raw, store, tmp_path):
     """A real kill -9 of `domainflow ingest` between runs; the rerun completes to the same store."""
     path = tmp_path / "killed.zarr"
-    cmd = [sys.executable, "-m", "domainflow.cli", "ingest", "drivaerml", str(raw), str(path), "--parts",
+    cmd = [sys.executable, "-m", "domainflow.app.cli", "ingest", "drivaerml", str(raw), str(path), "--parts",
            str(PARTS), "--split", "0.5,0.25,0.25", "--quiet"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

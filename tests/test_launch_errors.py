@@ -30,7 +30,7 @@ def store(tmp_path_factory):
 
 
 def _train(args, timeout=240):
-    cmd = [sys.executable, "-m", "domainflow.cli", "train", *args]
+    cmd = [sys.executable, "-m", "domainflow.app.cli", "train", *args]
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
@@ -69,7 +69,7 @@ def test_a_rank_error_comes_back_as_its_one_line_message(store, tmp_path):
 
 
 def test_ctrl_c_stops_every_rank_with_one_line(store, tmp_path):
-    cmd = [sys.executable, "-m", "domainflow.cli", "train", f"data.store={store}", f"output.dir={tmp_path / 'out'}",
+    cmd = [sys.executable, "-m", "domainflow.app.cli", "train", f"data.store={store}", f"output.dir={tmp_path / 'out'}",
            "--domain", "2", "train.steps=100000", *TRAIN]
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

@@ -97,7 +97,7 @@ def test_wheel_installs_all_subpackages(tmp_path: Path) -> None:
     )
     assert not any(n.startswith(("readers/", "preprocess/", "train/", "tests/")) for n in names), (
         "bare top-level packages leaked into the wheel", sorted(names))
-    assert "domainflow = domainflow.cli:main" in entry_points, entry_points
+    assert "domainflow = domainflow.app.cli:main" in entry_points, entry_points
 
     # 3. install it into a throwaway target dir
     site = tmp_path / "site"
@@ -169,8 +169,8 @@ def test_editable_install_maps_folders(tmp_path: Path) -> None:
     assert Path(domainflow.readers.__file__).resolve() == (REPO / "readers" / "__init__.py").resolve()
 
 
-@pytest.mark.parametrize("module", ["domainflow.dispatch", "domainflow.ops", "domainflow.comm", "domainflow.neighbours",
-                                    "domainflow.partials", "domainflow.registry", "domainflow.train"])
+@pytest.mark.parametrize("module", ["domainflow.dispatch.engine", "domainflow.ops", "domainflow.comm", "domainflow.ops.neighbours", "domainflow.tensor.shard_tensor", "domainflow.layout.spec",
+                                    "domainflow.tensor.partials", "domainflow.dispatch.registry", "domainflow.train"])
 def test_any_engine_module_can_be_imported_first(module):
     """No import cycle bites whichever module a user (or a worker) imports first."""
     import subprocess
@@ -181,3 +181,114 @@ def test_any_engine_module_can_be_imported_first(module):
             "assert df.knn(x, 2)[0].shape == (4, 2)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+# The core's rooms, bottom to top: a module may import its own room and the rooms below, never above
+# (docs/architecture.md). The package root wires the engine to the tensor layer (load_engine) and is above all.
+_CORE_LAYERS = ["errors", "locks", "layout", "comm", "tensor", "dispatch", "ops", "__init__", "app"]
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "domainflow":
+        return None
+    if len(parts) == 1:
+        return "__init__"
+    if parts[1] in ("readers", "preprocess", "train"):
+        return parts[1]
+    return parts[1] if parts[1] in _CORE_LAYERS else None
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Modules ``path`` imports (static imports anywhere in the file, relative ones resolved)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = package.split(".")
+                pkg = pkg[:len(pkg) - node.level + 1]
+                base = ".".join(pkg + ([base] if base else []))
+            if base != "domainflow":  # `from domainflow import comm` imports the comm room, not the root's code
+                out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+    return out
+
+
+def _module_files(folder: str, prefix: str):
+    root = REPO / folder
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("")
+        parts = [p for p in rel.parts if p != "__init__"]
+        yield path, ".".join([prefix, *parts]) if parts else prefix
+
+
+def test_core_rooms_import_only_downward():
+    """errors/locks <- layout <- comm <- tensor <- dispatch <- ops <- the package root <- app; only app may
+    import train and preprocess. A violation names the file and the import."""
+    rank = {room: i for i, room in enumerate(_CORE_LAYERS)}
+    wrong = []
+    for path, module in _module_files("domainflow", "domainflow"):
+        room = _room(module)
+        if room is None:
+            continue
+        for target in _imports(path, module):
+            other = _room(target)
+            if other is None or other == room:
+                continue
+            if other in ("readers", "preprocess", "train"):
+                if room != "app":
+                    wrong.append(f"{path.relative_to(REPO)} imports {target} (only app/ may)")
+            elif rank[other] > rank[room]:
+                wrong.append(f"{path.relative_to(REPO)} ({room}) imports {target} ({other}, a room above)")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_engine_never_imports_the_rules():
+    """The engine runs plans; the rules in ops/ register themselves (the registry is how they meet)."""
+    for path, module in _module_files("domainflow/dispatch", "domainflow.dispatch"):
+        assert not any(t.startswith("domainflow.ops") for t in _imports(path, module)), path
+
+
+def test_train_has_no_import_circle():
+    """train/'s modules import each other without a loop (build.py holds what loop and predict share)."""
+    graph = {}
+    for path, module in _module_files("train", "domainflow.train"):
+        graph[module] = {t for t in _imports(path, module) if t.startswith("domainflow.train") and t != module}
+    modules = set(graph)
+    graph = {m: {t for t in ts if t in modules} for m, ts in graph.items()}
+    done, stack = set(), []
+
+    def visit(m):
+        if m in stack:
+            raise AssertionError("import circle: " + " -> ".join(stack[stack.index(m):] + [m]))
+        if m in done:
+            return
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if not m.startswith(t + ".") and not (t == "domainflow.train" and m.startswith(t)):
+                visit(t)
+        stack.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
+
+
+def test_shard_tensor_module_alone_loads_the_engine_on_first_use():
+    """Importing the tensor layer directly (no ``domainflow.X`` access first) still dispatches ops."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from domainflow.tensor.shard_tensor import distribute_tensor; "
+            "from domainflow.layout.mesh import init_mesh; from domainflow.layout.placements import Shard; "
+            "x = distribute_tensor(torch.rand(4, 3), init_mesh((1,), ('d',)), [Shard(0)]); "
+            "assert torch.equal((x + x).full_tensor(), 2 * x.full_tensor()); print(type(x.sum()).__name__)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ShardTensor", res.stderr[-2000:]

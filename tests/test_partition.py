@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from domainflow import shapes
+from domainflow.layout import shapes
 from domainflow.preprocess.partition import METHODS, check_parts, morton_codes, partition
 
 

@@ -205,7 +205,7 @@ def _brute_knn(q, p, k, exclude_self=False):
 
 
 def _brute_knn_now(q, p, k, exclude_self):
-    from domainflow.point_search import squared_distances
+    from domainflow.ops.point_search import squared_distances
 
     d2 = squared_distances(q, p)
     if exclude_self:
@@ -216,7 +216,7 @@ def _brute_knn_now(q, p, k, exclude_self):
 
 def _knn_case(seed):
     import domainflow as df
-    from domainflow.shapes import rows_per_rank
+    from domainflow.layout.shapes import rows_per_rank
 
     rank, world = rank_and_world()
     mesh = get_mesh((world,), ("domain",))
@@ -237,7 +237,7 @@ def _knn_case(seed):
             assert idx.placements == (Shard(0),) and idx._spec.sizes[0] == sizes
             assert torch.equal(idx.full_tensor(), ref_i), f"knn k={k} exclude_self={excl} sizes={sizes}"
             torch.testing.assert_close(dist_.full_tensor(), ref_d, rtol=1e-12, atol=1e-12)
-            fetched.append(df.neighbours.last_fetch()["points"])
+            fetched.append(df.ops.neighbours.last_fetch()["points"])
         qs = _sizes(len(others), world, rng)
         sq = df.distribute_tensor(others, mesh, [Shard(0)], sharding_shapes={0: list(qs)})
         idx, _ = df.knn(sp, 5, sq)
@@ -268,7 +268,7 @@ def _brute_radius(pts, r, cap):
 
 
 def _brute_radius_now(pts, r, cap):
-    from domainflow.point_search import squared_distances
+    from domainflow.ops.point_search import squared_distances
 
     d2 = squared_distances(pts, pts)
     d2.fill_diagonal_(float("inf"))

@@ -18,7 +18,7 @@ from domainflow.preprocess.synth_drivaerml import synth_drivaerml  # noqa: E402
 from domainflow.readers.regions import chunks_touched, grid_slab  # noqa: E402
 from domainflow.readers.sampling import dp_share, epoch_order  # noqa: E402
 from domainflow.readers.store import StoreError, open_store  # noqa: E402
-from domainflow.shapes import rows_per_rank  # noqa: E402
+from domainflow.layout.shapes import rows_per_rank  # noqa: E402
 from sharded_check import get_mesh  # noqa: E402
 
 P = 8
@@ -371,7 +371,7 @@ def _boxes_and_knn(path):
     without, _ = df.knn(s["coords"], 6, exclude_self=True)
     plain, _ = df.knn(s["coords"].full_tensor(), 6, exclude_self=True)
     same = torch.equal(with_boxes.full_tensor(), plain) and torch.equal(without.full_tensor(), plain)
-    return inside, same, tuple(s["boxes"].shape), df.neighbours.last_fetch()
+    return inside, same, tuple(s["boxes"].shape), df.ops.neighbours.last_fetch()
 
 
 def test_samples_carry_rank_boxes_for_neighbour_search(dist, mesh_store):

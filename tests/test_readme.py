@@ -44,7 +44,7 @@ def test_readme_data_commands_run(tmp_path):
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     for command in commands:
         args = command.split()[1:]
-        out = subprocess.run([sys.executable, "-m", "domainflow.cli", *args, *(
+        out = subprocess.run([sys.executable, "-m", "domainflow.app.cli", *args, *(
             ["--quiet"] if args[0] in ("synth", "ingest") else [])], cwd=tmp_path, env=env, capture_output=True,
             text=True, timeout=300)
         assert out.returncode == 0, (command, out.stderr[-3000:])

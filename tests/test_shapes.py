@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from domainflow import shapes
+from domainflow.layout import shapes
 
 
 def _rand_sizes(rng, n, parts):

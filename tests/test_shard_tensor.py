@@ -299,7 +299,8 @@ def _mesh_errors():
         out["names"] = str(e)
     mesh = get_mesh((world,))
     # "chunk" with a global shape: torch.chunk sizes, no communication
-    from domainflow import comm, shapes
+    from domainflow import comm
+    from domainflow.layout import shapes
 
     sizes = shapes.chunk_sizes(7, world)
     comm.stats.reset()

@@ -19,7 +19,7 @@ import pytest
 
 zarr = pytest.importorskip("zarr")
 
-from domainflow.cli import main as cli  # noqa: E402
+from domainflow.app.cli import main as cli  # noqa: E402
 from domainflow.preprocess.errors import IngestError  # noqa: E402
 from domainflow.preprocess.ingest_mesh import ingest_drivaerml  # noqa: E402
 from domainflow.preprocess.synth_drivaerml import synth_drivaerml  # noqa: E402
@@ -47,7 +47,7 @@ def reference(raw, tmp_path_factory):
 
 
 def _ingest_cmd(raw, store, *extra):
-    return [sys.executable, "-m", "domainflow.cli", "ingest", "drivaerml", str(raw), str(store), *ARGS, *extra]
+    return [sys.executable, "-m", "domainflow.app.cli", "ingest", "drivaerml", str(raw), str(store), *ARGS, *extra]
 
 
 def _wait_for(cond, timeout=60.0, proc=None):

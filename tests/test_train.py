@@ -203,7 +203,7 @@ def test_a_field_not_in_the_store_is_named_with_the_choices(dist, stores, tmp_pa
 def test_tiny_demo_runs_end_to_end_and_predict_writes_a_readable_surface(tmp_path):
     import pyvista as pv
 
-    from domainflow.cli import main
+    from domainflow.app.cli import main
 
     assert main(["demo", "--tiny", "--out", str(tmp_path / "demo")]) == 0
     report = json.loads((tmp_path / "demo" / "demo_report.json").read_text())

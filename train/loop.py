@@ -25,9 +25,9 @@ from domainflow import comm
 
 from . import checkpoint as ckpt
 from .config import Config
-from .data import Batch, build_dataset, model_io
+from .data import Batch, build_dataset
 from .metrics import evaluate
-from .models import Transolver, UNet
+from .build import build_mesh, build_model
 
 
 class TrainingDiverged(df.DomainflowError, RuntimeError):
@@ -41,29 +41,6 @@ class StepLog:
     lr: float
     seconds: float
     samples: int
-
-
-def build_mesh(cfg: Config):
-    """("dp", "domain"), or ("dp", "domain", "lon") for a grid sharded over latitude and longitude."""
-    if cfg.data.kind == "grid" and len(cfg.data.shard_dims) == 2:
-        return df.init_mesh((cfg.mesh.dp, cfg.mesh.domain, cfg.mesh.lon), ("dp", "domain", "lon"))
-    return df.init_mesh((cfg.mesh.dp, cfg.mesh.domain), ("dp", "domain"))
-
-
-def build_model(cfg: Config, ds) -> torch.nn.Module:
-    torch.manual_seed(cfg.train.seed)
-    m = cfg.model
-    io = model_io(cfg, ds)
-    if m.name == "transolver":
-        model = Transolver(io.in_dim, io.out_dim, io.global_dim, dim=m.dim, layers=m.layers, heads=m.heads,
-                           slices=m.slices, mlp_ratio=m.mlp_ratio, dropout=m.dropout)
-    else:
-        model = UNet(io.in_dim, io.out_dim, base=m.base, levels=m.levels)
-    return model.to(dtype=_dtype(cfg), device=comm.mesh_device(ds.axes.domain))
-
-
-def _dtype(cfg: Config) -> torch.dtype:
-    return torch.float64 if cfg.train.dtype == "float64" else torch.float32
 
 
 def lr_factor(cfg: Config, step: int) -> float:
@@ -323,7 +300,7 @@ class Trainer:
 
 def _checkpointed(model, batch):
     """Activation checkpointing of each block of the model (recomputed in backward)."""
-    from domainflow import checkpoint
+    from domainflow import checkpoint_activations as checkpoint
 
     blocks = getattr(model, "blocks", None)
     if blocks is None:

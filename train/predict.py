@@ -17,6 +17,7 @@ import domainflow as df
 
 from . import checkpoint as ckpt
 from .config import Config, from_dict
+from .build import build_model
 from .data import build_dataset, make_batch, param_stats
 
 
@@ -117,7 +118,6 @@ def predict_config(checkpoint: str, store: str, run: str, domain: int = 1):
 def predict_main(checkpoint: str, store: str, run: str, out: str, domain: int = 1) -> int:
     """``domainflow predict``: one rank per domain part (started by the caller)."""
     path, cfg = predict_config(checkpoint, store, run, domain)
-    from .loop import build_model
 
     mesh = df.init_mesh((1, domain), ("dp", "domain"))
     ds = build_dataset(cfg, mesh, None, shuffle=False, runs=[run])

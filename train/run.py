@@ -19,7 +19,7 @@ def rank_main(cfg_dict: dict, resume: bool) -> dict:
 
 def run_training(cfg: Config, nproc: int | None = None, resume: bool = False) -> dict:
     """Train with ``cfg`` on dp x domain ranks; returns rank 0's result (losses, evaluation, paths)."""
-    from domainflow.launch import launch_local, under_launcher
+    from domainflow.app.launch import launch_local, under_launcher
 
     need = cfg.mesh.size
     if nproc is not None and nproc != need:

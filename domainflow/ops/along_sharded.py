@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import comm
-from ..dispatch import bind, run_function_default
-from ..placements import Replicate, Shard
-from ..registry import register_function
-from ..shard_tensor import ShardTensor, derived_from_local
-from .windows import _without_partial, like
+from domainflow import comm
+from domainflow.dispatch.engine import bind, run_function_default
+from domainflow.layout.placements import Replicate, Shard
+from domainflow.dispatch.registry import register_function
+from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
+from domainflow.ops.windows import _without_partial, like
 
 
 def _norm_dim(d: int, ndim: int) -> int:

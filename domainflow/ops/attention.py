@@ -21,13 +21,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import comm
-from ..dispatch import _unsupported_or_fallback, bind, run_function_default, run_replicated, shard_tensors
-from ..placements import Partial, Replicate, Shard
-from ..registry import register_aten, register_function
-from ..shard_tensor import ShardTensor, derived_from_local
-from .along_sharded import _SumToReplicated
-from .windows import _params_for, _without_partial, like
+from domainflow import comm
+from domainflow.dispatch.engine import _unsupported_or_fallback, bind, run_function_default, run_replicated, shard_tensors
+from domainflow.layout.placements import Partial, Replicate, Shard
+from domainflow.dispatch.registry import register_aten, register_function
+from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
+from domainflow.ops.along_sharded import _SumToReplicated
+from domainflow.ops.windows import _params_for, _without_partial, like
 
 
 def _ring_exchange(tensors, recv_shapes, mesh, m):

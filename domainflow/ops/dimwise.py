@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import torch
 
-from .. import shapes
-from ..fallback import fallback as _fallback_mode
-from ..dispatch import (_unsupported_or_fallback, common_mesh, local_as, relayout, shard_tensors, to_spec,
+from domainflow.layout import shapes
+from domainflow.dispatch.fallback import fallback as _fallback_mode
+from domainflow.dispatch.engine import (_unsupported_or_fallback, common_mesh, local_as, relayout, shard_tensors, to_spec,
                         warn_relayout)
-from ..spec import mesh_shape
-from ..placements import Partial, Replicate, Shard
-from ..registry import register_aten
-from ..shard_tensor import ShardTensor
-from ..spec import ShardSpec
+from domainflow.layout.spec import mesh_shape
+from domainflow.layout.placements import Partial, Replicate, Shard
+from domainflow.dispatch.registry import register_aten
+from domainflow.tensor.shard_tensor import ShardTensor
+from domainflow.layout.spec import ShardSpec
 
 aten = torch.ops.aten
 _R = Replicate()

@@ -22,13 +22,13 @@ import math
 
 import torch
 
-from .. import comm
-from ..dispatch import _unsupported_or_fallback, bind, run_function_default
-from ..errors import ShardingMismatchError
-from ..placements import Partial, Replicate, Shard
-from ..registry import register_function
-from ..shard_tensor import ShardTensor, distribute_tensor, derived_from_local
-from .windows import _params_for, _without_partial
+from domainflow import comm
+from domainflow.dispatch.engine import _unsupported_or_fallback, bind, run_function_default
+from domainflow.errors import ShardingMismatchError
+from domainflow.layout.placements import Partial, Replicate, Shard
+from domainflow.dispatch.registry import register_function
+from domainflow.tensor.shard_tensor import ShardTensor, distribute_tensor, derived_from_local
+from domainflow.ops.windows import _params_for, _without_partial
 
 
 # --------------------------------------------------------------------------------------------

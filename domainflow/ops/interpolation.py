@@ -15,12 +15,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import comm
-from ..dispatch import _unsupported_or_fallback, bind, run_function_default
-from ..placements import Shard
-from ..registry import register_function
-from ..shard_tensor import ShardTensor, derived_from_local
-from .windows import _without_partial
+from domainflow import comm
+from domainflow.dispatch.engine import _unsupported_or_fallback, bind, run_function_default
+from domainflow.layout.placements import Shard
+from domainflow.dispatch.registry import register_function
+from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
+from domainflow.ops.windows import _without_partial
 
 _MODES = {"nearest": 1, "nearest-exact": 1, "linear": 2, "bilinear": 2, "trilinear": 2, "bicubic": 4}
 _A = -0.75  # torch's cubic convolution coefficient
@@ -111,7 +111,7 @@ def _interpolate(func, args, kwargs):
     align = bool(a["align_corners"]) if mode not in ("nearest", "nearest-exact") else False
     local = x.to_local()
     sizes_out = list(spec.sizes)
-    from ..spec import mesh_shape
+    from domainflow.layout.spec import mesh_shape
 
     mshape = mesh_shape(spec.mesh)
     done = [False] * nd

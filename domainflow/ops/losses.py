@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import (_unsupported_or_fallback, common_mesh, local_as, replicate_local, replicated_spec,
+from domainflow.dispatch.engine import (_unsupported_or_fallback, common_mesh, local_as, replicate_local, replicated_spec,
                         shard_tensors, to_spec)
-from ..placements import Partial, Replicate, Shard
-from ..registry import register_aten
-from ..shard_tensor import ShardTensor
-from ..spec import ShardSpec
+from domainflow.layout.placements import Partial, Replicate, Shard
+from domainflow.dispatch.registry import register_aten
+from domainflow.tensor.shard_tensor import ShardTensor
+from domainflow.layout.spec import ShardSpec
 
 aten = torch.ops.aten
 _R = Replicate()

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import _unsupported_or_fallback, common_mesh, shard_tensors
-from ..placements import Partial, Replicate, Shard
-from ..registry import register_aten, register_function
-from ..shard_tensor import ShardTensor
-from ..spec import ShardSpec
+from domainflow.dispatch.engine import _unsupported_or_fallback, common_mesh, shard_tensors
+from domainflow.layout.placements import Partial, Replicate, Shard
+from domainflow.dispatch.registry import register_aten, register_function
+from domainflow.tensor.shard_tensor import ShardTensor
+from domainflow.layout.spec import ShardSpec
 
 aten = torch.ops.aten
 _R = Replicate()
@@ -22,7 +22,7 @@ def _spec_of(t, mesh) -> ShardSpec:
 
 
 def _local_in(t, spec: ShardSpec, dst: ShardSpec) -> torch.Tensor:
-    from ..redistribute import redistribute_local
+    from domainflow.tensor.redistribute import redistribute_local
 
     local = t._local if isinstance(t, ShardTensor) else t
     return local if spec == dst else redistribute_local(local, spec, dst)
@@ -182,8 +182,8 @@ class _LocalLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from ..param_grads import reduce_param_grads
-        from ..redistribute import grad_spec
+        from domainflow.dispatch.param_grads import reduce_param_grads
+        from domainflow.tensor.redistribute import grad_spec
 
         local, weight = ctx.saved_tensors
         spec = ctx.spec
@@ -203,7 +203,7 @@ class _LocalLinear(torch.autograd.Function):
 
 
 def _linear_function(func, args, kwargs):
-    from ..dispatch import bind, run_function_default
+    from domainflow.dispatch.engine import bind, run_function_default
 
     a = bind(args, kwargs, ("self", "weight", "bias"), bias=None)
     x, weight, bias = a["self"], a["weight"], a["bias"]

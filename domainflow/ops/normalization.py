@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import comm
-from ..dispatch import _unsupported_or_fallback, bind, run_function_default
-from ..placements import Shard
-from ..registry import register_function
-from ..shard_tensor import ShardTensor
-from .windows import _without_partial, like
+from domainflow import comm
+from domainflow.dispatch.engine import _unsupported_or_fallback, bind, run_function_default
+from domainflow.layout.placements import Shard
+from domainflow.dispatch.registry import register_function
+from domainflow.tensor.shard_tensor import ShardTensor
+from domainflow.ops.windows import _without_partial, like
 
 
 def _sharded_mesh_dims(spec, allowed_dims) -> tuple[list[int], str | None]:
@@ -123,7 +123,7 @@ class _Normalize(torch.autograd.Function):
             dx.addcmul_(dy, scale.to(dy.dtype))  # in place: half the time of adding dy * scale
         else:
             dx = dy * scale.to(dy.dtype)
-        from ..param_grads import reduce_param_grads
+        from domainflow.dispatch.param_grads import reduce_param_grads
 
         other = tuple(k for k in range(dy.ndim) if affine_shape[k] == 1)
         gw = dxh.sum(other).reshape(weight.shape).to(weight.dtype) if weight is not None else None

@@ -11,12 +11,13 @@ import math
 
 import torch
 
-from .. import comm, shapes
-from ..dispatch import bind, run_function_default, to_spec
-from ..placements import Partial, Replicate, Shard
-from ..registry import register_aten, register_function
-from ..shard_tensor import ShardTensor, product_of_others
-from ..spec import ShardSpec
+from domainflow import comm
+from domainflow.layout import shapes
+from domainflow.dispatch.engine import bind, run_function_default, to_spec
+from domainflow.layout.placements import Partial, Replicate, Shard
+from domainflow.dispatch.registry import register_aten, register_function
+from domainflow.tensor.shard_tensor import ShardTensor, product_of_others
+from domainflow.layout.spec import ShardSpec
 
 aten = torch.ops.aten
 _R = Replicate()
@@ -343,7 +344,7 @@ class _SumMean(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         spec = ctx.spec
-        from ..redistribute import grad_spec
+        from domainflow.tensor.redistribute import grad_spec
 
         in_grad_spec = grad_spec(spec)
         if not isinstance(grad, ShardTensor):
@@ -432,7 +433,7 @@ class _Prod(torch.autograd.Function):
     def backward(ctx, grad):
         local, zeros, nz = ctx.saved_tensors
         spec, rd = ctx.spec, ctx.red
-        from ..redistribute import grad_spec
+        from domainflow.tensor.redistribute import grad_spec
 
         red = set(rd)
         _, where = shapes.reduced_dim_map(spec.ndim, rd, ctx.keepdim)

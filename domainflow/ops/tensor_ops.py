@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from .. import shapes
-from ..dispatch import common_mesh, local_as, pointwise, replicate_local, replicated_spec, shard_tensors, to_spec
-from ..placements import Partial, Replicate
-from ..registry import register_aten
-from ..shard_tensor import ShardTensor
-from ..spec import ShardSpec
+from domainflow.layout import shapes
+from domainflow.dispatch.engine import common_mesh, local_as, pointwise, replicate_local, replicated_spec, shard_tensors, to_spec
+from domainflow.layout.placements import Partial, Replicate
+from domainflow.dispatch.registry import register_aten
+from domainflow.tensor.shard_tensor import ShardTensor
+from domainflow.layout.spec import ShardSpec
 
 aten = torch.ops.aten
 _R = Replicate()
@@ -63,7 +63,7 @@ def fill_inplace(func, args, kwargs):
     rest = [replicate_local(a) if isinstance(a, ShardTensor) else a for a in args[1:]]
     func(x._local, *rest, **kwargs)
     if x._spec.has_partial:
-        from ..dispatch import relayout
+        from domainflow.dispatch.engine import relayout
 
         relayout(x, x._local, _no_partial(x._spec))
     return x
@@ -94,7 +94,7 @@ def equal(func, args, kwargs):
     ref = sts[0]._spec
     ref = _no_partial(ref)
     la, lb = local_as(a, ref), local_as(b, ref)
-    from .. import comm
+    from domainflow import comm
 
     ok = torch.tensor([1 if torch.equal(la, lb) else 0], dtype=torch.int64, device=la.device)
     for m in range(ref.mesh.ndim):

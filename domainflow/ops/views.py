@@ -12,13 +12,14 @@ import math
 
 import torch
 
-from .. import comm, shapes
-from ..dispatch import _unsupported_or_fallback, to_spec, warn_relayout
-from ..errors import UnsupportedShardedOp
-from ..placements import Replicate, Shard
-from ..registry import REGISTRY, register_aten
-from ..shard_tensor import ShardTensor
-from ..spec import ShardSpec, mesh_shape
+from domainflow import comm
+from domainflow.layout import shapes
+from domainflow.dispatch.engine import _unsupported_or_fallback, to_spec, warn_relayout
+from domainflow.errors import UnsupportedShardedOp
+from domainflow.layout.placements import Replicate, Shard
+from domainflow.dispatch.registry import REGISTRY, register_aten
+from domainflow.tensor.shard_tensor import ShardTensor
+from domainflow.layout.spec import ShardSpec, mesh_shape
 
 aten = torch.ops.aten
 _R = Replicate()
@@ -399,7 +400,7 @@ def inplace_view(func, args, kwargs):
     shape is then updated in place (as torch does for wrapper subclasses)."""
     from torch.utils._python_dispatch import return_and_correct_aliasing
 
-    from ..dispatch import relayout
+    from domainflow.dispatch.engine import relayout
 
     x = args[0]
     out_of_place = _OUT_OF_PLACE[func]

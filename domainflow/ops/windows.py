@@ -16,11 +16,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import comm, shapes
-from ..dispatch import _unsupported_or_fallback, bind, run_function_default
-from ..placements import Partial, Replicate, Shard
-from ..registry import register_function
-from ..shard_tensor import ShardTensor, derived_from_local
+from domainflow import comm
+from domainflow.layout import shapes
+from domainflow.dispatch.engine import _unsupported_or_fallback, bind, run_function_default
+from domainflow.layout.placements import Partial, Replicate, Shard
+from domainflow.dispatch.registry import register_function
+from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
 
 
 # --------------------------------------------------------------------------------------------
@@ -28,7 +29,7 @@ from ..shard_tensor import ShardTensor, derived_from_local
 # --------------------------------------------------------------------------------------------
 class _SumGradsOver(torch.autograd.Function):
     """Identity on replicated parameters; backward sums their (per-rank partial) gradients over the given
-    mesh dims (``domainflow.param_grads``: now, or once per backward for all layers)."""
+    mesh dims (``domainflow.dispatch.param_grads``: now, or once per backward for all layers)."""
 
     @staticmethod
     def forward(ctx, mesh, mesh_dims, *params):
@@ -37,7 +38,7 @@ class _SumGradsOver(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        from ..param_grads import reduce_param_grads
+        from domainflow.dispatch.param_grads import reduce_param_grads
 
         return (None, None, *reduce_param_grads(ctx.params, grads, ctx.mesh, ctx.mesh_dims))
 

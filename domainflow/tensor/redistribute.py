@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from . import comm, shapes
-from .placements import Partial, Replicate, Shard
-from .spec import ShardSpec, mesh_shape
+from domainflow import comm
+from domainflow.layout import shapes
+from domainflow.layout.placements import Partial, Replicate, Shard
+from domainflow.layout.spec import ShardSpec, mesh_shape
 
 _R = Replicate()
 

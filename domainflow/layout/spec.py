@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import shapes
-from .errors import ShardingShapeError
-from .placements import Partial, Placement, Replicate, Shard, normalize_placements
+from domainflow.layout import shapes
+from domainflow.errors import ShardingShapeError
+from domainflow.layout.placements import Partial, Placement, Replicate, Shard, normalize_placements
 
 _REPLICATE = Replicate()
 _coord_cache: dict[int, tuple[DeviceMesh, tuple[int, ...]]] = {}

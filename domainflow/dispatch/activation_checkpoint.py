@@ -3,7 +3,7 @@
 ``torch.utils.checkpoint`` recomputes a block's forward during backward, from inside the autograd
 engine, where torch may have switched ``__torch_function__`` off for tensor subclasses. The recomputation
 would then bypass domainflow's function-level rules (softmax over a sharded dim, ring attention, ...) and
-take different, possibly unsupported, paths from the forward. ``checkpoint`` switches them back on for the
+take different, possibly unsupported, paths from the forward. ``checkpoint_activations`` switches them back on for the
 recomputation, so it replays exactly what the forward did.
 """
 
@@ -24,7 +24,7 @@ def _with_function_rules(fn):
     return run
 
 
-def checkpoint(fn, *args, use_reentrant: bool = False, **kwargs):
+def checkpoint_activations(fn, *args, use_reentrant: bool = False, **kwargs):
     """``torch.utils.checkpoint.checkpoint(fn, *args)`` (non-reentrant by default) that recomputes ``fn``
     with domainflow's rules in force; works on plain tensors too."""
     return _torch_checkpoint(_with_function_rules(fn), *args, use_reentrant=use_reentrant, **kwargs)

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import DomainflowError
+from domainflow.errors import DomainflowError
 
 _ERRORS_ENV = "DOMAINFLOW_LAUNCH_ERRORS"
 

@@ -34,7 +34,7 @@ def deferred_param_grads():
 def reduce_param_grads(params, grads, mesh, mesh_dims):
     """Gradients to return from a layer's backward for ``params``: summed now (default), or queued for
     the end of the backward pass (``deferred_param_grads``; then None is returned for them)."""
-    from . import comm
+    from domainflow import comm
 
     idx = [k for k, (p, g) in enumerate(zip(params, grads)) if p is not None and g is not None]
     if not idx or not mesh_dims:
@@ -81,7 +81,7 @@ def _queue(mesh, mesh_dims, pairs):
 
 def _flush(task):
     """End of backward: one coalesced all-reduce per (mesh, mesh dim) for every queued gradient."""
-    from . import comm
+    from domainflow import comm
 
     pending = getattr(_state, "queues", {}).pop(task, None)
     if not pending:

@@ -23,11 +23,12 @@ import threading
 
 import torch
 
-from .errors import ReplicaMismatchError, ShardingShapeError
-from .placements import Partial, Shard
+from domainflow import comm
+from domainflow.errors import ReplicaMismatchError, ShardingShapeError
+from domainflow.layout.placements import Partial, Shard
 
 _lock = threading.Lock()
-_pending: dict = {}  # (group key) -> _Group, in the order first recorded (dicts keep it)
+_pending: dict = comm.pending_checks  # (group key) -> _Group, in the order first recorded (dicts keep it)
 _flushing = threading.local()
 stats = {"checks": 0, "items": 0}  # collectives spent on checks and items checked, for benchmarks and tests
 
@@ -120,8 +121,6 @@ def flush(before: str = "a collective") -> None:
 def _check_group(g: _Group, before: str) -> None:
     """One all-reduce of a fixed size whatever each rank recorded: (+h, -h) by max for one fingerprint of the
     rank's whole ordered list, so ranks agree iff max(h) == min(h)."""
-    from . import comm
-
     items = list(g.items.values())
     values = [h if h is not None else param_fingerprint(obj) for _, h, obj in items]
     combined = _digest(repr(values).encode())
@@ -138,8 +137,6 @@ def _check_group(g: _Group, before: str) -> None:
 def _raise(g: _Group, items, values) -> None:
     """Every rank raises the same error (the check's result is identical everywhere): what each rank declared
     comes from one all-gather on this failure path, and the message is built from it alike on every rank."""
-    from . import comm
-
     mine = [(kind, value, obj if kind == "layout" else (_param_name(obj), tuple(obj.shape), str(obj.dtype)))
             for (kind, _, obj), value in zip(items, values)]
     said = comm.all_gather_object(mine, g.mesh, g.mesh_dim)
@@ -266,8 +263,6 @@ def sync_module(module: torch.nn.Module, mesh, buffers: bool = True) -> torch.nn
     """Copy the parameters (and buffers) of the mesh's first rank to every rank of ``mesh``, for models built
     with a per-rank seed: one broadcast per dtype and mesh dim (coalesced), from coordinate 0 along each dim.
     Pass the domain sub-mesh (``mesh["domain"]``) to sync within each domain group only. Returns ``module``."""
-    from . import comm
-
     mark_checked(module.parameters())  # a forward before syncing recorded them: their check is moot now
     tensors = [p for p in module.parameters()] + ([b for b in module.buffers()] if buffers else [])
     by_dtype: dict = {}
@@ -283,3 +278,6 @@ def sync_module(module: torch.nn.Module, mesh, buffers: bool = True) -> torch.nn
                 t.copy_(flat[i:i + t.numel()].view_as(t))
                 i += t.numel()
     return module
+
+
+comm.set_check_runner(flush)

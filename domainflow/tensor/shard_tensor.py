@@ -17,11 +17,13 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import comm, consistency, shapes
-from .errors import ShardingMismatchError, ShardingShapeError
-from .placements import Partial, Placement, Replicate, Shard, normalize_placements
-from .redistribute import grad_spec, partial_from_replicate, redistribute_local
-from .spec import ShardSpec, mesh_coordinate, mesh_shape, sizes_from_mapping
+from domainflow import comm
+from domainflow.tensor import consistency
+from domainflow.layout import shapes
+from domainflow.errors import ShardingMismatchError, ShardingShapeError
+from domainflow.layout.placements import Partial, Placement, Replicate, Shard, normalize_placements
+from domainflow.tensor.redistribute import grad_spec, partial_from_replicate, redistribute_local
+from domainflow.layout.spec import ShardSpec, mesh_coordinate, mesh_shape, sizes_from_mapping
 
 _MAX_DIMS = 12
 _ALL_REPLICATE = {n: (Replicate(),) * n for n in range(1, 9)}
@@ -67,14 +69,14 @@ class ShardTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105
         return f"ShardTensor(local={self._local!r}, spec={self._spec!r})"
 
-    # ----- dispatch (implementation in dispatch.py) -------------------------------------------
+    # ----- dispatch (the engine in domainflow.dispatch is installed here; this layer never imports it) -----
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return _dispatch.torch_function(func, types, args, kwargs)
+        return (_engine or _load_engine()).torch_function(func, types, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch.torch_dispatch(func, types, args, kwargs)
+        return (_engine or _load_engine()).torch_dispatch(func, types, args, kwargs)
 
     def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
         """``Tensor.backward``; a pending sum (a loss that is ``Partial``) is reduced on the way, in the payload
@@ -597,8 +599,18 @@ def _all_coords(mesh_shape) -> list[tuple[int, ...]]:
     return coords
 
 
-from . import dispatch as _dispatch  # noqa: E402  (dispatch needs ShardTensor defined first; it loads ops/)
+_engine = None  # the dispatch engine, once domainflow.load_engine() has loaded it and the built-in handlers
 
-import domainflow as _package  # noqa: E402
 
-_package._bind_exports()
+def install_engine(engine) -> None:
+    """Route ShardTensor ops through ``engine`` (its ``torch_function`` / ``torch_dispatch``)."""
+    global _engine
+    _engine = engine
+
+
+def _load_engine():
+    """A ShardTensor used before anything loaded the engine (this module imported directly): load it now."""
+    import importlib
+
+    importlib.import_module("domainflow").load_engine()
+    return _engine

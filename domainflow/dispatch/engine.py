@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from . import consistency as _consistency
-from .fallback import fallback as _fallback_mode
-from .fallback import warn_once as _warn_fallback
-from .errors import ShardingMismatchError, UnsupportedShardedOp
-from .placements import Partial, Replicate, Shard
-from .redistribute import redistribute_local
-from .registry import REGISTRY
-from .shard_tensor import ShardTensor, target_spec
-from .spec import ShardSpec
+from domainflow.tensor import consistency as _consistency
+from domainflow.dispatch.fallback import fallback as _fallback_mode
+from domainflow.dispatch.fallback import warn_once as _warn_fallback
+from domainflow.errors import ShardingMismatchError, UnsupportedShardedOp
+from domainflow.layout.placements import Partial, Replicate, Shard
+from domainflow.tensor.redistribute import redistribute_local
+from domainflow.dispatch.registry import REGISTRY
+from domainflow.tensor.shard_tensor import ShardTensor, target_spec
+from domainflow.layout.spec import ShardSpec
 
 _POINTWISE = torch.Tag.pointwise
 _INPLACE = torch.Tag.inplace
@@ -248,8 +248,11 @@ def _inplace_of_pointwise(func) -> bool:
 
 
 def clear_routes() -> None:
-    """Forget cached routes (called when a handler is registered)."""
+    """Forget cached routes (the registry calls it when a handler is registered)."""
     _routes.clear()
+
+
+REGISTRY.on_change(clear_routes)
 
 
 def _generic(func, args, kwargs):
@@ -561,6 +564,3 @@ def _warn_moved(func, idx, sts):
         f"resharding operand(s) {sorted(set(idx))} to match the first sharded one (this communicates). "
         f"Redistribute them once up front to avoid it.", stacklevel=3)
 
-
-# the built-in handlers register themselves; loaded last, so that importing any engine module first works
-from . import ops as _ops  # noqa: E402,F401

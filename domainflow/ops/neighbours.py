@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
-from .errors import ShardingMismatchError
-from .placements import Replicate, Shard
-from .point_search import kd_order, knn_search, merge_knn, radius_search
-from .shard_tensor import ShardTensor, derived_from_local
+from domainflow import comm
+from domainflow.errors import ShardingMismatchError
+from domainflow.layout.placements import Replicate, Shard
+from domainflow.ops.point_search import kd_order, knn_search, merge_knn, radius_search
+from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
 
 _last_fetch = {"points": 0, "local": 0}
 
@@ -101,7 +101,7 @@ def radius(points, r: float, queries=None, *, max_neighbors: int | None = None, 
 # pieces
 # --------------------------------------------------------------------------------------------
 def comm_coord(mesh, m: int) -> int:
-    from .spec import mesh_coordinate
+    from domainflow.layout.spec import mesh_coordinate
 
     return mesh_coordinate(mesh)[m]
 

@@ -19,6 +19,11 @@ class OpRegistry:
     def __init__(self):
         self.functions: dict[object, Handler] = {}
         self.aten: dict[torch._ops.OpOverload, Handler] = {}
+        self._listeners: list[Callable[[], None]] = []
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` whenever an aten handler is registered (the engine forgets its cached routes)."""
+        self._listeners.append(listener)
 
     def register_function(self, *funcs) -> Callable[[Handler], Handler]:
         """Decorator: ``@register_function(torch.nn.functional.conv2d)`` routes that function to the handler."""
@@ -42,9 +47,8 @@ class OpRegistry:
         def deco(handler: Handler) -> Handler:
             for o in overloads:
                 self.aten[o] = handler
-            from .dispatch import clear_routes
-
-            clear_routes()
+            for listener in self._listeners:
+                listener()
             return handler
 
         return deco

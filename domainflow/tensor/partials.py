@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
-from .placements import Partial
-from .redistribute import grad_spec
-from .shard_tensor import ShardTensor
+from domainflow import comm
+from domainflow.layout.placements import Partial
+from domainflow.tensor.redistribute import grad_spec
+from domainflow.tensor.shard_tensor import ShardTensor
 
 
 class _ReduceTogether(torch.autograd.Function):

@@ -8,8 +8,8 @@ import sys
 
 
 def _selfcheck(args) -> int:
-    from .launch import launch_local, under_launcher
-    from .selfcheck import rank_main, report
+    from domainflow.app.launch import launch_local, under_launcher
+    from domainflow.app.selfcheck import rank_main, report
 
     call = (args.points, args.steps, args.lr, args.split, args.out)
     if under_launcher():
@@ -20,15 +20,15 @@ def _selfcheck(args) -> int:
 
 
 def _demo(args) -> int:
-    from .train.demo import run_demo
+    from domainflow.train.demo import run_demo
 
     run_demo(args.out, climate=args.climate, tiny=args.tiny, nproc=args.nproc, fresh=args.fresh)
     return 0
 
 
 def _train(args) -> int:
-    from .train.config import load_config
-    from .train.run import run_training
+    from domainflow.train.config import load_config
+    from domainflow.train.run import run_training
 
     overrides = list(args.overrides)
     if args.config is not None and "=" in args.config:  # no config file, only overrides
@@ -52,8 +52,8 @@ def _train(args) -> int:
 
 
 def _predict(args) -> int:
-    from .launch import launch_local, under_launcher
-    from .train.predict import predict_config, predict_main
+    from domainflow.app.launch import launch_local, under_launcher
+    from domainflow.train.predict import predict_config, predict_main
 
     call = (args.checkpoint, args.store, args.run, args.out, args.domain)
     if args.domain == 1 or under_launcher():
@@ -75,14 +75,14 @@ def _floats(text: str, n: int, what: str) -> tuple[float, ...]:
 
 def _synth(args) -> int:
     if args.kind == "drivaerml":
-        from .preprocess.synth_drivaerml import synth_drivaerml
+        from domainflow.preprocess.synth_drivaerml import synth_drivaerml
 
         paths = synth_drivaerml(args.out, runs=args.runs, cells=args.cells, seed=args.seed,
                                 volume_cells=args.volume_cells, volume_pieces=args.volume_pieces,
                                 first_run=args.first_run, progress=not args.quiet)
         print(f"wrote {len(paths)} DrivaerML-layout runs under {args.out}")
     else:
-        from .preprocess.synth_climate import synth_climate
+        from domainflow.preprocess.synth_climate import synth_climate
 
         path = synth_climate(args.out, grid=tuple(args.grid), steps=args.steps, seed=args.seed,
                              dt_hours=args.dt_hours, time_chunk=args.time_chunk, overwrite=args.overwrite,
@@ -96,8 +96,8 @@ def _ingest(args) -> int:
                   scheduler=args.scheduler, overwrite=args.overwrite, progress=not args.quiet,
                   chunk_bytes=args.chunk_bytes)
     if args.kind == "drivaerml":
-        from .preprocess.ingest_mesh import MeshOptions, ingest_drivaerml
-        from .preprocess.reference import Reference
+        from domainflow.preprocess.ingest_mesh import MeshOptions, ingest_drivaerml
+        from domainflow.preprocess.reference import Reference
 
         ref = Reference(u_inf=args.u_inf, rho_inf=args.rho_inf, p_inf=args.p_inf, l_ref=args.l_ref)
         locations = tuple(x for x in args.locations.split(",") if x)
@@ -105,8 +105,8 @@ def _ingest(args) -> int:
                            volume_points=args.volume_points, seed=args.seed, on_error=args.on_error, **common)
         report = ingest_drivaerml(args.raw, args.store, opts)
     else:
-        from .preprocess.errors import IngestError
-        from .preprocess.ingest_grid import GridOptions, ingest_climate
+        from domainflow.preprocess.errors import IngestError
+        from domainflow.preprocess.ingest_grid import GridOptions, ingest_climate
 
         if args.on_error != "stop":
             raise IngestError("--on-error skip is for mesh runs; a skipped time block would leave a hole in the "
@@ -119,7 +119,7 @@ def _ingest(args) -> int:
 
 
 def _inspect(args) -> int:
-    from .preprocess.inspect_store import describe
+    from domainflow.preprocess.inspect_store import describe
 
     print(describe(args.store, domains=tuple(args.domain)))
     return 0
@@ -149,7 +149,7 @@ def _add_synth(sub):
 
 
 def _add_ingest(sub):
-    from .preprocess.reference import DRIVAERML
+    from domainflow.preprocess.reference import DRIVAERML
 
     ingest = sub.add_parser("ingest", help="raw files -> a spatially partitioned Zarr store (resumable)")
     kinds = ingest.add_subparsers(dest="kind", required=True)
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
             print("interrupted", file=sys.stderr)
         return 130
     except (ValueError, RuntimeError, OSError) as exc:
-        from .preprocess.errors import IngestError, RunError
+        from domainflow.preprocess.errors import IngestError, RunError
 
         if args.command == "selfcheck" and not isinstance(exc, IngestError):
             raise

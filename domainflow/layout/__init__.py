@@ -1,0 +1,1 @@
+"""Layouts without communication: placements, ``ShardSpec``, per-rank shape arithmetic, device meshes."""
