@@ -146,6 +146,7 @@ def _rank(over: list[str], total_steps: int, warmup: int, threads: int) -> dict:
     import torch
     import torch.distributed as dist
 
+    from domainflow import comm
     from domainflow.preprocess.parallel import peak_memory, reset_peak_memory
     from domainflow.train import Trainer, load_config
 
@@ -173,6 +174,7 @@ def _rank(over: list[str], total_steps: int, warmup: int, threads: int) -> dict:
         t0 = time.perf_counter()
         _, samples, waited = next(stream)
         t1 = time.perf_counter()
+        comm.stats.reset()
         if k == 0:
             with saved.hooks():
                 log = trainer.train_step(samples)
@@ -184,7 +186,7 @@ def _rank(over: list[str], total_steps: int, warmup: int, threads: int) -> dict:
         steps.append({"step_s": t2 - t0, "data_s": t1 - t0, "waited_s": waited, "loss": log.loss,
                       "run": [s["run"] for _, s in samples], "rows": rows,
                       "minflt": r1.ru_minflt - r0.ru_minflt, "sys_s": r1.ru_stime - r0.ru_stime,
-                      "user_s": r1.ru_utime - r0.ru_utime})
+                      "user_s": r1.ru_utime - r0.ru_utime, "calls": dict(comm.stats.calls)})
         del samples, log
     if window:
         window = {"wall_s": time.perf_counter() - window["t"], "cpu_s": time.process_time() - window["cpu"],
@@ -216,7 +218,7 @@ def run_case(store: Path, world: int, steps: int, warmup: int, args, label: str,
             "first_loss": ranks[0]["first_loss"], "max_saved_bytes": max(r["saved_bytes"] for r in ranks),
             "max_peak_above_base": max(r["peak_above_base"] for r in ranks),
             "max_peak_rss": max(r["peak_rss"] for r in ranks), "rows": [r["rows"] for r in ranks],
-            "per_rank": ranks}
+            "per_rank": ranks, "collectives_per_step": ranks[0]["steps"][-1]["calls"]}
     if slowest:
         case["best_s"], case["median_s"] = min(slowest), statistics.median(slowest)
         case["samples_per_s"] = 1.0 / case["best_s"]
@@ -365,7 +367,8 @@ def main() -> None:
         print(f"  W={c['world']}: first-step loss {c['first_loss']:.7f} (rel err {c['loss_rel_err']:.1e}); "
               f"saved {c['saved_bytes_per_cell']:.0f} B/cell; page faults/step {c['minflt_per_step']:.0f}, "
               f"kernel {c['sys_s_per_step']:.2f} s/step; prefetch wait {100 * c['waited_fraction']:.2f}%; "
-              f"ranks used {c['ranks_cpu_cores']:.2f} cores")
+              f"ranks used {c['ranks_cpu_cores']:.2f} cores; collectives in a step (rank 0): "
+              + (", ".join(f"{k} {v}" for k, v in sorted(c["collectives_per_step"].items())) or "none"))
     print(f"Largest surface within W=1's per-rank memory at {n_cells} cells (linear in the rank's cells):")
     for c in cases:
         peak = f"{c['largest_cells_peak']}" if c["largest_cells_peak"] else "-"

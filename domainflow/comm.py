@@ -878,3 +878,22 @@ def route_to_owners(values: torch.Tensor, plan: IndexPlan) -> torch.Tensor:
     return all_to_all_autograd(per_key, 0, plan.asked, 0, [(c, *row) for c in plan.serve_counts],
                                plan.mesh, plan.mesh_dim)
 
+
+class _SumToReplicated(torch.autograd.Function):
+    """All-reduce sum whose result is a replicated output (every rank holds the same value and receives
+    the same, full gradient for it): the backward passes that gradient through unchanged. (For a sum that
+    each rank then uses with its own rows, as in softmax, the gradients are partial and must be summed:
+    :func:`all_reduce_sum_autograd`.)"""
+
+    @staticmethod
+    def forward(ctx, t, mesh, mesh_dim):
+        return all_reduce(t.contiguous(), "sum", mesh, mesh_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def all_reduce_to_replicated(t: torch.Tensor, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+    """Differentiable sum over ``mesh_dim`` of a value every rank then holds whole (see _SumToReplicated)."""
+    return _SumToReplicated.apply(t, mesh, mesh_dim)

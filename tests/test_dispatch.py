@@ -497,3 +497,63 @@ def test_losses_and_dropout(dist, world, mesh_shape):
     """Elementwise losses reduce exactly over all points (mean over the global count); their
     gradients stay sharded; dropout keeps the layout."""
     assert all(dist.run(world, _losses, mesh_shape, 70 + world))
+
+
+
+class _NormedMLP(torch.nn.Module):
+    """LayerNorm and a learned temperature (plain parameters used in pointwise/aten ops) around Linears."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(3, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.temperature = torch.nn.Parameter(torch.tensor(0.7))
+        self.shift = torch.nn.Parameter(torch.linspace(-0.2, 0.3, 8))
+        self.out = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.norm(self.inp(x))
+        h = torch.nn.functional.gelu(h / self.temperature + self.shift)
+        return self.out(h)
+
+
+def _plain_param_grads_step(deferred: bool):
+    from domainflow import comm
+
+    rank, world = rank_and_world()
+    mesh = df.init_mesh((world,), ("domain",))
+    torch.manual_seed(0)
+    model = _NormedMLP().double()
+    ref = _NormedMLP().double()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(37, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    sizes = {1: [37], 2: [0, 37], 3: [5, 0, 32], 4: [10, 9, 9, 9]}[world]
+    st = df.distribute_tensor(x, mesh, [Shard(0)], sharding_shapes={0: sizes})
+    counts = []
+    for _ in range(2):  # the second step accumulates into existing .grad
+        loss = (model(st) ** 2).mean()
+        comm.stats.reset()
+        if deferred:
+            with df.deferred_param_grads():
+                loss.backward()
+        else:
+            loss.backward()
+        counts.append(comm.stats.calls.get("all_reduce", 0))
+        (ref(x) ** 2).mean().backward()
+    worst = max(float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
+    plain = all(type(p.grad) is torch.Tensor for p in model.parameters())
+    return counts, worst, plain
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_deferred_param_grads_sum_every_plain_parameter_in_one_all_reduce(dist, world):
+    """Under deferred_param_grads, LayerNorm's weight and bias and parameters used in pointwise ops
+    (a temperature, a shift) join the Linear layers' partial gradients in one coalesced all-reduce per
+    backward, instead of one each; the gradients equal one device's, as plain tensors."""
+    for deferred, expected in ((True, 1), (False, None)):
+        for counts, worst, plain in dist.run(world, _plain_param_grads_step, deferred):
+            assert worst < 1e-12 and plain, (worst, plain)
+            if expected is not None:
+                assert counts == [expected, expected], counts
+            else:
+                assert all(c >= 5 for c in counts), counts  # one per layer and per plain parameter

@@ -314,3 +314,24 @@ def test_init_mesh_errors_and_chunk_layout(dist):
         assert "needs 3 ranks but the job has 2" in out["size"] and "torchrun" in out["size"]
         assert "names" in out["names"]
         assert out["chunk_sizes_ok"]
+
+
+def _distribute_copies():
+    rank, world = rank_and_world()
+    mesh = df.init_mesh((world,), ("domain",))
+    full = torch.arange(12.0).reshape(6, 2)
+    before = full.clone()
+    shard = df.distribute_tensor(full, mesh, [Shard(0)])
+    rep = df.distribute_tensor(full, mesh, [df.Replicate()])
+    shard._local.add_(100.0)
+    rep._local.mul_(-1.0)
+    with torch.no_grad():
+        shard.add_(1.0)
+    return torch.equal(full, before), shard._local.is_contiguous()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_distribute_tensor_shards_are_copies(dist, world):
+    """Like DTensor: writing into a shard (or a replicated copy) leaves the caller's tensor as it was."""
+    for unchanged, contiguous in dist.run(world, _distribute_copies):
+        assert unchanged and contiguous

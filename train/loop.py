@@ -180,9 +180,11 @@ class Trainer:
         for total, sample in samples:
             mse, _ = self._forward_loss(sample)
             w = sample["weight"]
-            loss = mse * (w / max(total, 1))
+            # d(mse * w/total): backward from mse itself with that seed, so mse is the pending sum that rides
+            # on the backward pass's first all-reduce and reading its value below needs no collective
+            seed = torch.ones_like(mse) * (w / max(total, 1))
             with df.deferred_param_grads():
-                loss.backward()
+                mse.backward(seed)
             value = float(_value(mse))
             if not math.isfinite(value):
                 bad = True

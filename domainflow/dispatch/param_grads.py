@@ -17,18 +17,38 @@ import threading
 
 import torch
 
-_state = threading.local()
+class _State:
+    """Process-wide, not per thread: on accelerators autograd runs backward functions and hooks on its own
+    device threads, which must see the mode and queues that the thread calling ``backward()`` set up."""
+
+    def __init__(self):
+        self.on = False
+        self.queues: dict = {}  # graph task id -> {(mesh, mesh dims): (mesh, {id(param): (param, grad)})}
+        self.lock = threading.Lock()
+
+
+_state = _State()
 
 
 @contextlib.contextmanager
 def deferred_param_grads():
     """Sum replicated parameters' partial gradients once per backward, for all layers together."""
-    previous = getattr(_state, "on", False)
+    previous = _state.on
     _state.on = True
     try:
         yield
     finally:
         _state.on = previous
+
+
+def deferring() -> bool:
+    """True inside ``deferred_param_grads()``."""
+    return _state.on
+
+
+def defer_grad(param, partial_grad, mesh, mesh_dims) -> None:
+    """Queue a leaf's partial gradient for the end-of-backward sum over ``mesh_dims`` (added to ``.grad``)."""
+    _queue(mesh, tuple(mesh_dims), [(param, partial_grad)])
 
 
 def reduce_param_grads(params, grads, mesh, mesh_dims):
@@ -39,7 +59,7 @@ def reduce_param_grads(params, grads, mesh, mesh_dims):
     idx = [k for k, (p, g) in enumerate(zip(params, grads)) if p is not None and g is not None]
     if not idx or not mesh_dims:
         return list(grads)
-    if getattr(_state, "on", False):
+    if _state.on:
         leaves = [k for k in idx if params[k].is_leaf]  # a derived weight's gradient must flow on: sum it now
         _queue(mesh, tuple(mesh_dims), [(params[k], grads[k]) for k in leaves])
         out = list(grads)
@@ -62,28 +82,27 @@ def _queue(mesh, mesh_dims, pairs):
     # one queue per running backward (graph task): a checkpointed block's recomputation may run its
     # backward as a task of its own, whose end flushes what it queued
     task = torch._C._current_graph_task_id()
-    queues = getattr(_state, "queues", None)
-    if queues is None:
-        queues = _state.queues = {}
-    pending = queues.get(task)
-    if pending is None:
-        pending = queues[task] = {}
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _flush(task))
-    # by value: equal meshes are one group (cached layouts may carry an equal mesh made earlier)
-    group = pending.setdefault((mesh, mesh_dims), (mesh, {}))[1]
-    for p, g in pairs:  # insertion order is the backward order: the same on every rank
-        key = id(p)
-        if key in group:
-            group[key] = (p, group[key][1] + g)
-        else:
-            group[key] = (p, g)
+    with _state.lock:
+        pending = _state.queues.get(task)
+        if pending is None:
+            pending = _state.queues[task] = {}
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _flush(task))
+        # by value: equal meshes are one group (cached layouts may carry an equal mesh made earlier)
+        group = pending.setdefault((mesh, mesh_dims), (mesh, {}))[1]
+        for p, g in pairs:  # insertion order is the backward order: the same on every rank
+            key = id(p)
+            if key in group:
+                group[key] = (p, group[key][1] + g)
+            else:
+                group[key] = (p, g)
 
 
 def _flush(task):
     """End of backward: one coalesced all-reduce per (mesh, mesh dim) for every queued gradient."""
     from domainflow import comm
 
-    pending = getattr(_state, "queues", {}).pop(task, None)
+    with _state.lock:
+        pending = _state.queues.pop(task, None)
     if not pending:
         return
     for (_, mesh_dims), (mesh, group) in pending.items():

@@ -19,7 +19,15 @@ class OpRegistry:
     def __init__(self):
         self.functions: dict[object, Handler] = {}
         self.aten: dict[torch._ops.OpOverload, Handler] = {}
+        self.pointwise: Handler | None = None  # the rule for ops tagged pointwise (ops/pointwise.py)
         self._listeners: list[Callable[[], None]] = []
+
+    def register_pointwise(self, handler: Handler) -> Handler:
+        """Install the rule the engine applies to aten ops tagged pointwise that have no handler of their own."""
+        self.pointwise = handler
+        for listener in self._listeners:
+            listener()
+        return handler
 
     def on_change(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` whenever an aten handler is registered (the engine forgets its cached routes)."""

@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from domainflow import comm
-from domainflow.dispatch.engine import bind, run_function_default
+from domainflow.dispatch.toolkit import bind, run_function_default
 from domainflow.layout.placements import Replicate, Shard
 from domainflow.dispatch.registry import register_function
 from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
-from domainflow.ops.windows import _without_partial, like
+from domainflow.dispatch.toolkit import without_partial, like
 
 
 def _norm_dim(d: int, ndim: int) -> int:
@@ -36,21 +36,6 @@ def _global_max(local: torch.Tensor, dims, spec, mesh_dims) -> torch.Tensor:
         return torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
 
 
-class _SumToReplicated(torch.autograd.Function):
-    """All-reduce sum whose result is a replicated output (every rank holds the same value and receives
-    the same, full gradient for it): the backward passes that gradient through unchanged. (For a sum that
-    each rank then uses with its own rows, as in softmax, the gradients are partial and must be summed:
-    ``comm.all_reduce_sum_autograd``.)"""
-
-    @staticmethod
-    def forward(ctx, t, mesh, mesh_dim):
-        return comm.all_reduce(t.contiguous(), "sum", mesh, mesh_dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
 def _softmax_like(log: bool):
     def handler(func, args, kwargs):
         a = bind(args, kwargs, ("self", "dim", "_stacklevel", "dtype"), _stacklevel=3, dtype=None)
@@ -61,7 +46,7 @@ def _softmax_like(log: bool):
         m = x._spec.mesh_dim_of(d)
         if m is None:
             return run_function_default(func, args, kwargs)
-        x = _without_partial(x)
+        x = without_partial(x)
         spec = x._spec
         local = x.to_local()
         if a["dtype"] is not None:
@@ -84,13 +69,13 @@ def _logsumexp(func, args, kwargs):
     mesh_dims = [m for m in (x._spec.mesh_dim_of(d) for d in dims) if m is not None]
     if not mesh_dims:
         return run_function_default(func, args, kwargs)
-    x = _without_partial(x)
+    x = without_partial(x)
     spec = x._spec
     local = x.to_local()
     mx = _global_max(local, dims, spec, mesh_dims)
     total = (local - mx).exp().sum(dims, keepdim=True)
     for m in mesh_dims:
-        total = _SumToReplicated.apply(total, spec.mesh, m)
+        total = comm.all_reduce_to_replicated(total, spec.mesh, m)
     y = mx + total.log()
     placements, mapping = [], {}
     for k, p in enumerate(spec.placements):
@@ -114,7 +99,7 @@ def _roll(func, args, kwargs):
     dims = (a["dims"],) if isinstance(a["dims"], int) else tuple(a["dims"])
     if len(shifts) != len(dims) or not any(x._spec.mesh_dim_of(_norm_dim(d, x.ndim)) is not None for d in dims):
         return run_function_default(func, args, kwargs)
-    x = _without_partial(x)
+    x = without_partial(x)
     spec = x._spec
     local = x.to_local()
     for shift, d in zip(shifts, dims):

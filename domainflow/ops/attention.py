@@ -22,12 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from domainflow import comm
-from domainflow.dispatch.engine import _unsupported_or_fallback, bind, run_function_default, run_replicated, shard_tensors
+from domainflow.dispatch.toolkit import unsupported_or_fallback, bind, run_function_default, run_replicated, shard_tensors
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_aten, register_function
 from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
-from domainflow.ops.along_sharded import _SumToReplicated
-from domainflow.ops.windows import _params_for, _without_partial, like
+from domainflow.dispatch.toolkit import params_for, without_partial, like
 
 
 def _ring_exchange(tensors, recv_shapes, mesh, m):
@@ -241,7 +240,7 @@ def _flash_cpu(func, args, kwargs):
         return run_replicated(func, args, kwargs, sts)  # nothing sharded (e.g. attention among slice tokens)
     m = _ring_specs(q, k, v) if all(isinstance(t, ShardTensor) for t in (q, k, v)) else None
     if m is None or a["dropout_p"] or a["attn_mask"] is not None:
-        return _unsupported_or_fallback(func, args, kwargs, "scaled dot product attention needs query, key and "
+        return unsupported_or_fallback(func, args, kwargs, "scaled dot product attention needs query, key and "
                                         "value sharded alike on the sequence dim, no dropout and no mask here")
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
     spec = q._spec
@@ -272,7 +271,7 @@ def _flash_cpu_backward(func, args, kwargs):
         return tuple(ShardTensor(o, g._spec.with_(shape=tuple(o.shape))) for o in outs)
     m = _ring_specs(q, k, v)
     if m is None:
-        return _unsupported_or_fallback(func, args, kwargs, "attention backward with mixed layouts")
+        return unsupported_or_fallback(func, args, kwargs, "attention backward with mixed layouts")
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
     spec = q._spec
     g = a["grad_out"]
@@ -309,28 +308,28 @@ def _sdpa(func, args, kwargs):
     if isinstance(mask, ShardTensor):
         mask = _replicated_local(mask, mask._spec.mesh)
     if mask is not None and mask.requires_grad:
-        return _unsupported_or_fallback(func, args, kwargs, "a differentiable attn_mask with a sharded sequence dim")
+        return unsupported_or_fallback(func, args, kwargs, "a differentiable attn_mask with a sharded sequence dim")
     if a["dropout_p"]:
-        return _unsupported_or_fallback(func, args, kwargs, "attention dropout with a sharded sequence dim")
+        return unsupported_or_fallback(func, args, kwargs, "attention dropout with a sharded sequence dim")
     groups = q.shape[-3] // k.shape[-3] if a["enable_gqa"] else 1
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
     causal = bool(a["is_causal"])
     if mq is not None and mk is not None:
         if mk != mq or mv != mq:
-            return _unsupported_or_fallback(func, args, kwargs, "query, key and value sharded over different mesh dims")
-        q, k, v = (_without_partial(t) for t in (q, k, v))
+            return unsupported_or_fallback(func, args, kwargs, "query, key and value sharded over different mesh dims")
+        q, k, v = (without_partial(t) for t in (q, k, v))
         spec = q._spec
         if any(t._spec.placements != spec.placements for t in (k, v)):
-            return _unsupported_or_fallback(func, args, kwargs, "query, key and value laid out differently")
+            return unsupported_or_fallback(func, args, kwargs, "query, key and value laid out differently")
         out = _RingAttention.apply(q.to_local(), k.to_local(), v.to_local(), spec.sizes[mq], k._spec.sizes[mq],
                                    spec.mesh, mq, causal, scale, groups, mask)
         return like(spec.with_(shape=tuple(spec.shape[:-1]) + (out.shape[-1],)), out)
     if mq is not None:  # replicated K/V: local attention, K/V gradients summed over the ranks
-        q = _without_partial(q)
+        q = without_partial(q)
         spec = q._spec
         k_full = _replicated_local(k, spec.mesh)
         v_full = _replicated_local(v, spec.mesh)
-        k_full, v_full = _params_for(spec.mesh, [mq], k_full, v_full)
+        k_full, v_full = params_for(spec.mesh, [mq], k_full, v_full)
         q0 = sum(spec.sizes[mq][:spec.coord[mq]])
         ql = q.to_local()
         if causal or mask is not None:
@@ -341,12 +340,12 @@ def _sdpa(func, args, kwargs):
         return like(spec.with_(shape=tuple(spec.shape[:-1]) + (out.shape[-1],)), out)
     # replicated queries, sharded K/V: partial attention per rank, combined by log-sum-exp weights
     if causal or mask is not None:
-        return _unsupported_or_fallback(func, args, kwargs, "is_causal or attn_mask with replicated queries and "
+        return unsupported_or_fallback(func, args, kwargs, "is_causal or attn_mask with replicated queries and "
                                         "sharded keys")
-    k, v = _without_partial(k), _without_partial(v)
+    k, v = without_partial(k), without_partial(v)
     spec = k._spec
     ql = _replicated_local(q, spec.mesh)
-    (ql,) = _params_for(spec.mesh, [mk], ql)
+    (ql,) = params_for(spec.mesh, [mk], ql)
     kl, vl = k.to_local(), v.to_local()
     s = (ql @ _expand(kl, groups).transpose(-2, -1)) * scale
     with torch.no_grad():
@@ -354,8 +353,8 @@ def _sdpa(func, args, kwargs):
         big = comm.all_reduce(local_max.contiguous(), "max", spec.mesh, mk)
         big = torch.where(torch.isfinite(big), big, torch.zeros_like(big))
     p = torch.exp(s - big)
-    num = _SumToReplicated.apply(p @ _expand(vl, groups), spec.mesh, mk)
-    den = _SumToReplicated.apply(p.sum(-1, keepdim=True), spec.mesh, mk)
+    num = comm.all_reduce_to_replicated(p @ _expand(vl, groups), spec.mesh, mk)
+    den = comm.all_reduce_to_replicated(p.sum(-1, keepdim=True), spec.mesh, mk)
     out = num / den
     placements = [Replicate() if k_ == mk else p_ for k_, p_ in enumerate(spec.placements)]
     return derived_from_local(out, spec.mesh, placements,

@@ -4,11 +4,13 @@ chunks (rule 2: no communication); along a sharded dim they need a dedicated han
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from domainflow.layout import shapes
 from domainflow.dispatch.fallback import fallback as _fallback_mode
-from domainflow.dispatch.engine import (_unsupported_or_fallback, common_mesh, local_as, relayout, shard_tensors, to_spec,
+from domainflow.dispatch.toolkit import (unsupported_or_fallback, common_mesh, local_as, relayout, shard_tensors, to_spec,
                         warn_relayout)
 from domainflow.layout.spec import mesh_shape
 from domainflow.layout.placements import Partial, Replicate, Shard
@@ -55,10 +57,20 @@ def _dims_of(func, args, kwargs, ndim):
 
 
 def _no_partial(spec: ShardSpec) -> ShardSpec:
+    if not spec.has_partial:
+        return spec
     return spec.with_(placements=tuple(_R if isinstance(p, Partial) else p for p in spec.placements))
 
 
+@functools.lru_cache(maxsize=4096)
+def _reshaped(spec: ShardSpec, shape: tuple) -> ShardSpec:
+    """``spec`` with another global shape (the sharded dims keep their sizes), cached."""
+    return spec.with_(shape=shape)
+
+
+@functools.lru_cache(maxsize=4096)
 def _global_spec(spec: ShardSpec, local_shape) -> ShardSpec:
+    """The layout of an op's result whose local shape is ``local_shape`` (cached per layout and shape)."""
     shape = [spec.shape[d] if spec.mesh_dim_of(d) is not None else n for d, n in enumerate(local_shape)]
     return spec.with_(shape=shape)
 
@@ -95,7 +107,7 @@ def dim_local(func, args, kwargs):
     else:
         ref = layout_avoiding(_no_partial(sts[0]._spec), set(dims), tuple(sts[0].shape))
         if _fallback_mode.current() == "gather" or ref is None:
-            return _unsupported_or_fallback(func, args, kwargs, f"it works along dim(s) {dims}, which are sharded")
+            return unsupported_or_fallback(func, args, kwargs, f"it works along dim(s) {dims}, which are sharded")
         warn_relayout(func, f"moved the shard off dim(s) {dims}, which the op works along")
     if len(usable) != len(sts) and usable:
         warn_relayout(func, "laid an operand sharded along the op's dim out like the others")
@@ -122,14 +134,13 @@ def layer_norm(func, args, kwargs):
     spec = _no_partial(x._spec)
     axis = x.ndim - len(normalized_shape)
     if any(spec.mesh_dim_of(d) is not None for d in range(axis, x.ndim)):
-        return _unsupported_or_fallback(func, args, kwargs, "it normalises over a sharded dim")
+        return unsupported_or_fallback(func, args, kwargs, "it normalises over a sharded dim")
     lx = to_spec(x, spec)
     lw = weight._local if isinstance(weight, ShardTensor) else weight
     lb = bias._local if isinstance(bias, ShardTensor) else bias
     out, mean, rstd = func(lx, normalized_shape, lw, lb, eps)
-    stat_shape = list(spec.shape[:axis]) + [1] * len(normalized_shape)
-    return (ShardTensor(out, spec), ShardTensor(mean, spec.with_(shape=stat_shape)),
-            ShardTensor(rstd, spec.with_(shape=stat_shape)))
+    stat_spec = _reshaped(spec, tuple(spec.shape[:axis]) + (1,) * len(normalized_shape))
+    return ShardTensor(out, spec), ShardTensor(mean, stat_spec), ShardTensor(rstd, stat_spec)
 
 
 @register_aten(aten.native_layer_norm_backward.default)
@@ -142,7 +153,7 @@ def layer_norm_backward(func, args, kwargs):
     if any(spec.mesh_dim_of(d) is not None for d in range(axis, len(spec.shape))):
         spec = layout_avoiding(spec, set(range(axis, len(spec.shape))), tuple(spec.shape))
         if spec is None:
-            return _unsupported_or_fallback(func, args, kwargs, "it normalises over a sharded dim")
+            return unsupported_or_fallback(func, args, kwargs, "it normalises over a sharded dim")
     lg, lx = local_as(grad, spec), local_as(x, spec)
     stat_spec = spec.with_(shape=list(mean.shape))
     lm, lr = local_as(mean, stat_spec), local_as(rstd, stat_spec)
@@ -185,17 +196,17 @@ def index_along_unsharded_dim(func, args, kwargs):
     sts = [args[i] for i in pos if isinstance(args[i], ShardTensor)]
     others = [a for i, a in enumerate(args) if i not in pos and isinstance(a, ShardTensor)]
     if not sts or any(not o._spec.is_replicated for o in others):
-        return _unsupported_or_fallback(func, args, kwargs, "the index operand is sharded")
+        return unsupported_or_fallback(func, args, kwargs, "the index operand is sharded")
     common_mesh(sts + others, func)  # operands on one mesh, or a clear error
     dim = args[1] % args[0].ndim
     sharded = [s for s in sts if not _no_partial(s._spec).is_replicated]
     ref = _no_partial((sharded or sts)[0]._spec)
     if ref.mesh_dim_of(dim) is not None:
-        return _unsupported_or_fallback(func, args, kwargs, f"it indexes along dim {dim}, which is sharded")
+        return unsupported_or_fallback(func, args, kwargs, f"it indexes along dim {dim}, which is sharded")
     for i in pos:
         a = args[i]
         if any(a.shape[d] != ref.shape[d] for d in range(a.ndim) if d != dim and ref.mesh_dim_of(d) is not None):
-            return _unsupported_or_fallback(func, args, kwargs, "operands differ in size along a sharded dim")
+            return unsupported_or_fallback(func, args, kwargs, "operands differ in size along a sharded dim")
     local_args = list(args)
     for i in pos:
         a = args[i]
@@ -215,5 +226,5 @@ def index_along_unsharded_dim(func, args, kwargs):
                 # laid out like the sharded operands (a view of the old chunk, so no copy)
                 relayout(self_, local_args[0], out_spec)
             return self_
-        return _unsupported_or_fallback(func, args, kwargs, "an in-place index op on a plain tensor")
+        return unsupported_or_fallback(func, args, kwargs, "an in-place index op on a plain tensor")
     return ShardTensor(out, out_spec)

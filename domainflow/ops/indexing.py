@@ -23,12 +23,12 @@ import math
 import torch
 
 from domainflow import comm
-from domainflow.dispatch.engine import _unsupported_or_fallback, bind, run_function_default
+from domainflow.dispatch.toolkit import unsupported_or_fallback, bind, run_function_default
 from domainflow.errors import ShardingMismatchError
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_function
 from domainflow.tensor.shard_tensor import ShardTensor, distribute_tensor, derived_from_local
-from domainflow.ops.windows import _params_for, _without_partial
+from domainflow.dispatch.toolkit import params_for, without_partial
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,7 +119,7 @@ def _sharded_dim(x, dim):
     d = dim % x.ndim
     if x._spec.mesh_dim_of(d) is None:
         return None
-    x = _without_partial(x)
+    x = without_partial(x)
     return x, d, x._spec.mesh_dim_of(d)
 
 
@@ -183,7 +183,7 @@ def _replicated_source(func, args, kwargs, x, index, dim):
     if isinstance(x, ShardTensor):
         x = x.to_local()
     mesh_dims = [k for k, p in enumerate(spec.placements) if isinstance(p, Shard)]
-    (x,) = _params_for(spec.mesh, mesh_dims, x)
+    (x,) = params_for(spec.mesh, mesh_dims, x)
     d = dim % x.ndim
     idx = index._local
     out = x.index_select(d, idx) if func is not _GETITEM else x[idx]
@@ -336,7 +336,7 @@ def _source_local(src, spec, m: int, src_dim: int, index_sizes, replicated: bool
     if not src_sharded:
         raise ShardingMismatchError(f"{what}: the index is sharded but the source is not; shard the source like the "
                                     f"index (one source row per index entry)")
-    src = _without_partial(src)
+    src = without_partial(src)
     p = src._spec.placements[m]
     if not (isinstance(p, Shard) and p.dim == src_dim) or list(src._spec.sizes[m]) != list(index_sizes):
         raise ShardingMismatchError(
@@ -377,7 +377,7 @@ def _scatter_to_replicated(kind, a, src):
             f"from a sharded source: only sums can stay pending across ranks. Make the destination sharded (e.g. "
             f"torch.zeros_like of a sharded tensor) or reduce with 'sum' and divide by counts")
     local_x = x.to_local() if isinstance(x, ShardTensor) else x
-    (local_x,) = _params_for(spec.mesh, mesh_dims, local_x)
+    (local_x,) = params_for(spec.mesh, mesh_dims, local_x)
     coord = spec.coord
     if any(coord[k] for k in mesh_dims):
         local_x = torch.zeros_like(local_x)
@@ -396,7 +396,7 @@ def _scatter_to_replicated(kind, a, src):
 def _finish(func, x, out, inplace):
     if inplace:
         if not isinstance(x, ShardTensor):
-            return _unsupported_or_fallback(func, (x,), {}, "an in-place scatter into a plain tensor from sharded "
+            return unsupported_or_fallback(func, (x,), {}, "an in-place scatter into a plain tensor from sharded "
                                                            "messages (use the out-of-place op)")
         x.copy_(out) if x._spec == out._spec else x.copy_(out.redistribute(x.placements))
         return x

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from domainflow import comm
-from domainflow.dispatch.engine import _unsupported_or_fallback, bind, run_function_default
+from domainflow.dispatch.toolkit import unsupported_or_fallback, bind, run_function_default
 from domainflow.layout.placements import Shard
 from domainflow.dispatch.registry import register_function
 from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
-from domainflow.ops.windows import _without_partial
+from domainflow.dispatch.toolkit import without_partial
 
 _MODES = {"nearest": 1, "nearest-exact": 1, "linear": 2, "bilinear": 2, "trilinear": 2, "bicubic": 4}
 _A = -0.75  # torch's cubic convolution coefficient
@@ -92,12 +92,12 @@ def _interpolate(func, args, kwargs):
     if mode not in _MODES or a["antialias"]:
         if not any(isinstance(p, Shard) and p.dim >= 2 for p in x._spec.placements):
             return run_function_default(func, args, kwargs)
-        return _unsupported_or_fallback(func, args, kwargs, f"interpolate mode {mode!r}"
+        return unsupported_or_fallback(func, args, kwargs, f"interpolate mode {mode!r}"
                                         + (" with antialias" if a["antialias"] else "") + " along a sharded dim")
-    x = _without_partial(x)
+    x = without_partial(x)
     spec = x._spec
     if any(isinstance(p, Shard) and p.dim == 1 for p in spec.placements):
-        return _unsupported_or_fallback(func, args, kwargs, "the channel dim is sharded")
+        return unsupported_or_fallback(func, args, kwargs, "the channel dim is sharded")
     in_sizes = list(x.shape[2:])
     if a["size"] is not None:
         size = a["size"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from domainflow.dispatch.engine import (_unsupported_or_fallback, common_mesh, local_as, replicate_local, replicated_spec,
+from domainflow.dispatch.toolkit import (unsupported_or_fallback, common_mesh, local_as, replicate_local, replicated_spec,
                         shard_tensors, to_spec)
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_aten
@@ -49,7 +49,7 @@ def elementwise_loss(func, args, kwargs):
     kwargs.pop("reduction", None)
     tensors = args[:n_t]
     if any(t is not None and t.shape != tensors[0].shape for t in tensors[1:2]):
-        return _unsupported_or_fallback(func, tuple(args), kwargs, "input and target shapes differ")
+        return unsupported_or_fallback(func, tuple(args), kwargs, "input and target shapes differ")
     spec = _ref_spec(func, [t for t in tensors])
     # weights of other shapes broadcast: slice them only where they are full along a sharded dim
     locs = [local_as(t, spec) for t in tensors[:2]] + [

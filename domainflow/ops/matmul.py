@@ -3,9 +3,11 @@ contracted dim gives a Partial(sum) result that is reduced only when needed."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from domainflow.dispatch.engine import _unsupported_or_fallback, common_mesh, shard_tensors
+from domainflow.dispatch.toolkit import unsupported_or_fallback, common_mesh, shard_tensors
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_aten, register_function
 from domainflow.tensor.shard_tensor import ShardTensor
@@ -18,7 +20,12 @@ _R = Replicate()
 def _spec_of(t, mesh) -> ShardSpec:
     if isinstance(t, ShardTensor):
         return t._spec
-    return ShardSpec(mesh, (_R,) * mesh.ndim, t.shape, (None,) * mesh.ndim)
+    return _replicated(mesh, t.shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _replicated(mesh, shape) -> ShardSpec:
+    return ShardSpec(mesh, (_R,) * mesh.ndim, shape, (None,) * mesh.ndim)
 
 
 def _local_in(t, spec: ShardSpec, dst: ShardSpec) -> torch.Tensor:
@@ -28,8 +35,10 @@ def _local_in(t, spec: ShardSpec, dst: ShardSpec) -> torch.Tensor:
     return local if spec == dst else redistribute_local(local, spec, dst)
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_contraction(a_spec: ShardSpec, b_spec: ShardSpec, nb: int):
-    """Layouts for ``a[*B, M, K] @ b[*B, K, N]`` (nb batch dims). Returns (a_dst, b_dst, out spec)."""
+    """Layouts for ``a[*B, M, K] @ b[*B, K, N]`` (nb batch dims). Returns (a_dst, b_dst, out spec); one
+    plan per (layouts, nb), cached (specs are immutable and hashed once)."""
     mesh = a_spec.mesh
     # dim indices: a's M at nb, a's K at nb+1; b's K at nb, b's N at nb+1
     M = nb
@@ -112,7 +121,7 @@ def _contract(func, a, b, nb, bias=None, beta=1, alpha=1):
         # bias laid out like the product (sliced locally), counted once for Partial results
         bias_spec = _spec_of(bias, mesh)
         if bias_spec.has_partial:
-            return _unsupported_or_fallback(func, (bias, a, b), {}, "Partial bias")
+            return unsupported_or_fallback(func, (bias, a, b), {}, "Partial bias")
         full_out = ShardSpec(mesh, [(_R if isinstance(p, Partial) else p) for p in out.placements], out.shape, out.sizes)
         b_local = _bias_local(bias, bias_spec, full_out)
         if _partial_rank_zero(out):
@@ -188,6 +197,14 @@ class _LocalLinear(torch.autograd.Function):
         local, weight = ctx.saved_tensors
         spec = ctx.spec
         out_spec = grad_spec(spec).with_(shape=tuple(spec.shape[:-1]) + (weight.shape[0],))
+        # a pending sum of gradients over a mesh dim the input is replicated on (e.g. tokens a contraction
+        # over the sharded points made) stays pending: every gradient here is linear in it, so the input's
+        # gradient stays Partial and the parameters' join their sum over the sharded dims
+        kept = _kept_partial_dims(grad, spec)
+        if kept:
+            out_spec = out_spec.with_(placements=tuple(grad._spec.placements[m] if m in kept else p
+                                                        for m, p in enumerate(out_spec.placements)),
+                                      sizes=tuple(None if m in kept else s for m, s in enumerate(out_spec.sizes)))
         g = _local_in(grad, grad._spec, out_spec) if isinstance(grad, ShardTensor) else grad
         # under autocast the forward ran in a lower precision: compute in the gradient's dtype, as torch's
         # own linear backward does, and hand each gradient back in its input's dtype
@@ -196,14 +213,26 @@ class _LocalLinear(torch.autograd.Function):
         g2, x2 = g.reshape(-1, g.shape[-1]), local.reshape(-1, local.shape[-1]).to(cd)
         gw = (g2.t() @ x2).to(weight.dtype)
         gb = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
-        mesh_dims = [m for m, p in enumerate(spec.placements) if isinstance(p, Shard)]
+        mesh_dims = [m for m, p in enumerate(spec.placements) if isinstance(p, Shard) or m in kept]
         # summed over the domain now, or once per backward for the whole model (deferred_param_grads)
         gw, gb = reduce_param_grads(ctx.params, (gw, gb), spec.mesh, mesh_dims)
-        return ShardTensor(gx, grad_spec(spec)), gw, gb
+        gx_spec = grad_spec(spec)
+        if kept:
+            gx_spec = gx_spec.with_(placements=tuple(grad._spec.placements[m] if m in kept else p
+                                                      for m, p in enumerate(gx_spec.placements)))
+        return ShardTensor(gx, gx_spec), gw, gb
+
+
+def _kept_partial_dims(grad, spec: ShardSpec) -> set:
+    """Mesh dims on which ``grad`` is a pending sum while the linear's input is replicated there."""
+    if not isinstance(grad, ShardTensor) or not grad._spec.has_partial:
+        return set()
+    return {m for m, p in enumerate(grad._spec.placements)
+            if isinstance(p, Partial) and p.reduce_op == "sum" and spec.placements[m] == _R}
 
 
 def _linear_function(func, args, kwargs):
-    from domainflow.dispatch.engine import bind, run_function_default
+    from domainflow.dispatch.toolkit import bind, run_function_default
 
     a = bind(args, kwargs, ("self", "weight", "bias"), bias=None)
     x, weight, bias = a["self"], a["weight"], a["bias"]

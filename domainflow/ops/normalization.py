@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from domainflow import comm
-from domainflow.dispatch.engine import _unsupported_or_fallback, bind, run_function_default
+from domainflow.dispatch.toolkit import unsupported_or_fallback, bind, run_function_default
 from domainflow.layout.placements import Shard
 from domainflow.dispatch.registry import register_function
 from domainflow.tensor.shard_tensor import ShardTensor
-from domainflow.ops.windows import _without_partial, like
+from domainflow.dispatch.toolkit import without_partial, like
 
 
 def _sharded_mesh_dims(spec, allowed_dims) -> tuple[list[int], str | None]:
@@ -144,10 +144,10 @@ def _prepare(func, args, kwargs, x, others):
     default or refusing path as ``(None, result, None)``."""
     if not isinstance(x, ShardTensor) or any(isinstance(t, ShardTensor) for t in others):
         return None, run_function_default(func, args, kwargs), None
-    x = _without_partial(x)
+    x = without_partial(x)
     mesh_dims, why = _sharded_mesh_dims(x._spec, {0} | set(range(2, x.ndim)))
     if why:
-        return None, _unsupported_or_fallback(func, args, kwargs, why), None
+        return None, unsupported_or_fallback(func, args, kwargs, why), None
     return x, x._spec, mesh_dims
 
 

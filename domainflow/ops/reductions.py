@@ -13,7 +13,7 @@ import torch
 
 from domainflow import comm
 from domainflow.layout import shapes
-from domainflow.dispatch.engine import bind, run_function_default, to_spec
+from domainflow.dispatch.toolkit import bind, run_function_default, to_spec
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_aten, register_function
 from domainflow.tensor.shard_tensor import ShardTensor, product_of_others

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from domainflow.layout import shapes
-from domainflow.dispatch.engine import common_mesh, local_as, pointwise, replicate_local, replicated_spec, shard_tensors, to_spec
+from domainflow.ops.pointwise import pointwise
+from domainflow.dispatch.toolkit import common_mesh, local_as, replicate_local, replicated_spec, shard_tensors, to_spec
 from domainflow.layout.placements import Partial, Replicate
 from domainflow.dispatch.registry import register_aten
 from domainflow.tensor.shard_tensor import ShardTensor
@@ -63,7 +64,7 @@ def fill_inplace(func, args, kwargs):
     rest = [replicate_local(a) if isinstance(a, ShardTensor) else a for a in args[1:]]
     func(x._local, *rest, **kwargs)
     if x._spec.has_partial:
-        from domainflow.dispatch.engine import relayout
+        from domainflow.dispatch.toolkit import relayout
 
         relayout(x, x._local, _no_partial(x._spec))
     return x

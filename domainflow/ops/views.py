@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 
+import functools
+
 import torch
 
 from domainflow import comm
 from domainflow.layout import shapes
-from domainflow.dispatch.engine import _unsupported_or_fallback, to_spec, warn_relayout
+from domainflow.dispatch.toolkit import unsupported_or_fallback, to_spec, warn_relayout
 from domainflow.errors import UnsupportedShardedOp
 from domainflow.layout.placements import Replicate, Shard
 from domainflow.dispatch.registry import REGISTRY, register_aten
@@ -54,7 +56,7 @@ def view(func, args, kwargs):
         elif isinstance(out, tuple):  # (gathered input, its spec): a size-1 sharded dim was replicated
             x, out = out
         else:
-            return _unsupported_or_fallback(func, args, kwargs, out)
+            return unsupported_or_fallback(func, args, kwargs, out)
     local = x._local
     if func is aten.view.default:
         res = local.view(out.local_shape)
@@ -136,12 +138,16 @@ def _view_layout(x: ShardTensor, size):
 
 @register_aten(aten.permute.default)
 def permute(func, args, kwargs):
-    x, dims = args[0], [d % max(args[0].ndim, 1) for d in args[1]]
-    spec = x._spec
+    x, dims = args[0], tuple(d % max(args[0].ndim, 1) for d in args[1])
+    return ShardTensor(x._local.permute(dims), _permuted(x._spec, dims))
+
+
+@functools.lru_cache(maxsize=4096)
+def _permuted(spec, dims):
+    """The layout after ``permute(dims)`` (cached per layout and dims: transposes repeat every step)."""
     inv = {d: i for i, d in enumerate(dims)}
     pl = [Shard(inv[p.dim]) if isinstance(p, Shard) else p for p in spec.placements]
-    out = _spec(spec, pl, [spec.shape[d] for d in dims], spec.sizes)
-    return ShardTensor(x._local.permute(dims), out)
+    return _spec(spec, pl, [spec.shape[d] for d in dims], spec.sizes)
 
 
 @register_aten(aten.transpose.int)
@@ -296,7 +302,7 @@ def strided(func, args, kwargs):
     if x._spec.is_replicated:
         out = func(x._local, *args[1:], **kwargs)
         return ShardTensor(out, _spec(x._spec, x._spec.placements, out.shape, x._spec.sizes))
-    return _unsupported_or_fallback(func, args, kwargs, f"{func} reinterprets memory, which a sharded tensor "
+    return unsupported_or_fallback(func, args, kwargs, f"{func} reinterprets memory, which a sharded tensor "
                                     f"does not have as one block")
 
 
@@ -400,7 +406,7 @@ def inplace_view(func, args, kwargs):
     shape is then updated in place (as torch does for wrapper subclasses)."""
     from torch.utils._python_dispatch import return_and_correct_aliasing
 
-    from domainflow.dispatch.engine import relayout
+    from domainflow.dispatch.toolkit import relayout
 
     x = args[0]
     out_of_place = _OUT_OF_PLACE[func]

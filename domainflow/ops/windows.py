@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from domainflow import comm
 from domainflow.layout import shapes
-from domainflow.dispatch.engine import _unsupported_or_fallback, bind, run_function_default
-from domainflow.layout.placements import Partial, Replicate, Shard
+from domainflow.dispatch.toolkit import bind, like, params_for, run_function_default, unsupported_or_fallback, without_partial
+from domainflow.layout.placements import Shard
 from domainflow.dispatch.registry import register_function
 from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
 
@@ -27,28 +27,6 @@ from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
 # --------------------------------------------------------------------------------------------
 # shared pieces
 # --------------------------------------------------------------------------------------------
-class _SumGradsOver(torch.autograd.Function):
-    """Identity on replicated parameters; backward sums their (per-rank partial) gradients over the given
-    mesh dims (``domainflow.dispatch.param_grads``: now, or once per backward for all layers)."""
-
-    @staticmethod
-    def forward(ctx, mesh, mesh_dims, *params):
-        ctx.mesh, ctx.mesh_dims, ctx.params = mesh, mesh_dims, params
-        return tuple(p.view_as(p) if p is not None else None for p in params)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        from domainflow.dispatch.param_grads import reduce_param_grads
-
-        return (None, None, *reduce_param_grads(ctx.params, grads, ctx.mesh, ctx.mesh_dims))
-
-
-def _params_for(mesh, mesh_dims, *params):
-    """Route plain parameters through the gradient sum (only those that need gradients)."""
-    need = any(p is not None and p.requires_grad for p in params)
-    if not need or not mesh_dims or not torch.is_grad_enabled():
-        return params
-    return _SumGradsOver.apply(mesh, tuple(mesh_dims), *params)
 
 
 def _tuple(v, n: int, name: str) -> tuple[int, ...]:
@@ -60,18 +38,6 @@ def _tuple(v, n: int, name: str) -> tuple[int, ...]:
     if len(v) != n:
         raise ValueError(f"{name} must have {n} entries, got {v}")
     return v
-
-
-def like(spec, local: torch.Tensor) -> ShardTensor:
-    """``local`` wrapped with ``spec``'s placements and per-rank sizes (differentiable; no communication)."""
-    mapping = {m: list(s) for m, s in enumerate(spec.sizes) if s is not None}
-    return derived_from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
-
-
-def _without_partial(x: ShardTensor) -> ShardTensor:
-    if x._spec.has_partial:
-        return x.redistribute([Replicate() if isinstance(p, Partial) else p for p in x._spec.placements])
-    return x
 
 
 def _sharded_spatial(x: ShardTensor, first_spatial: int, op, args, kwargs):
@@ -170,10 +136,10 @@ def sharded_conv(func, x: ShardTensor, weight, bias, stride, pads, dilation, gro
     ``pads[i] = (before, after)`` per spatial dim (asymmetric and negative allowed: conv_transpose uses it)."""
     nd = x.ndim - 2
     kernel = tuple(weight.shape[2:])
-    x = _without_partial(x)
+    x = without_partial(x)
     sharded, why = _sharded_spatial(x, 2, func, args, kwargs)
     if sharded is None:
-        return _unsupported_or_fallback(func, args, kwargs or {}, why)
+        return unsupported_or_fallback(func, args, kwargs or {}, why)
     spec = x._spec
     plans = {(m, d): shapes.window_plan(spec.sizes[m], kernel[d - 2], stride[d - 2], dilation[d - 2],
                                         *pads[d - 2]) for m, d in sharded}
@@ -191,7 +157,7 @@ def sharded_conv(func, x: ShardTensor, weight, bias, stride, pads, dilation, gro
             extra.append((lo, hi))
     if any(e != (0, 0) for e in extra):
         local = F.pad(local, [v for e in reversed(extra) for v in e])
-    weight, bias = _params_for(spec.mesh, [m for m, _ in sharded] + _batch_dims(spec), weight, bias)
+    weight, bias = params_for(spec.mesh, [m for m, _ in sharded] + _batch_dims(spec), weight, bias)
     out_shape = [spec.shape[0], weight.shape[0]]
     for i in range(nd):
         out_shape.append(shapes.window_out_len(spec.shape[i + 2], kernel[i], stride[i], dilation[i], *pads[i]))
@@ -288,10 +254,10 @@ def _make_conv_transpose(nd: int, func, conv):
         if x.ndim != nd + 2:
             return func(x.unsqueeze(0), weight, bias, a["stride"], a["padding"], a["output_padding"], a["groups"],
                         a["dilation"]).squeeze(0)
-        x = _without_partial(x)
+        x = without_partial(x)
         sharded, why = _sharded_spatial(x, 2, func, args, kwargs)
         if sharded is None:
-            return _unsupported_or_fallback(func, args, kwargs, why)
+            return unsupported_or_fallback(func, args, kwargs, why)
         stride, pad = _tuple(a["stride"], nd, "stride"), _tuple(a["padding"], nd, "padding")
         out_pad, dilation = _tuple(a["output_padding"], nd, "output_padding"), _tuple(a["dilation"], nd, "dilation")
         g = a["groups"]
@@ -319,14 +285,14 @@ def _pad(func, args, kwargs):
     x, pad, mode, value = a["self"], list(a["pad"]), a["mode"], a["value"]
     if not isinstance(x, ShardTensor):
         return run_function_default(func, args, kwargs)
-    x = _without_partial(x)
+    x = without_partial(x)
     spec = x._spec
     npad = len(pad) // 2
     per_dim = {x.ndim - 1 - i: (pad[2 * i], pad[2 * i + 1]) for i in range(npad)}
     sharded = [(m, p.dim) for m, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim in per_dim
                and per_dim[p.dim] != (0, 0)]
     if any(lo < 0 or hi < 0 for lo, hi in per_dim.values()) and sharded:
-        return _unsupported_or_fallback(func, args, kwargs, "negative padding (cropping) of a sharded dim")
+        return unsupported_or_fallback(func, args, kwargs, "negative padding (cropping) of a sharded dim")
     local = x.to_local()
     sizes = list(spec.sizes)
     for m, d in sharded:
@@ -380,12 +346,12 @@ def _make_pool(nd: int, func, kind: str):
             return run_function_default(func, args, kwargs)
         if x.ndim != nd + 2:
             return handler(_func, (x.unsqueeze(0),) + tuple(args[1:]), kwargs).squeeze(0)
-        x = _without_partial(x)
+        x = without_partial(x)
         sharded, why = _sharded_spatial(x, 2, func, args, kwargs)
         if sharded is None:
-            return _unsupported_or_fallback(func, args, kwargs, why)
+            return unsupported_or_fallback(func, args, kwargs, why)
         if a["return_indices"]:
-            return _unsupported_or_fallback(func, args, kwargs, "return_indices on a sharded input")
+            return unsupported_or_fallback(func, args, kwargs, "return_indices on a sharded input")
         kernel = _tuple(a["kernel_size"], nd, "kernel_size")
         stride = _tuple(a["stride"] if a["stride"] not in (None, [], ()) else kernel, nd, "stride")
         pad = _tuple(a["padding"], nd, "padding")
@@ -456,7 +422,7 @@ def _adaptive_avg(func):
             return x.mean(dim=spatial, keepdim=True)  # global pooling: a Partial sum, reduced when needed
         if not any(isinstance(p, Shard) and p.dim in spatial for p in x._spec.placements):
             return run_function_default(func, args, kwargs)
-        return _unsupported_or_fallback(func, args, kwargs, f"adaptive pooling to {size} over a sharded dim "
+        return unsupported_or_fallback(func, args, kwargs, f"adaptive pooling to {size} over a sharded dim "
                                         f"(only output size 1, global pooling, is supported)")
     return handler
 

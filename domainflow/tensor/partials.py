@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from domainflow import comm
-from domainflow.layout.placements import Partial
+from domainflow.layout.placements import Partial, Replicate
 from domainflow.tensor.redistribute import grad_spec
 from domainflow.tensor.shard_tensor import ShardTensor
 
@@ -32,6 +32,20 @@ class _ReduceTogether(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        # gradients that arrive as pending sums (their consumers were linear in them) are finished together,
+        # one coalesced all-reduce per mesh dim, as the forward did; anything else is redistributed alone
+        grads = list(grads)
+        mesh = ctx.specs[0].mesh
+        for m in range(mesh.ndim):
+            idx = [k for k, g in enumerate(grads) if isinstance(g, ShardTensor)
+                   and isinstance(g._spec.placements[m], Partial) and g._spec.placements[m].reduce_op == "sum"]
+            if not idx:
+                continue
+            reduced = comm.all_reduce_coalesced([grads[k]._local.contiguous() for k in idx], "sum", mesh, m)
+            for k, t in zip(idx, reduced):
+                g = grads[k]
+                grads[k] = ShardTensor(t, g._spec.with_(placements=tuple(
+                    Replicate() if j == m else p for j, p in enumerate(g._spec.placements))))
         out = []
         for g, s in zip(grads, ctx.specs):
             gs = grad_spec(s)

@@ -473,7 +473,9 @@ class _Distribute(torch.autograd.Function):
                 piece = piece.narrow(p.dim, sum(dst.sizes[m][:k]), dst.sizes[m][k])
             elif isinstance(p, Partial):
                 piece = partial_from_replicate(piece, p, coord[m])  # sum/product: identity off coordinate 0
-        return ShardTensor(piece, dst)
+        # a copy of this rank's piece, like DTensor: an in-place update of the shard never reaches the
+        # caller's tensor, and the full tensor's storage is not kept alive by the shard
+        return ShardTensor(piece.clone(memory_format=torch.contiguous_format), dst)
 
     @staticmethod
     def backward(ctx, grad):
@@ -523,7 +525,7 @@ class _Redistribute(torch.autograd.Function):
 # module-level constructors
 # --------------------------------------------------------------------------------------------
 def distribute_tensor(tensor: torch.Tensor, mesh: DeviceMesh, placements, sharding_shapes=None) -> ShardTensor:
-    """Every rank holds the full ``tensor`` and keeps its own piece (no communication).
+    """Every rank holds the full ``tensor`` and keeps a copy of its own piece (no communication).
 
     Differentiable: ``tensor`` is a replicated operand, so every rank's ``tensor.grad`` is the gradient
     of the whole tensor (gathered in backward), as for a plain tensor used with ShardTensors."""

@@ -1,0 +1,310 @@
+"""The toolkit op handlers are written with: argument parsing, layouts of operands and results, the
+gather fallback, relayout warnings, and autograd glue for replicated parameters. Handlers in ``ops/``
+(built-in or a user's) use these names and nothing private of another module."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from domainflow.dispatch.fallback import fallback as _fallback_mode
+from domainflow.dispatch.fallback import warn_once as _warn_fallback
+from domainflow.dispatch.param_grads import defer_grad, deferring, reduce_param_grads
+from domainflow.errors import ShardingMismatchError, UnsupportedShardedOp
+from domainflow.layout.placements import Partial, Replicate, Shard
+from domainflow.layout.spec import ShardSpec
+from domainflow.tensor.redistribute import redistribute_local
+from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local, target_spec
+
+_INPLACE = torch.Tag.inplace
+_R = Replicate()
+
+
+def shard_tensors(args, kwargs=None) -> list[ShardTensor]:
+    """ShardTensors among ``args`` (one level of lists included) and ``kwargs`` values."""
+    out = []
+    for a in args:
+        if isinstance(a, ShardTensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, ShardTensor))
+    if kwargs:
+        out.extend(v for v in kwargs.values() if isinstance(v, ShardTensor))
+    return out
+
+
+def common_mesh(sts, op):
+    """The one device mesh of ShardTensors ``sts``; ``ShardingMismatchError`` if they live on different ones."""
+    mesh = sts[0]._spec.mesh
+    for s in sts[1:]:
+        if s._spec.mesh is not mesh and s._spec.mesh != mesh:
+            raise ShardingMismatchError(f"{op}: operands live on different device meshes "
+                                        f"({tuple(mesh.shape)} and {tuple(s._spec.mesh.shape)}); redistribute onto one mesh")
+    return mesh
+
+
+def wrap(out, spec_or_fn):
+    """Wrap local results; ``spec_or_fn`` is a spec or a function from a local tensor to its spec."""
+    if isinstance(out, torch.Tensor):
+        spec = spec_or_fn(out) if callable(spec_or_fn) else spec_or_fn
+        return ShardTensor(out, spec)
+    if isinstance(out, (list, tuple)):
+        return type(out)(wrap(o, spec_or_fn) for o in out)
+    return out
+
+
+def replicated_spec(mesh, shape) -> ShardSpec:
+    """The layout of a tensor of ``shape`` replicated over every dim of ``mesh``."""
+    return ShardSpec(mesh, (_R,) * mesh.ndim, shape, (None,) * mesh.ndim)
+
+
+def to_spec(x: ShardTensor, dst: ShardSpec) -> torch.Tensor:
+    """Local chunk of ``x`` under layout ``dst`` (no autograd: we are below it here)."""
+    return x._local if x._spec == dst else redistribute_local(x._local, x._spec, dst)
+
+
+def local_as(t, spec: ShardSpec) -> torch.Tensor | None:
+    """This rank's chunk of ``t`` laid out like ``spec`` (same placements and sizes; ``t`` may differ in
+    shape along unsharded dims). ``t`` is a ShardTensor (redistributed if needed), a plain tensor
+    holding the full value (sliced along the sharded dims where it has the full extent, else used
+    as it is, e.g. broadcast), or None."""
+    if t is None:
+        return None
+    if isinstance(t, ShardTensor):
+        return to_spec(t, spec if t.shape == spec.shape else spec.with_(shape=t.shape))
+    coord = spec.coord
+    for m, p in enumerate(spec.placements):
+        if isinstance(p, Shard) and t.ndim == spec.ndim and t.shape[p.dim] == spec.shape[p.dim]:
+            k = coord[m]
+            t = t.narrow(p.dim, sum(spec.sizes[m][:k]), spec.sizes[m][k])
+    return t
+
+
+def replicate_local(x: ShardTensor) -> torch.Tensor:
+    """The full tensor on this rank (gathers / reduces as needed)."""
+    s = x._spec
+    if s.is_replicated:
+        return x._local
+    return redistribute_local(x._local, s, replicated_spec(s.mesh, s.shape))
+
+
+def unsupported_or_fallback(func, args, kwargs, reason: str):
+    """What a handler returns for a case it cannot run sharded: the gather fallback when it is on, else
+    ``UnsupportedShardedOp`` naming the op, the reason and the operands' layouts."""
+    if _fallback_mode.current() == "gather":
+        return gather_fallback(func, args, kwargs, reason)
+    raise UnsupportedShardedOp(func, f"{reason} (operands: {describe_sharding(shard_tensors(args, kwargs))})")
+
+
+def describe_sharding(sts) -> str:
+    """How ShardTensors ``sts`` are laid out, in words (for error messages)."""
+    parts = []
+    for s in sts:
+        sp = s._spec
+        dims = [f"dim {p.dim} over mesh dim {m} in sizes {list(sp.sizes[m])}" for m, p in enumerate(sp.placements)
+                if isinstance(p, Shard)]
+        parts.append(f"shape {tuple(sp.shape)} sharded on " + (", ".join(dims) if dims else "no dim")
+                     + (" (Partial)" if sp.has_partial else ""))
+    return "; ".join(parts)
+
+
+# runs ``func`` with __torch_function__ disabled for subclasses (the C implementation torch uses)
+_run_function = torch._C._disabled_torch_function_impl
+
+
+def run_function_default(func, args, kwargs):
+    """What a function handler calls to fall through to torch's own implementation."""
+    return _run_function(func, (ShardTensor,), args, kwargs)
+
+
+_ALIASES = {"input": "self", "axis": "dim", "keepdims": "keepdim"}
+
+
+def bind(args, kwargs, names, **defaults) -> dict:
+    """A torch function's positional and keyword arguments as one dict by parameter name (``input=``
+    and numpy's ``axis=`` / ``keepdims=`` accepted), for function handlers."""
+    out = dict(defaults)
+    out.update(zip(names, args))
+    for k, v in kwargs.items():
+        out[_ALIASES.get(k, k)] = v
+    return out
+
+
+def _plain_grad_hook(tensor):
+    """Gradient hook of a plain tensor (e.g. an nn.Parameter) used with ShardTensors: its summed gradient
+    arrives as a ShardTensor (often Partial) and is reduced to a plain tensor, exactly once. For a leaf
+    inside ``deferred_param_grads()`` the sum joins the one coalesced all-reduce at the end of backward
+    (the hook hands autograd zeros; the reduced sum is added to ``.grad`` then)."""
+    ref = weakref.ref(tensor)
+
+    def hook(grad):
+        if not isinstance(grad, ShardTensor):
+            return grad
+        t = ref()
+        if t is not None and t.is_leaf and deferring():
+            dims = _partial_sum_dims(grad._spec)
+            if dims:
+                defer_grad(t, grad._local, grad._spec.mesh, dims)
+                return torch.zeros_like(grad._local)
+        return replicate_local(grad)
+
+    return hook
+
+
+def _partial_sum_dims(spec) -> tuple[int, ...] | None:
+    """The Partial(sum) mesh dims of a gradient that is otherwise replicated (its local chunk is then the
+    whole tensor's partial sum), or None when it is laid out otherwise."""
+    dims = []
+    for m, p in enumerate(spec.placements):
+        if isinstance(p, Partial) and p.reduce_op == "sum":
+            dims.append(m)
+        elif not isinstance(p, Replicate):
+            return None
+    return tuple(dims) or None
+
+
+def hook_plain_grads(args):
+    """Give plain tensors that need gradients the reduce-to-plain hook (once per tensor)."""
+    for a in args:
+        if type(a) is ShardTensor:
+            continue
+        if isinstance(a, torch.Tensor):
+            if a.requires_grad and not getattr(a, "_domainflow_hooked", False):
+                a.register_hook(_plain_grad_hook(a))
+                a._domainflow_hooked = True
+        elif type(a) in (list, tuple) and a and isinstance(a[0], torch.Tensor):
+            hook_plain_grads(a)
+
+
+def run_replicated(func, args, kwargs, sts):
+    """All ShardTensor inputs replicated: compute locally; outputs replicated (no communication)."""
+    mesh = common_mesh(sts, func)
+    la, lk = _unwrap_all(args, kwargs)
+    out = func(*la, **lk)
+    if _INPLACE in func.tags and args and isinstance(args[0], ShardTensor):
+        return args[0]
+    return wrap(out, lambda t: replicated_spec(mesh, t.shape))
+
+
+def _unwrap_all(args, kwargs):
+    def u(a):
+        if isinstance(a, ShardTensor):
+            return a._local
+        if isinstance(a, (list, tuple)) and any(isinstance(x, ShardTensor) for x in a):
+            return type(a)(x._local if isinstance(x, ShardTensor) else x for x in a)
+        return a
+
+    return [u(a) for a in args], {k: u(v) for k, v in kwargs.items()}
+
+
+def gather_fallback(func, args, kwargs, reason: str):
+    """fallback('gather'): full tensors in, op on every rank, outputs re-sharded like the first input
+    when the shape allows, else replicated."""
+    sts = shard_tensors(args, kwargs)
+    _warn_fallback(func, reason)
+    mesh = common_mesh(sts, func)
+    first = sts[0]._spec
+
+    def full(a):
+        if isinstance(a, ShardTensor):
+            return replicate_local(a)
+        if isinstance(a, (list, tuple)) and any(isinstance(x, ShardTensor) for x in a):
+            return type(a)(replicate_local(x) if isinstance(x, ShardTensor) else x for x in a)
+        return a
+
+    full_args = [full(a) for a in args]
+    out = func(*full_args, **{k: full(v) for k, v in kwargs.items()})
+    if _INPLACE in func.tags and isinstance(args[0], ShardTensor):
+        # the op wrote into a gathered copy of self: keep self's layout, with the new values
+        self_ = args[0]
+        spec = self_._spec.with_(placements=tuple(_R if isinstance(p, Partial) else p for p in self_._spec.placements))
+        relayout(self_, redistribute_local(full_args[0], replicated_spec(mesh, self_.shape), spec), spec)
+        return self_
+
+    def respec(t):
+        rep = replicated_spec(mesh, t.shape)
+        if t.shape != first.shape:
+            return rep, t
+        dst = target_spec(rep, tuple(_R if isinstance(p, Partial) else p for p in first.placements),
+                          {m: s for m, s in enumerate(first.sizes) if s is not None})
+        return dst, redistribute_local(t, rep, dst)
+
+    def w(o):
+        if isinstance(o, torch.Tensor):
+            spec, local = respec(o)
+            return ShardTensor(local, spec)
+        if isinstance(o, (list, tuple)):
+            return type(o)(w(x) for x in o)
+        return o
+
+    return w(out)
+
+
+def relayout(x: ShardTensor, local: torch.Tensor, spec: ShardSpec) -> None:
+    """Give ``x`` a new layout in place (same global tensor): an in-place op whose operands need it
+    laid out differently (``loss += reg`` on a Partial loss, ``x.add_(y)`` with x replicated and y
+    sharded). Views taken of ``x`` earlier keep the old chunk."""
+    x._local = local
+    x._spec = spec
+
+
+_relayout_warned: set = set()
+
+
+def warn_relayout(func, detail: str) -> None:
+    """A handler moved data to a layout the op can use (communication the user did not ask for);
+    warned once per op and situation."""
+    key = (func, detail)
+    if key in _relayout_warned:
+        return
+    _relayout_warned.add(key)
+    import warnings
+
+    warnings.warn(f"domainflow: {func}: {detail} (this communicates; it is common in backward passes, where "
+                  f"gradients can arrive laid out like another operand).", stacklevel=4)
+
+
+def warn_moved(func, idx, sts):
+    """Called when a plan is made (plans are cached): once per op and combination of layouts."""
+    import warnings
+
+    warnings.warn(
+        f"domainflow: {func} got operands laid out differently ({describe_sharding([a for _, a in sts])}); "
+        f"resharding operand(s) {sorted(set(idx))} to match the first sharded one (this communicates). "
+        f"Redistribute them once up front to avoid it.", stacklevel=3)
+
+
+class _SumGradsOver(torch.autograd.Function):
+    """Identity on replicated parameters; backward sums their (per-rank partial) gradients over the given
+    mesh dims (``domainflow.dispatch.param_grads``: now, or once per backward for all layers)."""
+
+    @staticmethod
+    def forward(ctx, mesh, mesh_dims, *params):
+        ctx.mesh, ctx.mesh_dims, ctx.params = mesh, mesh_dims, params
+        return tuple(p.view_as(p) if p is not None else None for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *reduce_param_grads(ctx.params, grads, ctx.mesh, ctx.mesh_dims))
+
+
+def params_for(mesh, mesh_dims, *params):
+    """Route plain parameters through the gradient sum (only those that need gradients)."""
+    need = any(p is not None and p.requires_grad for p in params)
+    if not need or not mesh_dims or not torch.is_grad_enabled():
+        return params
+    return _SumGradsOver.apply(mesh, tuple(mesh_dims), *params)
+
+
+def like(spec, local: torch.Tensor) -> ShardTensor:
+    """``local`` wrapped with ``spec``'s placements and per-rank sizes (differentiable; no communication)."""
+    mapping = {m: list(s) for m, s in enumerate(spec.sizes) if s is not None}
+    return derived_from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+
+
+def without_partial(x: ShardTensor) -> ShardTensor:
+    """``x`` with every Partial placement reduced to Replicate (one all-reduce per Partial mesh dim)."""
+    if x._spec.has_partial:
+        return x.redistribute([Replicate() if isinstance(p, Partial) else p for p in x._spec.placements])
+    return x
