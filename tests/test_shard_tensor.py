@@ -7,6 +7,7 @@ Property style: random tensors with random uneven sharding sizes (zeros included
 from __future__ import annotations
 
 import random
+import warnings
 
 import pytest
 import torch
@@ -335,3 +336,42 @@ def test_distribute_tensor_shards_are_copies(dist, world):
     """Like DTensor: writing into a shard (or a replicated copy) leaves the caller's tensor as it was."""
     for unchanged, contiguous in dist.run(world, _distribute_copies):
         assert unchanged and contiguous
+
+
+def _leaf_grads_keep_layout(op: str):
+    rank, world = rank_and_world()
+    mesh = df.init_mesh((world,), ("domain",))
+    x = torch.randn(4, 7, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    sizes = {2: [5, 2], 3: [3, 0, 4]}[world]
+    fns = {"cumsum": lambda t: t.cumsum(1), "max": lambda t: t.max(dim=1).values,
+           "reshape": lambda t: t.reshape(4, 21), "transpose": lambda t: t.transpose(0, 1).sin()}
+    f = fns[op]
+    out = []
+    for how in ("requires_grad_", "setter", "constructor"):
+        base = df.distribute_tensor(x, mesh, [Shard(1)], sharding_shapes={0: sizes}).detach()
+        if how == "requires_grad_":
+            leaf = base.requires_grad_()
+        elif how == "setter":
+            base.requires_grad = True
+            leaf = base
+        else:
+            leaf = ShardTensor(base._local.clone(), base._spec, requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "moved the shard off dim 1" is expected for cumsum/max
+            for _ in range(2):  # the second backward accumulates into the first's .grad
+                (f(leaf) ** 2).sum().backward()
+        ref = x.clone().requires_grad_()
+        for _ in range(2):
+            (f(ref) ** 2).sum().backward()
+        out.append((leaf.grad._spec == leaf._spec, float((leaf.grad.full_tensor() - ref.grad).abs().max())))
+    return out
+
+
+@pytest.mark.parametrize("op", ["cumsum", "max", "reshape", "transpose"])
+def test_gradients_of_shardtensor_leaves_have_the_leafs_layout(dist, op):
+    """Backward may produce a leaf's gradient in another layout (cumsum along the sharded dim: moved off it;
+    max over it: replicated; reshape: re-chunked); the leaf's .grad is laid out like the leaf, exactly."""
+    for world in (2, 3):
+        for rank_out in dist.run(world, _leaf_grads_keep_layout, op):
+            for same, err in rank_out:
+                assert same and err < 1e-12, rank_out

@@ -6,10 +6,10 @@ import torch
 
 from domainflow.layout import shapes
 from domainflow.ops.pointwise import pointwise
-from domainflow.dispatch.toolkit import common_mesh, local_as, replicate_local, replicated_spec, shard_tensors, to_spec
+from domainflow.dispatch.toolkit import common_mesh, local_as, replicate_local, run_function_default, replicated_spec, shard_tensors, to_spec
 from domainflow.layout.placements import Partial, Replicate
-from domainflow.dispatch.registry import register_aten
-from domainflow.tensor.shard_tensor import ShardTensor
+from domainflow.dispatch.registry import register_aten, register_function
+from domainflow.tensor.shard_tensor import ShardTensor, keep_leaf_layout
 from domainflow.layout.spec import ShardSpec
 
 aten = torch.ops.aten
@@ -176,3 +176,14 @@ def _cat_sharded_dim(tensors, dim, m, mesh):
     sz[m] = tuple(per_rank)
     return ShardTensor(torch.cat(locals_, dim), ShardSpec(mesh, ref_spec.placements, shape, sz))
 
+
+
+@register_function(torch.Tensor.requires_grad_, torch.Tensor.requires_grad.__set__)
+def requires_grad(func, args, kwargs):
+    """``x.requires_grad_()`` / ``x.requires_grad = True`` on a ShardTensor leaf: its gradient will be laid
+    out like the leaf (``keep_leaf_layout``)."""
+    out = run_function_default(func, args, kwargs)
+    x = args[0]
+    if isinstance(x, ShardTensor) and x.requires_grad and x.is_leaf:
+        keep_leaf_layout(x)
+    return out

@@ -12,6 +12,7 @@ where the layout is DTensor's (chunk sizes), for FSDP2 and DCP.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -64,6 +65,8 @@ class ShardTensor(torch.Tensor):
                                                     dtype=local.dtype, device=local.device, requires_grad=requires_grad)
         r._local = local
         r._spec = spec
+        if requires_grad:
+            keep_leaf_layout(r)
         return r
 
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105
@@ -216,6 +219,27 @@ class ShardTensor(torch.Tensor):
                  for m, p in enumerate(placements)]
         spec = ShardSpec.build(mesh, placements, dt.shape, sizes)
         return _FromLocal.apply(dt.to_local(), spec)
+
+
+def keep_leaf_layout(leaf: ShardTensor) -> None:
+    """Give a ShardTensor leaf that needs gradients a hook that lays its gradient out like the leaf (the same
+    placements and per-rank sizes; a Partial leaf's gradient replicated), whatever layout backward produced:
+    ``leaf.grad._local`` is then the gradient of ``leaf._local``, as shard-local optimisers expect. Once."""
+    if getattr(leaf, "_domainflow_layout_hook", False):
+        return
+    ref = weakref.ref(leaf)
+
+    def hook(grad):
+        t = ref()
+        if t is None or not isinstance(grad, ShardTensor):
+            return grad
+        want = grad_spec(t._spec)
+        if grad._spec == want:
+            return grad
+        return ShardTensor(redistribute_local(grad._local, grad._spec, want), want)
+
+    leaf.register_hook(hook)
+    leaf._domainflow_layout_hook = True
 
 
 def derived_from_local(local: torch.Tensor, mesh: DeviceMesh, placements, sharding_shapes) -> ShardTensor:
