@@ -557,3 +557,21 @@ def test_deferred_param_grads_sum_every_plain_parameter_in_one_all_reduce(dist, 
                 assert counts == [expected, expected], counts
             else:
                 assert all(c >= 5 for c in counts), counts  # one per layer and per plain parameter
+
+
+def _rfft_under_fallback(dim: int, sizes):
+    mesh = get_mesh((rank_and_world()[1],))
+    gen = torch.Generator().manual_seed(0)
+    x = Sharded(torch.randn(3, 6, dtype=torch.float64, generator=gen), [Shard(dim)], {0: sizes})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's "gathering" warning
+        with df.fallback("gather"):
+            check_sharded(lambda a: torch.view_as_real(torch.fft.rfft(a, dim=1)).sin(), [x], mesh)
+    return True
+
+
+@pytest.mark.parametrize("dim,sizes", [(1, (2, 4)), (0, (1, 2))])
+def test_rfft_under_the_gather_fallback_is_exact_forward_and_backward(dist, dim, sizes):
+    """torch.fft.rfft has no rule; under fallback('gather') its forward is gathered and its backward (which
+    views the complex gradient as real pairs) must come out with the right shape and values too."""
+    assert all(dist.run(2, _rfft_under_fallback, dim, sizes))

@@ -6,7 +6,7 @@ import torch
 
 from domainflow.layout import shapes
 from domainflow.ops.pointwise import pointwise
-from domainflow.dispatch.toolkit import common_mesh, local_as, replicate_local, run_function_default, replicated_spec, shard_tensors, to_spec
+from domainflow.dispatch.toolkit import common_mesh, local_as, replicate_local, run_function_default, unsupported_or_fallback, replicated_spec, shard_tensors, to_spec
 from domainflow.layout.placements import Partial, Replicate
 from domainflow.dispatch.registry import register_aten, register_function
 from domainflow.tensor.shard_tensor import ShardTensor, keep_leaf_layout
@@ -23,7 +23,7 @@ def _no_partial(spec: ShardSpec) -> ShardSpec:
 
 
 @register_aten(aten.detach.default, aten.alias.default, aten.lift_fresh.default, aten._to_copy.default,
-               aten.view_as_real.default, aten.view_as_complex.default, aten.conj_physical.default,
+               aten.conj_physical.default,
                aten._conj.default, aten.resolve_conj.default, aten.resolve_neg.default)
 def same_layout(func, args, kwargs):
     """Unary ops that keep shape and layout (Partial sums stay pending, except through a cast to an
@@ -34,6 +34,19 @@ def same_layout(func, args, kwargs):
         spec = _no_partial(x._spec)
         return ShardTensor(func(to_spec(x, spec), *args[1:], **kwargs), spec)
     return ShardTensor(func(x._local, *args[1:], **kwargs), x._spec)
+
+
+@register_aten(aten.view_as_real.default, aten.view_as_complex.default)
+def complex_views(func, args, kwargs):
+    """``view_as_real`` adds a trailing dim of 2 (real, imaginary), ``view_as_complex`` takes it away; the
+    sharded dims stay where they are (a shard of the pair dim itself cannot be viewed as complex)."""
+    x = args[0]
+    spec = x._spec
+    if func is aten.view_as_real.default:
+        return ShardTensor(func(x._local), spec.with_(shape=tuple(spec.shape) + (2,)))
+    if spec.mesh_dim_of(spec.ndim - 1) is not None:
+        return unsupported_or_fallback(func, args, kwargs, "its last dim (real, imaginary) is sharded")
+    return ShardTensor(func(x._local), spec.with_(shape=tuple(spec.shape[:-1])))
 
 
 @register_aten(aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
