@@ -92,3 +92,30 @@ def test_ctrl_c_stops_every_rank_with_one_line(store, tmp_path):
             break
         time.sleep(0.2)
     assert not leftover, f"processes still running after Ctrl-C: {leftover}"
+
+
+_BUGGY_RANK = '''
+def buggy():
+    import os
+    if os.environ["RANK"] == "1":
+        raise ZeroDivisionError("a bug in rank one's code")
+    return 0
+
+if __name__ == "__main__":
+    from domainflow.app.launch import LaunchError, launch_local
+    try:
+        launch_local(buggy, 2)
+    except LaunchError as exc:
+        print("LAUNCH ERROR:", exc)
+'''
+
+
+def test_a_bug_in_a_rank_shows_its_traceback(tmp_path):
+    """Not a user error: the launcher's one line points at the rank's output, which holds the traceback."""
+    script = tmp_path / "buggy.py"
+    script.write_text(_BUGGY_RANK)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=ENV,
+                         cwd=tmp_path)
+    out = res.stdout + res.stderr
+    assert "LAUNCH ERROR: rank 1 died" in out, out[-3000:]
+    assert "ZeroDivisionError: a bug in rank one's code" in out and "line 5, in buggy" in out, out[-3000:]

@@ -18,6 +18,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -99,6 +100,11 @@ def _rank_entry(fn: Callable, *args):
         path.with_suffix(".tmp").write_text(json.dumps(record))
         os.replace(path.with_suffix(".tmp"), path)
         sys.exit(1)
+    except Exception:
+        # a bug, not a user error: its traceback is what "its output above says why" points at, so print it
+        # here (the elastic agent's own report of it is silenced above, and spawn's is not always shown)
+        print(f"[rank {os.environ.get('RANK', '0')}] " + traceback.format_exc(), file=sys.stderr, flush=True)
+        raise
 
 
 def _interrupt_once(signum, frame):
