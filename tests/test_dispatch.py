@@ -575,3 +575,56 @@ def test_rfft_under_the_gather_fallback_is_exact_forward_and_backward(dist, dim,
     """torch.fft.rfft has no rule; under fallback('gather') its forward is gathered and its backward (which
     views the complex gradient as real pairs) must come out with the right shape and values too."""
     assert all(dist.run(2, _rfft_under_fallback, dim, sizes))
+
+
+def _deferred_corner_cases():
+    import copy
+
+    rank, world = rank_and_world()
+    mesh = df.init_mesh((world,), ("domain",))
+    x = torch.randn(9, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    st = df.distribute_tensor(x, mesh, [Shard(0)], sharding_shapes={0: [4, 5] if world == 2 else [9]})
+    problems = []
+    # torch.autograd.grad inside the context: the exact gradient, and .grad left alone
+    w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 4, dtype=torch.float64))
+    with df.deferred_param_grads():
+        (g,) = torch.autograd.grad(((st * w) ** 2).sum(), [w])
+    ref = 2 * (x ** 2).sum(0) * w.detach()
+    if float((g - ref).abs().max()) > 1e-12 or w.grad is not None:
+        problems.append(f"autograd.grad: {g} vs {ref}, .grad {w.grad}")
+    # a frozen weight gets no .grad under deferral
+    lin = torch.nn.Linear(4, 2).double()
+    lin.weight.requires_grad_(False)
+    with df.deferred_param_grads():
+        lin(st).sum().backward()
+    if lin.weight.grad is not None or lin.bias.grad is None:
+        problems.append(f"frozen weight: grad {lin.weight.grad}, bias grad {lin.bias.grad}")
+    # a deep copy of a model (EMA) that met ShardTensors is hooked afresh: plain, exact gradients
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).double()
+    model(st).sum().backward()
+    twin = copy.deepcopy(model)
+    twin.zero_grad()
+    ref_model = copy.deepcopy(model)
+    ref_model.zero_grad()
+    with df.deferred_param_grads():
+        (twin(st) ** 2).sum().backward()
+    (ref_model(x) ** 2).sum().backward()
+    for (name, p), q in zip(twin.named_parameters(), ref_model.parameters()):
+        if type(p.grad) is not torch.Tensor or float((p.grad - q.grad).abs().max()) > 1e-12:
+            problems.append(f"deepcopy: {name} grad {type(p.grad).__name__}")
+    # create_graph through a leaf whose gradient changes layout: still differentiable
+    leaf = df.distribute_tensor(torch.randn(5, 6, dtype=torch.float64), mesh, [Shard(0)]).detach().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (gl,) = torch.autograd.grad((leaf.cumsum(0) ** 2).sum(), [leaf], create_graph=True)
+    if not gl.requires_grad:
+        problems.append("create_graph: the leaf's gradient lost its graph")
+    return problems
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_deferred_param_grads_corner_cases(dist, world):
+    """autograd.grad inside deferred_param_grads is exact and leaves .grad alone; frozen weights get no .grad;
+    a deep copy of a model is hooked afresh; a relaid-out leaf gradient keeps create_graph's graph."""
+    for problems in dist.run(world, _deferred_corner_cases):
+        assert not problems, problems

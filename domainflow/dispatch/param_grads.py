@@ -16,6 +16,7 @@ import contextlib
 import threading
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 class _State:
     """Process-wide, not per thread: on accelerators autograd runs backward functions and hooks on its own
@@ -46,6 +47,15 @@ def deferring() -> bool:
     return _state.on
 
 
+def accumulates_into_grad(leaf) -> bool:
+    """True when the running backward will add to ``leaf.grad`` (``backward()``, not ``torch.autograd.grad``,
+    whose results are returned before the end-of-backward sum could reach them): only then may its sum wait."""
+    try:
+        return torch._C._will_engine_execute_node(get_gradient_edge(leaf).node)
+    except RuntimeError:  # torch refuses the question for leaves inside autograd.grad
+        return False
+
+
 def defer_grad(param, partial_grad, mesh, mesh_dims) -> None:
     """Queue a leaf's partial gradient for the end-of-backward sum over ``mesh_dims`` (added to ``.grad``)."""
     _queue(mesh, tuple(mesh_dims), [(param, partial_grad)])
@@ -56,11 +66,13 @@ def reduce_param_grads(params, grads, mesh, mesh_dims):
     the end of the backward pass (``deferred_param_grads``; then None is returned for them)."""
     from domainflow import comm
 
+    grads = [g if p is None or p.requires_grad else None for p, g in zip(params, grads)]  # frozen: no grad
     idx = [k for k, (p, g) in enumerate(zip(params, grads)) if p is not None and g is not None]
     if not idx or not mesh_dims:
         return list(grads)
     if _state.on:
-        leaves = [k for k in idx if params[k].is_leaf]  # a derived weight's gradient must flow on: sum it now
+        # a derived weight's gradient must flow on, and autograd.grad returns before the end: sum those now
+        leaves = [k for k in idx if params[k].is_leaf and accumulates_into_grad(params[k])]
         _queue(mesh, tuple(mesh_dims), [(params[k], grads[k]) for k in leaves])
         out = list(grads)
         for k in leaves:

@@ -10,12 +10,12 @@ import torch
 
 from domainflow.dispatch.fallback import fallback as _fallback_mode
 from domainflow.dispatch.fallback import warn_once as _warn_fallback
-from domainflow.dispatch.param_grads import defer_grad, deferring, reduce_param_grads
+from domainflow.dispatch.param_grads import accumulates_into_grad, defer_grad, deferring, reduce_param_grads
 from domainflow.errors import ShardingMismatchError, UnsupportedShardedOp
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.layout.spec import ShardSpec
 from domainflow.tensor.redistribute import redistribute_local
-from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local, target_spec
+from domainflow.tensor.shard_tensor import ShardTensor, TensorMarks, derived_from_local, target_spec
 
 _INPLACE = torch.Tag.inplace
 _R = Replicate()
@@ -142,7 +142,7 @@ def _plain_grad_hook(tensor):
         if not isinstance(grad, ShardTensor):
             return grad
         t = ref()
-        if t is not None and t.is_leaf and deferring():
+        if t is not None and t.is_leaf and deferring() and accumulates_into_grad(t):
             dims = _partial_sum_dims(grad._spec)
             if dims:
                 defer_grad(t, grad._local, grad._spec.mesh, dims)
@@ -164,15 +164,19 @@ def _partial_sum_dims(spec) -> tuple[int, ...] | None:
     return tuple(dims) or None
 
 
+# tensors that have the hook (by identity, not a flag that copy.deepcopy would copy to an unhooked tensor)
+hooked_plain_grads = TensorMarks()
+
+
 def hook_plain_grads(args):
     """Give plain tensors that need gradients the reduce-to-plain hook (once per tensor)."""
     for a in args:
         if type(a) is ShardTensor:
             continue
         if isinstance(a, torch.Tensor):
-            if a.requires_grad and not getattr(a, "_domainflow_hooked", False):
+            if a.requires_grad and a not in hooked_plain_grads:
                 a.register_hook(_plain_grad_hook(a))
-                a._domainflow_hooked = True
+                hooked_plain_grads.add(a)
         elif type(a) in (list, tuple) and a and isinstance(a[0], torch.Tensor):
             hook_plain_grads(a)
 

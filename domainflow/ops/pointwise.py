@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from domainflow.dispatch.registry import REGISTRY
-from domainflow.dispatch.toolkit import hook_plain_grads, relayout, unsupported_or_fallback, warn_moved, wrap
+from domainflow.dispatch.toolkit import hook_plain_grads, hooked_plain_grads, relayout, unsupported_or_fallback, warn_moved, wrap
 from domainflow.tensor.redistribute import redistribute_local
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.layout.spec import ShardSpec
@@ -55,7 +55,7 @@ def pointwise(func, args, kwargs):
         if t is ShardTensor:
             key.append(a._spec)
         elif isinstance(a, torch.Tensor):
-            if a.requires_grad and not getattr(a, "_domainflow_hooked", False):
+            if a.requires_grad and a not in hooked_plain_grads:
                 hook_plain_grads((a,))
             key.append(a.shape)
         else:

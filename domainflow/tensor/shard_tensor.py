@@ -221,11 +221,31 @@ class ShardTensor(torch.Tensor):
         return _FromLocal.apply(dt.to_local(), spec)
 
 
+class TensorMarks:
+    """A set of live tensors by identity (a tensor's ``==`` is elementwise, so weak sets cannot hold them).
+    Used instead of flags in a tensor's ``__dict__``, which ``copy.deepcopy`` copies to a tensor that lacks
+    the hook the flag stands for (an EMA copy of a model would then never be hooked)."""
+
+    def __init__(self):
+        self._refs: dict[int, weakref.ref] = {}
+
+    def __contains__(self, t) -> bool:
+        r = self._refs.get(id(t))
+        return r is not None and r() is t
+
+    def add(self, t) -> None:
+        key = id(t)
+        self._refs[key] = weakref.ref(t, lambda _, key=key, refs=self._refs: refs.pop(key, None))
+
+
+_layout_hooked = TensorMarks()
+
+
 def keep_leaf_layout(leaf: ShardTensor) -> None:
     """Give a ShardTensor leaf that needs gradients a hook that lays its gradient out like the leaf (the same
     placements and per-rank sizes; a Partial leaf's gradient replicated), whatever layout backward produced:
     ``leaf.grad._local`` is then the gradient of ``leaf._local``, as shard-local optimisers expect. Once."""
-    if getattr(leaf, "_domainflow_layout_hook", False):
+    if leaf in _layout_hooked:
         return
     ref = weakref.ref(leaf)
 
@@ -236,10 +256,12 @@ def keep_leaf_layout(leaf: ShardTensor) -> None:
         want = grad_spec(t._spec)
         if grad._spec == want:
             return grad
+        if grad.requires_grad:  # create_graph=True: the relayout stays differentiable
+            return _Redistribute.apply(grad, want)
         return ShardTensor(redistribute_local(grad._local, grad._spec, want), want)
 
     leaf.register_hook(hook)
-    leaf._domainflow_layout_hook = True
+    _layout_hooked.add(leaf)
 
 
 def derived_from_local(local: torch.Tensor, mesh: DeviceMesh, placements, sharding_shapes) -> ShardTensor:
