@@ -423,6 +423,23 @@ def _device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type, mod.current_device())
 
 
+def send_header(header: torch.Tensor | None, length: int, src: int, mesh: DeviceMesh) -> torch.Tensor:
+    """Global rank ``src`` sends a small int64 ``header`` (its length known to all: ``length``) to every other
+    rank of ``mesh``, which receive it: metadata only the source knows (shapes, dtype, sizes)."""
+    ranks = mesh.mesh.flatten().tolist()
+    me = dist.get_rank() if dist.is_initialized() else 0
+    if me == src:
+        ops = [dist.P2POp(dist.isend, header, r) for r in ranks if r != me]
+        with _named("header send", None, None, f" from rank {src} to ranks {ranks}"):
+            for w in dist.batch_isend_irecv(ops) if ops else ():
+                w.wait()
+        return header
+    out = torch.empty(length, dtype=torch.int64, device=_device(mesh))
+    with _named("header receive", None, None, f" from rank {src}"):
+        dist.recv(out, src=src)
+    return out
+
+
 def scatter_pieces(pieces: list[torch.Tensor] | None, recv_shape: Sequence[int], dtype: torch.dtype,
                    device: torch.device, src: int, mesh: DeviceMesh) -> torch.Tensor:
     """Global rank ``src`` sends ``pieces[k]`` to the k-th rank of ``mesh`` (row-major); each rank

@@ -22,14 +22,14 @@ from __future__ import annotations
 import os
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+# the harness (dist_pool, sharded_check, store_compare) is imported by module name, by tests and workers alike
+_HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness")
 if sys.path[:1] != [_HERE]:
     if _HERE in sys.path:
         sys.path.remove(_HERE)
     sys.path.insert(0, _HERE)
 
 import pytest  # noqa: E402
-
 from dist_pool import WORLD_SIZES, PoolCache  # noqa: E402
 
 

@@ -222,7 +222,7 @@ def gather_fallback(func, args, kwargs, reason: str):
     if _INPLACE in func.tags and isinstance(args[0], ShardTensor):
         # the op wrote into a gathered copy of self: keep self's layout, with the new values
         self_ = args[0]
-        spec = self_._spec.with_(placements=tuple(_R if isinstance(p, Partial) else p for p in self_._spec.placements))
+        spec = self_._spec.reduced()
         relayout(self_, redistribute_local(full_args[0], replicated_spec(mesh, self_.shape), spec), spec)
         return self_
 
@@ -310,5 +310,5 @@ def like(spec, local: torch.Tensor) -> ShardTensor:
 def without_partial(x: ShardTensor) -> ShardTensor:
     """``x`` with every Partial placement reduced to Replicate (one all-reduce per Partial mesh dim)."""
     if x._spec.has_partial:
-        return x.redistribute([Replicate() if isinstance(p, Partial) else p for p in x._spec.placements])
+        return x.redistribute(x._spec.reduced().placements)
     return x

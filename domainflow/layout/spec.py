@@ -93,6 +93,13 @@ class ShardSpec:
         return ShardSpec(self.mesh, self.placements if placements is None else placements,
                          self.shape if shape is None else shape, self.sizes if sizes is None else sizes)
 
+    def reduced(self) -> "ShardSpec":
+        """This layout with every Partial placement replaced by Replicate: the layout once pending sums
+        (maxima, ...) are reduced. The spec itself when there is nothing pending."""
+        if not self.has_partial:
+            return self
+        return self.with_(placements=tuple(Replicate() if isinstance(p, Partial) else p for p in self.placements))
+
     # -- identity -----------------------------------------------------------------------------
     def __hash__(self) -> int:
         return self._hash
@@ -159,18 +166,24 @@ def _placement_str(p: Placement, sizes) -> str:
     return "Replicate()"
 
 
+def mapping_mesh_dim(mesh: DeviceMesh, key, placements) -> int:
+    """The mesh dim a ``sharding_shapes`` key names (its index or its name), which ``placements`` must shard."""
+    names = tuple(mesh.mesh_dim_names or ())
+    m = names.index(key) if isinstance(key, str) and key in names else key
+    if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m < mesh.ndim:
+        raise ShardingShapeError(f"sharding_shapes key {key!r} is not a mesh dim of {mesh} (names {names})")
+    p = placements[m]
+    if not isinstance(p, Shard):
+        raise ShardingShapeError(f"sharding_shapes gives sizes for mesh dim {key!r} whose placement is {p}, not Shard")
+    return m
+
+
 def sizes_from_mapping(mesh: DeviceMesh, placements, local_shape: Sequence[int], mapping: Mapping) -> list:
     """Per-mesh-dim sizes from a user mapping ``{mesh dim or name: [shape or size per rank]}``."""
-    names = tuple(mesh.mesh_dim_names or ())
     sizes: list = [None] * mesh.ndim
     for key, entries in mapping.items():
-        m = names.index(key) if isinstance(key, str) and key in names else key
-        if not isinstance(m, int) or not 0 <= m < mesh.ndim:
-            raise ShardingShapeError(f"sharding_shapes key {key!r} is not a mesh dim of {mesh} (names {names})")
-        p = placements[m]
-        if not isinstance(p, Shard):
-            raise ShardingShapeError(f"sharding_shapes gives sizes for mesh dim {key!r} whose placement is {p}, not Shard")
-        d = p.dim
+        m = mapping_mesh_dim(mesh, key, placements)
+        d = placements[m].dim
         vals = []
         for k, e in enumerate(entries):
             if isinstance(e, int):

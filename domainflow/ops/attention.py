@@ -10,8 +10,10 @@
 SDPA called from inside another functional (``nn.MultiheadAttention``) reaches the aten op, which has
 ring handlers too (forward and backward, the log-sum-exp output carrying the ring's statistics).
 Causal masks use global positions; a full (.., Lq, Lk) ``attn_mask`` (boolean or additive, every rank
-holding it) is sliced per block; grouped-query attention (fewer K/V heads) is supported. Dropout in
-training and a mask that needs gradients raise ``UnsupportedShardedOp`` (use ``fallback("gather")``).
+holding it) is sliced per block; grouped-query attention (fewer K/V heads) is supported. Dropout draws
+each rank's own mask (statistically, not bitwise, like one device; with everything sharded the keys and
+values are gathered for it, a warned relayout). A mask that needs gradients raises ``UnsupportedShardedOp``
+(use ``fallback("gather")``).
 """
 
 from __future__ import annotations
@@ -309,11 +311,18 @@ def _sdpa(func, args, kwargs):
         mask = _replicated_local(mask, mask._spec.mesh)
     if mask is not None and mask.requires_grad:
         return unsupported_or_fallback(func, args, kwargs, "a differentiable attn_mask with a sharded sequence dim")
-    if a["dropout_p"]:
-        return unsupported_or_fallback(func, args, kwargs, "attention dropout with a sharded sequence dim")
+    dropout = float(a["dropout_p"] or 0.0)
     groups = q.shape[-3] // k.shape[-3] if a["enable_gqa"] else 1
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
     causal = bool(a["is_causal"])
+    if dropout and mq is not None and mk is not None:
+        # dropout acts on each row's normalised weights: the ring's running rescaling cannot apply it, so
+        # the keys and values are gathered (this rank's queries attend to all of them, as below)
+        from domainflow.dispatch.toolkit import warn_relayout
+
+        warn_relayout(func, "gathered keys and values for attention dropout with a sharded sequence")
+        k, v = (_replicated_local(t, t._spec.mesh) for t in (k, v))
+        mk = mv = None
     if mq is not None and mk is not None:
         if mk != mq or mv != mq:
             return unsupported_or_fallback(func, args, kwargs, "query, key and value sharded over different mesh dims")
@@ -332,9 +341,9 @@ def _sdpa(func, args, kwargs):
         k_full, v_full = params_for(spec.mesh, [mq], k_full, v_full)
         q0 = sum(spec.sizes[mq][:spec.coord[mq]])
         ql = q.to_local()
-        if causal or mask is not None:
+        if causal or mask is not None or dropout:
             s = _scores(ql, _expand(k_full, groups), scale, causal, q0, 0, mask)
-            out = torch.softmax(s, -1) @ _expand(v_full, groups)
+            out = F.dropout(torch.softmax(s, -1), dropout) @ _expand(v_full, groups)
         else:
             out = F.scaled_dot_product_attention(ql, k_full, v_full, scale=scale, enable_gqa=a["enable_gqa"])
         return like(spec.with_(shape=tuple(spec.shape[:-1]) + (out.shape[-1],)), out)
@@ -353,7 +362,8 @@ def _sdpa(func, args, kwargs):
         big = comm.all_reduce(local_max.contiguous(), "max", spec.mesh, mk)
         big = torch.where(torch.isfinite(big), big, torch.zeros_like(big))
     p = torch.exp(s - big)
-    num = comm.all_reduce_to_replicated(p @ _expand(vl, groups), spec.mesh, mk)
+    # dropout of the normalised weights p/den is dropout of p: each rank drops its own block's columns
+    num = comm.all_reduce_to_replicated(F.dropout(p, dropout) @ _expand(vl, groups), spec.mesh, mk)
     den = comm.all_reduce_to_replicated(p.sum(-1, keepdim=True), spec.mesh, mk)
     out = num / den
     placements = [Replicate() if k_ == mk else p_ for k_, p_ in enumerate(spec.placements)]

@@ -24,6 +24,7 @@ _R = Replicate()
 # op -> (index of the dim argument, its default, number of leading tensor arguments)
 _DIM_OPS = {
     aten._softmax.default: (1, None, 1),
+    aten._safe_softmax.default: (1, None, 1),
     aten._log_softmax.default: (1, None, 1),
     aten._softmax_backward_data.default: (2, None, 2),
     aten._log_softmax_backward_data.default: (2, None, 2),
@@ -54,12 +55,6 @@ def _dims_of(func, args, kwargs, ndim):
     if func is aten.roll.default and len(val) == 0:
         return list(range(ndim))  # roll without dims works on the flattened tensor
     return [d % ndim for d in val] if ndim else []
-
-
-def _no_partial(spec: ShardSpec) -> ShardSpec:
-    if not spec.has_partial:
-        return spec
-    return spec.with_(placements=tuple(_R if isinstance(p, Partial) else p for p in spec.placements))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -103,9 +98,9 @@ def dim_local(func, args, kwargs):
     # passes a gradient can arrive sharded on such a dim (laid out like some other operand)
     usable = [s for s in sts if not any(s._spec.mesh_dim_of(d) is not None for d in dims)]
     if usable:
-        ref = _no_partial(usable[0]._spec)
+        ref = usable[0]._spec.reduced()
     else:
-        ref = layout_avoiding(_no_partial(sts[0]._spec), set(dims), tuple(sts[0].shape))
+        ref = layout_avoiding(sts[0]._spec.reduced(), set(dims), tuple(sts[0].shape))
         if _fallback_mode.current() == "gather" or ref is None:
             return unsupported_or_fallback(func, args, kwargs, f"it works along dim(s) {dims}, which are sharded")
         warn_relayout(func, f"moved the shard off dim(s) {dims}, which the op works along")
@@ -131,7 +126,7 @@ def dim_local(func, args, kwargs):
 def layer_norm(func, args, kwargs):
     """Normalising over trailing dims that are not sharded: local; statistics keep the leading layout."""
     x, normalized_shape, weight, bias, eps = args
-    spec = _no_partial(x._spec)
+    spec = x._spec.reduced()
     axis = x.ndim - len(normalized_shape)
     if any(spec.mesh_dim_of(d) is not None for d in range(axis, x.ndim)):
         return unsupported_or_fallback(func, args, kwargs, "it normalises over a sharded dim")
@@ -148,7 +143,7 @@ def layer_norm_backward(func, args, kwargs):
     """Input gradient local; weight/bias gradients sum over the (sharded) leading dims: Partial(sum)."""
     grad, x, normalized_shape, mean, rstd, weight, bias, mask = args
     sts = shard_tensors([grad, x, mean, rstd])
-    spec = _no_partial(x._spec) if isinstance(x, ShardTensor) else _no_partial(sts[0]._spec)
+    spec = x._spec.reduced() if isinstance(x, ShardTensor) else sts[0]._spec.reduced()
     axis = len(spec.shape) - len(normalized_shape)
     if any(spec.mesh_dim_of(d) is not None for d in range(axis, len(spec.shape))):
         spec = layout_avoiding(spec, set(range(axis, len(spec.shape))), tuple(spec.shape))
@@ -199,8 +194,8 @@ def index_along_unsharded_dim(func, args, kwargs):
         return unsupported_or_fallback(func, args, kwargs, "the index operand is sharded")
     common_mesh(sts + others, func)  # operands on one mesh, or a clear error
     dim = args[1] % args[0].ndim
-    sharded = [s for s in sts if not _no_partial(s._spec).is_replicated]
-    ref = _no_partial((sharded or sts)[0]._spec)
+    sharded = [s for s in sts if not s._spec.reduced().is_replicated]
+    ref = ((sharded or sts)[0]._spec).reduced()
     if ref.mesh_dim_of(dim) is not None:
         return unsupported_or_fallback(func, args, kwargs, f"it indexes along dim {dim}, which is sharded")
     for i in pos:

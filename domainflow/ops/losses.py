@@ -28,7 +28,7 @@ def _ref_spec(func, tensors) -> ShardSpec:
     spec = (sharded or sts)[0]._spec
     if spec.shape != tensors[0].shape:
         spec = replicated_spec(mesh, tensors[0].shape)
-    return spec.with_(placements=tuple(_R if isinstance(p, Partial) else p for p in spec.placements))
+    return spec.reduced()
 
 
 # loss op -> number of leading tensor args (self, target[, weight, pos_weight]); reduction position
@@ -95,6 +95,6 @@ def dropout(func, args, kwargs):
     """Dropout on local chunks: each rank draws its own mask (statistically, not bitwise, equal to
     single-device dropout, whose random stream depends on the whole tensor)."""
     x = args[0]
-    spec = x._spec.with_(placements=tuple(_R if isinstance(p, Partial) else p for p in x._spec.placements))
+    spec = x._spec.reduced()
     out, mask = func(to_spec(x, spec), *args[1:], **kwargs)
     return ShardTensor(out, spec), ShardTensor(mask, spec)

@@ -122,7 +122,7 @@ def _contract(func, a, b, nb, bias=None, beta=1, alpha=1):
         bias_spec = _spec_of(bias, mesh)
         if bias_spec.has_partial:
             return unsupported_or_fallback(func, (bias, a, b), {}, "Partial bias")
-        full_out = ShardSpec(mesh, [(_R if isinstance(p, Partial) else p) for p in out.placements], out.shape, out.sizes)
+        full_out = out.reduced()
         b_local = _bias_local(bias, bias_spec, full_out)
         if _partial_rank_zero(out):
             local = local + (b_local * beta if beta != 1 else b_local)

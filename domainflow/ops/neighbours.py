@@ -36,7 +36,10 @@ def knn(points, k: int, queries=None, *, exclude_self: bool = False, boxes: torc
     """The ``k`` nearest points to each query (each point, when ``queries`` is None).
 
     ``points`` (N, D) and ``queries`` (M, D) are ShardTensors sharded on dim 0 over the same mesh dim
-    (any sizes, empty ranks included; other mesh dims replicated), or plain tensors. ``exclude_self``
+    (any sizes, empty ranks included; other mesh dims replicated), or plain tensors. Mixed layouts work too:
+    replicated or plain points with sharded queries search locally; sharded points with replicated or plain
+    queries (or sharded over another mesh dim) are gathered first; replicated queries give replicated
+    results. ``exclude_self``
     (with ``queries`` None) leaves each point out of its own list. ``boxes`` (ranks, 2, D), each rank's
     point box (``MeshDataset`` samples carry them, from the store's part boxes), saves one all-gather.
 
@@ -55,9 +58,11 @@ def knn(points, k: int, queries=None, *, exclude_self: bool = False, boxes: torc
         ids = torch.arange(len(p), device=p.device)
         d2, idx = knn_search(queries.detach(), p, ids, k, exclude=ids if exclude_self else None)
         return idx, d2.sqrt()
-    p, q, pid, qid, mesh, m = layout
+    p, q, pid, qid, mesh, m, whole = layout
     exclude = qid if exclude_self else None
     d2, idx = knn_search(q, p, pid, k, exclude=exclude)
+    if whole:  # every rank holds all points: nothing to fetch
+        return _like_queries(idx, queries, mesh), _like_queries(d2.sqrt(), queries, mesh)
     if comm.group_size(mesh, m) > 1:
         box_all = _point_boxes(p, mesh, m, boxes)
         bound = _box_bound(q, box_all, points._spec.sizes[m], k + int(exclude_self), comm_coord(mesh, m))
@@ -84,12 +89,14 @@ def radius(points, r: float, queries=None, *, max_neighbors: int | None = None, 
         ids = torch.arange(len(p), device=p.device)
         qi, pi, d2 = radius_search(queries.detach(), p, ids, r, max_neighbors, ids if exclude_self else None)
         return qi, pi, d2.sqrt()
-    p, q, pid, qid, mesh, m = layout
-    if comm.group_size(mesh, m) > 1:
+    p, q, pid, qid, mesh, m, whole = layout
+    if not whole and comm.group_size(mesh, m) > 1:
         fp, fid = _fetch_within(p, pid, q, q.new_full((len(q),), float(r)), mesh, m)
         p, pid = torch.cat([p, fp]), torch.cat([pid, fid])
     qi, pi, d2 = radius_search(q, p, pid, r, max_neighbors, qid if exclude_self else None)
     qi = qid[qi] if len(qi) else qi
+    if m is None:  # replicated queries: every rank found every edge
+        return tuple(derived_from_local(t, mesh, [Replicate()] * mesh.ndim, {}) for t in (qi, pi, d2.sqrt()))
     n = comm.group_size(mesh, m)
     counts = comm.all_gather_uneven(torch.tensor([len(qi)], device=q.device), 0, [1] * n, mesh, m)
     placements = [Shard(0) if k == m else Replicate() for k in range(mesh.ndim)]
@@ -117,6 +124,9 @@ def _layout(points, queries, exclude_self: bool, what: str):
 
 
 def _local_layout(points, queries, what: str):
+    """None for plain tensors; else (points, queries, their global row ids, mesh, mesh dim of the queries'
+    rows or None, whole) with local tensors. ``whole``: this rank holds every point (points replicated or
+    plain, or sharded otherwise than the queries and gathered), so no fetch is needed."""
     for name, t in (("points", points), ("queries", queries)):
         if t.ndim != 2 or not t.is_floating_point():
             raise ValueError(f"{what}: {name} must be a floating (rows, dims) tensor, got {t.dtype} {tuple(t.shape)}")
@@ -125,23 +135,39 @@ def _local_layout(points, queries, what: str):
     sts = [t for t in (points, queries) if isinstance(t, ShardTensor)]
     if not sts:
         return None
-    if len(sts) == 1:
-        raise ShardingMismatchError(f"{what}: points and queries must both be ShardTensors (sharded on dim 0 over "
-                                    f"the same mesh dim) or both plain tensors")
-    m = None
-    for name, t in (("points", points), ("queries", queries)):
-        shards = [k for k, p in enumerate(t._spec.placements) if not isinstance(p, Replicate)]
-        if len(shards) != 1 or t._spec.placements[shards[0]] != Shard(0):
-            raise ShardingMismatchError(f"{what}: {name} must be sharded on dim 0 over one mesh dim and replicated "
-                                        f"over the others; got placements {t.placements}")
-        if m is not None and shards[0] != m:
-            raise ShardingMismatchError(f"{what}: points and queries are sharded over different mesh dims")
-        m = shards[0]
-    if points._spec.mesh != queries._spec.mesh:
+    if len(sts) == 2 and points._spec.mesh != queries._spec.mesh:
         raise ShardingMismatchError(f"{what}: points and queries live on different device meshes")
-    mesh = points._spec.mesh
-    return (points._local.detach(), queries._local.detach(), _global_ids(points, m), _global_ids(queries, m),
-            mesh, m)
+    mesh = sts[0]._spec.mesh
+    pm, qm = _row_mesh_dim(points, what, "points"), _row_mesh_dim(queries, what, "queries")
+    if pm is not None and pm == qm:
+        return (points._local.detach(), queries._local.detach(), _global_ids(points, pm), _global_ids(queries, qm),
+                mesh, pm, False)
+    p = _whole(points)
+    pid = torch.arange(len(p), device=p.device)
+    if qm is not None:
+        return p, queries._local.detach(), pid, _global_ids(queries, qm), mesh, qm, True
+    q = _whole(queries)
+    return p, q, pid, torch.arange(len(q), device=q.device), mesh, None, True
+
+
+def _row_mesh_dim(t, what: str, name: str) -> int | None:
+    """The mesh dim sharding ``t``'s rows (dim 0), or None when ``t`` is plain or replicated."""
+    if not isinstance(t, ShardTensor):
+        return None
+    shards = [k for k, p in enumerate(t._spec.placements) if not isinstance(p, Replicate)]
+    if not shards:
+        return None
+    if len(shards) != 1 or t._spec.placements[shards[0]] != Shard(0):
+        raise ShardingMismatchError(f"{what}: {name} must be sharded on dim 0 over one mesh dim (replicated over "
+                                    f"the others) or replicated; got placements {t.placements}")
+    return shards[0]
+
+
+def _whole(t) -> torch.Tensor:
+    """All rows of ``t`` on this rank (a sharded ShardTensor is gathered), detached."""
+    if isinstance(t, ShardTensor):
+        return t.detach().redistribute([Replicate()] * t._spec.mesh.ndim).to_local()
+    return t.detach()
 
 
 def _global_ids(t: ShardTensor, m: int) -> torch.Tensor:
@@ -149,7 +175,10 @@ def _global_ids(t: ShardTensor, m: int) -> torch.Tensor:
     return torch.arange(start, start + t._local.shape[0], device=t._local.device)
 
 
-def _like_queries(local: torch.Tensor, queries: ShardTensor) -> ShardTensor:
+def _like_queries(local: torch.Tensor, queries, mesh=None) -> ShardTensor:
+    """``local`` (one row per local query) laid out like the queries; replicated when they are plain."""
+    if not isinstance(queries, ShardTensor):
+        return derived_from_local(local, mesh, [Replicate()] * mesh.ndim, {})
     spec = queries._spec
     return derived_from_local(local, spec.mesh, list(spec.placements),
                                   sharding_shapes={k: list(s) for k, s in enumerate(spec.sizes) if s is not None})

@@ -1,4 +1,5 @@
-"""Normalization layers on grids sharded over batch and/or spatial dims: group, batch and instance norm.
+"""Normalization layers on sharded tensors: group, batch and instance norm on grids sharded over batch and/or
+spatial dims; layer norm over sharded trailing dims (the aten handler in ``dimwise`` runs the local case).
 
 Statistics need sums over the sharded dims: each rank sums its block (in float64), and one all-reduce per
 sharded mesh dim carries the sums and the sums of squares together. The normalisation itself is local.
@@ -9,11 +10,13 @@ sharded mesh dims once, in backward.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from domainflow import comm
-from domainflow.dispatch.toolkit import unsupported_or_fallback, bind, run_function_default
+from domainflow.dispatch.toolkit import bind, params_for, run_function_default, unsupported_or_fallback
 from domainflow.layout.placements import Shard
 from domainflow.dispatch.registry import register_function
 from domainflow.tensor.shard_tensor import ShardTensor
@@ -221,6 +224,47 @@ def _channel_norm(func, args, kwargs, a, stats_over_batch: bool, use_batch_stats
     return like(spec, y)
 
 
+def _layer_norm(func, args, kwargs):
+    """Layer norm over trailing dims, some of them sharded (a row's statistics span ranks): global moments in
+    one all-reduce, the normalisation local. Without a sharded normalised dim the aten handler runs it locally.
+    The weight and bias are sliced to this rank's block; their gradients, zero outside the block, are summed
+    over every sharded mesh dim once (queued under ``deferred_param_grads``)."""
+    a = bind(args, kwargs, ("self", "normalized_shape", "weight", "bias", "eps"), weight=None, bias=None, eps=1e-5)
+    x, weight, bias = a["self"], a["weight"], a["bias"]
+    shape = tuple(a["normalized_shape"]) if not isinstance(a["normalized_shape"], int) else (a["normalized_shape"],)
+    if not isinstance(x, ShardTensor) or any(isinstance(t, ShardTensor) and not without_partial(t)._spec.is_replicated
+                                             for t in (weight, bias)):
+        return run_function_default(func, args, kwargs)
+    axis = x.ndim - len(shape)
+    spec = without_partial(x)._spec
+    stat_mesh = [m for m, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim >= axis]
+    if not stat_mesh:
+        return run_function_default(func, args, kwargs)
+    x = without_partial(x)
+    local = x.to_local()
+    weight, bias = (without_partial(t).to_local() if isinstance(t, ShardTensor) else t for t in (weight, bias))
+    dims = tuple(range(axis, x.ndim))
+    count = math.prod(shape)
+    _, var, centred, delta = _centred_moments(local, dims, count, spec, stat_mesh)
+    all_mesh = [m for m, p in enumerate(spec.placements) if isinstance(p, Shard)]
+    weight, bias = params_for(spec.mesh, all_mesh, weight, bias)
+    coord = spec.coord
+
+    def block(t):
+        if t is None:
+            return None
+        for m in stat_mesh:
+            d = spec.placements[m].dim - axis
+            t = t.narrow(d, sum(spec.sizes[m][:coord[m]]), spec.sizes[m][coord[m]])
+        return t
+
+    affine = (1,) * axis + tuple(local.shape[axis:])
+    y = _normalize(local, centred, block(weight), block(bias), delta, var, a["eps"], dims, count, spec, stat_mesh,
+                   [], True, affine)
+    return like(spec, y)
+
+
+register_function(F.layer_norm)(_layer_norm)
 register_function(F.group_norm)(_group_norm)
 register_function(F.batch_norm)(_batch_norm)
 register_function(F.instance_norm)(_instance_norm)

@@ -7,19 +7,13 @@ import torch
 from domainflow.layout import shapes
 from domainflow.ops.pointwise import pointwise
 from domainflow.dispatch.toolkit import common_mesh, local_as, replicate_local, run_function_default, unsupported_or_fallback, replicated_spec, shard_tensors, to_spec
-from domainflow.layout.placements import Partial, Replicate
+from domainflow.layout.placements import Replicate
 from domainflow.dispatch.registry import register_aten, register_function
 from domainflow.tensor.shard_tensor import ShardTensor, keep_leaf_layout
 from domainflow.layout.spec import ShardSpec
 
 aten = torch.ops.aten
 _R = Replicate()
-
-
-def _no_partial(spec: ShardSpec) -> ShardSpec:
-    if not spec.has_partial:
-        return spec
-    return spec.with_(placements=tuple(_R if isinstance(p, Partial) else p for p in spec.placements))
 
 
 @register_aten(aten.detach.default, aten.alias.default, aten.lift_fresh.default, aten._to_copy.default,
@@ -31,7 +25,7 @@ def same_layout(func, args, kwargs):
     x = args[0]
     dtype = kwargs.get("dtype")
     if x._spec.has_partial and dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
-        spec = _no_partial(x._spec)
+        spec = x._spec.reduced()
         return ShardTensor(func(to_spec(x, spec), *args[1:], **kwargs), spec)
     return ShardTensor(func(x._local, *args[1:], **kwargs), x._spec)
 
@@ -56,7 +50,7 @@ def like_factory(func, args, kwargs):
     """New tensor laid out like the input; a Partial input gives a replicated result (its values are
     the op's, not pending sums)."""
     x = args[0]
-    return ShardTensor(func(x._local, *args[1:], **kwargs), _no_partial(x._spec))
+    return ShardTensor(func(x._local, *args[1:], **kwargs), x._spec.reduced())
 
 
 @register_aten(aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
@@ -79,7 +73,7 @@ def fill_inplace(func, args, kwargs):
     if x._spec.has_partial:
         from domainflow.dispatch.toolkit import relayout
 
-        relayout(x, x._local, _no_partial(x._spec))
+        relayout(x, x._local, x._spec.reduced())
     return x
 
 
@@ -106,7 +100,7 @@ def equal(func, args, kwargs):
     if a.shape != b.shape:
         return False
     ref = sts[0]._spec
-    ref = _no_partial(ref)
+    ref = ref.reduced()
     la, lb = local_as(a, ref), local_as(b, ref)
     from domainflow import comm
 
@@ -133,7 +127,7 @@ def cat(func, args, kwargs):
               and t._spec.mesh_dim_of(dim) is not None), None)
     if m is not None:
         return _cat_sharded_dim(tensors, dim, m, mesh)
-    ref = _no_partial(ref_t._spec)
+    ref = ref_t._spec.reduced()
     locals_, total = [], 0
     for t in tensors:
         shape = list(ref.shape)
@@ -161,7 +155,7 @@ def _cat_sharded_dim(tensors, dim, m, mesh):
     pieces of a split) the target equals their layout: no communication."""
     n = mesh.shape[m]
     ref = next(t for t in tensors if isinstance(t, ShardTensor) and t._spec.mesh_dim_of(dim) == m)
-    ref_spec = _no_partial(ref._spec)
+    ref_spec = ref._spec.reduced()
     per_rank = [0] * n
     op_sizes = []
     for t in tensors:

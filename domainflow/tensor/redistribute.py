@@ -20,9 +20,7 @@ _R = Replicate()
 
 def grad_spec(spec: ShardSpec) -> ShardSpec:
     """Layout of the gradient of a tensor with ``spec``: a Partial value's gradient is replicated."""
-    if not spec.has_partial:
-        return spec
-    return spec.with_(placements=tuple(_R if isinstance(p, Partial) else p for p in spec.placements))
+    return spec.reduced()
 
 
 def partial_from_replicate(local: torch.Tensor, p: Partial, coord: int) -> torch.Tensor:

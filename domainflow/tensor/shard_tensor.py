@@ -24,7 +24,7 @@ from domainflow.layout import shapes
 from domainflow.errors import ShardingMismatchError, ShardingShapeError
 from domainflow.layout.placements import Partial, Placement, Replicate, Shard, normalize_placements
 from domainflow.tensor.redistribute import grad_spec, partial_from_replicate, redistribute_local
-from domainflow.layout.spec import ShardSpec, mesh_coordinate, mesh_shape, sizes_from_mapping
+from domainflow.layout.spec import ShardSpec, mapping_mesh_dim, mesh_coordinate, mesh_shape, sizes_from_mapping
 
 _MAX_DIMS = 12
 _ALL_REPLICATE = {n: (Replicate(),) * n for n in range(1, 9)}
@@ -285,7 +285,7 @@ def _ride_backward(x: ShardTensor) -> list:
     if any(isinstance(p, Partial) and p.reduce_op != "sum" for p in spec.placements):
         return []
     dims = [m for m, p in enumerate(spec.placements) if isinstance(p, Partial)]
-    done_spec = spec.with_(placements=tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements))
+    done_spec = spec.reduced()
 
     def resolved(value, x=x, done_spec=done_spec):
         # the same global value, now held whole on every rank: later .item() / full_tensor() need no collective
@@ -410,15 +410,10 @@ def target_spec(spec: ShardSpec, placements: Sequence[Placement], sharding_shape
     mesh = spec.mesh
     sizes: list = [None] * mesh.ndim
     if isinstance(sharding_shapes, Mapping):
-        names = tuple(mesh.mesh_dim_names or ())
         for key, entries in sharding_shapes.items():
-            m = names.index(key) if isinstance(key, str) and key in names else key
-            if not isinstance(m, int) or not 0 <= m < mesh.ndim:
-                raise ShardingShapeError(f"sharding_shapes key {key!r} is not a mesh dim (names {names})")
-            p = placements[m]
-            if not isinstance(p, Shard):
-                raise ShardingShapeError(f"sharding_shapes names mesh dim {key!r} whose target placement is {p}")
-            sizes[m] = tuple(e if isinstance(e, int) else tuple(e)[p.dim] for e in entries)
+            m = mapping_mesh_dim(mesh, key, placements)
+            d = placements[m].dim
+            sizes[m] = tuple(e if isinstance(e, int) else tuple(e)[d] for e in entries)
     for m, p in enumerate(placements):
         if not isinstance(p, Shard) or sizes[m] is not None:
             continue
@@ -592,7 +587,6 @@ def scatter_tensor(tensor: torch.Tensor | None, src: int, mesh: DeviceMesh, plac
     import torch.distributed as dist
 
     me = dist.get_rank() if dist.is_initialized() else 0
-    ranks = mesh.mesh.flatten().tolist()
     mesh_shape = tuple(mesh.shape)
     header_len = 2 + _MAX_DIMS + sum(mesh_shape)
     if me == src:
@@ -606,10 +600,8 @@ def scatter_tensor(tensor: torch.Tensor | None, src: int, mesh: DeviceMesh, plac
         header = [tensor.ndim, _DTYPES.index(tensor.dtype)] + list(tensor.shape) + [0] * (_MAX_DIMS - tensor.ndim)
         for m in range(mesh.ndim):
             header += list(dst.sizes[m]) if dst.sizes[m] is not None else [0] * mesh_shape[m]
-        htensor = torch.tensor(header, dtype=torch.int64, device=comm._device(mesh))
-        reqs = [dist.isend(htensor, r) for r in ranks if r != me]
-        for q in reqs:
-            q.wait()
+        comm.send_header(torch.tensor(header, dtype=torch.int64, device=comm.mesh_device(mesh)), header_len, src,
+                         mesh)
         pieces = []
         coords = _all_coords(mesh_shape)
         for c in coords:
@@ -621,9 +613,7 @@ def scatter_tensor(tensor: torch.Tensor | None, src: int, mesh: DeviceMesh, plac
         local = comm.scatter_pieces(pieces, (), tensor.dtype, tensor.device, src, mesh)
         spec = dst
     else:
-        htensor = torch.empty(header_len, dtype=torch.int64, device=comm._device(mesh))
-        dist.recv(htensor, src=src)
-        h = htensor.tolist()
+        h = comm.send_header(None, header_len, src, mesh).tolist()
         nd, dtype = h[0], _DTYPES[h[1]]
         gshape = h[2:2 + nd]
         placements_n = normalize_placements(placements, nd, mesh.ndim)
@@ -632,7 +622,7 @@ def scatter_tensor(tensor: torch.Tensor | None, src: int, mesh: DeviceMesh, plac
             sizes.append(tuple(h[i:i + n]) if isinstance(placements_n[m], Shard) else None)
             i += n
         spec = ShardSpec.build(mesh, placements_n, gshape, sizes)
-        dev = comm._device(mesh)
+        dev = comm.mesh_device(mesh)
         local = comm.scatter_pieces(None, spec.local_shape, dtype, dev, src, mesh)
     for m, p in enumerate(spec.placements):
         if isinstance(p, Partial):

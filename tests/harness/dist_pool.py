@@ -566,9 +566,16 @@ def _read_file(path: str) -> str:
 
 
 def _trim_stack(text: str) -> str:
-    """Keep faulthandler's frames from user code, drop the harness and multiprocessing frames."""
-    out = []
+    """Keep faulthandler's frames from user code, drop the harness and multiprocessing frames; the thread
+    that was running the task comes first (others, e.g. a reader's prefetch thread, after it)."""
+    blocks: list[list[str]] = [[]]
     for line in text.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x")) and blocks[-1]:
+            blocks.append([])
+        blocks[-1].append(line)
+    blocks.sort(key=lambda b: not (b and b[0].startswith("Current thread")))
+    out = []
+    for line in (line for b in blocks for line in b):
         s = line.strip()
         if s.startswith("File ") and (os.sep + "multiprocessing" + os.sep in s
                                       or os.path.basename(__file__) in s

@@ -11,11 +11,11 @@ import warnings
 
 import pytest
 import torch
+from dist_pool import WORLD_SIZES, rank_and_world
+from sharded_check import get_mesh, mesh_shapes, random_sizes
 
 import domainflow as df
-from dist_pool import WORLD_SIZES, rank_and_world
 from domainflow import Partial, Replicate, Shard, ShardTensor
-from sharded_check import get_mesh, mesh_shapes, random_sizes
 
 CASES = [(w, ms) for w in WORLD_SIZES for ms in mesh_shapes(w)]
 IDS = [f"ws{w}-mesh{'x'.join(map(str, ms))}" for w, ms in CASES]
@@ -375,3 +375,266 @@ def test_gradients_of_shardtensor_leaves_have_the_leafs_layout(dist, op):
         for rank_out in dist.run(world, _leaf_grads_keep_layout, op):
             for same, err in rank_out:
                 assert same and err < 1e-12, rank_out
+
+
+D = torch.float64
+
+
+TOL = 1e-10
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank()
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def _no_problems(results) -> None:
+    """``results``: one list of problem strings per rank."""
+    bad = {r: p for r, p in enumerate(results) if p}
+    assert not bad, "\n".join(f"rank {r}: {p}" for r, ps in bad.items() for p in ps)
+
+
+# =================================================================================================
+# 3. distribute_tensor / scatter_tensor with Partial placements, dtypes, 2-D meshes
+# =================================================================================================
+def _distribute_partial_bool():
+    mesh = get_mesh((rank_and_world()[1],))
+    t = torch.tensor([True, False, True])
+    probs = []
+    for op in ("sum", "max", "min", "product"):
+        st = df.distribute_tensor(t, mesh, [Partial(op)])
+        # checked without a collective: a mismatched dtype makes Gloo abort the process
+        if st.dtype != torch.bool or st.to_local().dtype != torch.bool:
+            probs.append(f"Partial({op}): local dtype {st.to_local().dtype}, wrapper dtype {st.dtype}")
+    return probs
+
+
+def test_distribute_tensor_partial_keeps_bool_dtype(dist):
+    # Regression test (bug found in review, now fixed): distribute_tensor(bool_tensor, mesh, [Partial("sum")]) makes the non-zero ranks' local
+    # `piece * 0` (and `piece * 0 + 1` for "product"), which is int64 for a bool tensor, while rank 0
+    # keeps bool. full_tensor() then all-reduces 1-byte buffers against 8-byte ones: Gloo aborts the
+    # process (SIGABRT "Received data size doesn't match expected size"). Root cause:
+    # shard_tensor.distribute_tensor's `piece * 0` instead of partial_from_replicate/zeros_like.
+    _no_problems(dist.run(3, _distribute_partial_bool))
+
+
+def _distribute_partial_inf():
+    world = rank_and_world()[1]
+    mesh = get_mesh((world,))
+    t = torch.tensor([float("inf"), 1.5, float("-inf")], dtype=D)
+    probs = []
+    for op in ("sum", "avg", "max", "min", "product"):
+        got = df.distribute_tensor(t, mesh, [Partial(op)]).full_tensor()
+        if not torch.equal(got, t):
+            probs.append(f"distribute_tensor Partial({op}): {got.tolist()} != {t.tolist()}")
+        got = df.scatter_tensor(t if _rank() == 0 else None, 0, mesh, [Partial(op)]).full_tensor()
+        if not torch.equal(got, t):
+            probs.append(f"scatter_tensor Partial({op}): {got.tolist()} != {t.tolist()}")
+    return probs
+
+
+def test_distribute_tensor_partial_with_infinities(dist):
+    # Regression test (bug found in review, now fixed): distribute_tensor(t, mesh, [Partial("sum")]) with t containing +-inf gives NaN there:
+    # the other ranks hold `inf * 0 = nan` (and `inf * 0 + 1 = nan` for "product"). scatter_tensor
+    # (which uses partial_from_replicate -> zeros_like/ones_like) is right. Root cause:
+    # shard_tensor.distribute_tensor uses `piece * 0` "to keep the autograd link".
+    _no_problems(dist.run(3, _distribute_partial_inf))
+
+
+def _distribute_grad_to_replicated_input(placement):
+    """A tensor every rank holds (like a replicated parameter, e.g. a learned positional field)
+    distributed with distribute_tensor and used in a loss: its gradient on every rank must equal the
+    single-process gradient, as it does for Replicate() and for plain parameters used with
+    ShardTensors (DESIGN: replicated parameters get single-device gradients)."""
+    world = rank_and_world()[1]
+    mesh = get_mesh((world,))
+    gen = _gen(4)
+    full = torch.randn(5, 2, generator=gen, dtype=D)
+    cot = torch.randn(5, 2, generator=gen, dtype=D)
+    pl = {"replicate": Replicate(), "shard": Shard(0), "partial_sum": Partial("sum")}[placement]
+    ref = full.clone().requires_grad_()
+    ((ref * cot) ** 2).sum().backward()
+    p = full.clone().requires_grad_()
+    loss = ((df.distribute_tensor(p, mesh, [pl], sharding_shapes={0: (1, 4, 0)} if placement == "shard" else None)
+             * cot) ** 2).sum()
+    loss.backward()
+    probs = []
+    if p.grad is None or not torch.allclose(p.grad, ref.grad, rtol=0, atol=TOL):
+        rows = [] if p.grad is None else [i for i in range(5) if not torch.allclose(p.grad[i], ref.grad[i])]
+        probs.append(f"{placement}: p.grad differs from the single-process gradient in rows {rows}")
+    # control: the same tensor used as a plain operand with a sharded activation
+    q = full.clone().requires_grad_()
+    z = df.distribute_tensor(torch.zeros(5, 2, dtype=D), mesh, [Shard(0)], sharding_shapes={0: (1, 4, 0)})
+    (((z + q) * cot) ** 2).sum().backward()
+    if not torch.allclose(q.grad, ref.grad, rtol=0, atol=TOL):
+        probs.append("control (plain operand) gradient wrong")
+    return probs
+
+
+@pytest.mark.parametrize("placement", ["replicate",
+                                       # Regression test (bug found in review, now fixed): shard, partial_sum
+                                       "shard", "partial_sum"])
+def test_distribute_tensor_gradient_of_replicated_input(dist, placement):
+    # Regression test (bug found in review, now fixed): distribute_tensor(p, mesh, [Shard(0)]) with p replicated (every rank
+    # holds the same p, requires_grad) gives each rank's p.grad only its own rows (others 0); with
+    # [Partial("sum")] rank 0 gets the whole gradient and the others 0. With [Replicate()], and with
+    # p used as a plain operand (`z + p`, the dispatcher's reduce-to-plain hook), every rank gets the
+    # single-process gradient. distribute_tensor's narrow/`* 0` pieces are plain tensors that never get
+    # the hook (dispatch.hook_plain_grads), so the partial gradients are never summed. If per-rank
+    # partial gradients are the intended semantics, it should be documented (and made consistent
+    # with Replicate).
+    _no_problems(dist.run(3, _distribute_grad_to_replicated_input, placement))
+
+
+def _scatter_2d_dtypes():
+    mesh = get_mesh((2, 2), ("a", "b"))
+    me = _rank()
+    gen = _gen(5)
+    base = torch.randn(5, 4, 3, generator=gen, dtype=D)
+    probs = []
+    layouts = (([Shard(0), Shard(1)], {0: (0, 5), 1: (4, 0)}),
+               ([Shard(1), Shard(0)], {"a": (1, 3), "b": (5, 0)}),
+               ([Replicate(), Shard(2)], {1: (0, 3)}))
+    for dt in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+        full = (base > 0) if dt == torch.bool else (base * 10).to(dt)
+        for pl, sz in layouts:
+            try:
+                st = df.scatter_tensor(full if me == 3 else None, 3, mesh, pl, sharding_shapes=sz)
+                if st.dtype != dt or not torch.equal(st.full_tensor(), full):
+                    probs.append(f"{dt} scatter {pl}")
+                inf = ShardTensor.from_local(st.to_local(), mesh, pl, "infer")
+                if inf.spec != st.spec or inf.dtype != dt:
+                    probs.append(f"{dt} from_local('infer') {pl}: {inf.spec} vs {st.spec}")
+                for tpl in ([Shard(2), Shard(0)], [Replicate(), Shard(1)], [Shard(1), Replicate()]):
+                    rd = st.redistribute(tpl, "balanced")
+                    if rd.dtype != dt or not torch.equal(rd.full_tensor(), full):
+                        probs.append(f"{dt} redistribute {pl} -> {tpl}")
+            except Exception as e:  # noqa: BLE001
+                probs.append(f"{dt} {pl}: {_err(e)}")
+    # Partial placements through scatter (src 2) and distribute on the 2-D mesh
+    full = torch.arange(20, dtype=D).reshape(5, 4) - 7
+    for pl, sz in (([Partial("sum"), Shard(0)], {"b": (0, 5)}), ([Shard(1), Partial("max")], {"a": (4, 0)}),
+                   ([Partial("avg"), Partial("min")], None), ([Partial("product"), Shard(1)], {1: (1, 3)})):
+        try:
+            st = df.scatter_tensor(full if me == 2 else None, 2, mesh, pl, sharding_shapes=sz)
+            d = df.distribute_tensor(full, mesh, pl, sharding_shapes=sz)
+            if not torch.equal(st.full_tensor(), full) or not torch.equal(d.full_tensor(), full) or st.spec != d.spec:
+                probs.append(f"Partial layout {pl}")
+            if len({p.reduce_op for p in pl if isinstance(p, Partial)}) == 1:
+                if not torch.equal(st.redistribute(st.placements, "chunk").to_dtensor().full_tensor(), full):
+                    probs.append(f"to_dtensor {pl}")
+        except Exception as e:  # noqa: BLE001
+            probs.append(f"Partial layout {pl}: {_err(e)}")
+    return probs
+
+
+def test_scatter_from_local_redistribute_dtypes_on_2d_mesh(dist):
+    _no_problems(dist.run(4, _scatter_2d_dtypes))
+
+
+def _partial_dtypes():
+    world = rank_and_world()[1]
+    mesh = get_mesh((world,))
+    me = _rank()
+    gen = _gen(6)
+    allv = torch.randn(world, 6, generator=gen, dtype=D) * 5
+    probs = []
+    for dt in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+        vals = (allv > 0) if dt == torch.bool else allv.to(dt)
+        ops = ("sum", "max", "min") if dt == torch.bool else ("sum", "max", "min", "product") + \
+            (("avg",) if dt.is_floating_point else ())
+        for op in ops:
+            try:
+                got = ShardTensor.from_local(vals[me].clone(), mesh, [Partial(op)], "infer").full_tensor()
+            except Exception as e:  # noqa: BLE001
+                probs.append(f"{dt} Partial({op}): {_err(e)}")
+                continue
+            if dt == torch.bool:
+                want = {"sum": vals.any(0), "max": vals.any(0), "min": vals.all(0)}[op]
+            else:
+                v64 = vals.double()
+                want = {"sum": v64.sum(0), "avg": v64.mean(0), "max": v64.amax(0), "min": v64.amin(0),
+                        "product": v64.prod(0)}[op]
+            tol = {torch.bfloat16: 5e-2, torch.float32: 1e-5}.get(dt, 0)
+            if got.dtype != dt or not torch.allclose(got.double(), want.double(), rtol=tol, atol=tol):
+                probs.append(f"{dt} Partial({op}): {got.tolist()} != {want.tolist()}")
+    return probs
+
+
+def test_partial_full_tensor_dtypes(dist):
+    _no_problems(dist.run(3, _partial_dtypes))
+
+
+# =================================================================================================
+# 6. Python-level tensor API: global semantics, no hidden communication
+# =================================================================================================
+def _python_api():
+    world = rank_and_world()[1]
+    mesh = get_mesh((world,))
+    gen = _gen(8)
+    full = torch.randn(5, 3, generator=gen, dtype=D)
+    sizes = (0, 4, 1)
+    x = df.distribute_tensor(full, mesh, [Shard(0)], sharding_shapes={0: sizes})
+    probs = []
+
+    def check(name, fn, want):
+        try:
+            got = fn()
+            if got != want:
+                probs.append(f"{name}: {got!r} != {want!r}")
+        except Exception as e:  # noqa: BLE001
+            probs.append(f"{name}: {_err(e)}")
+
+    # metadata is global, and needs no communication: run it on rank 0 only, then check that the
+    # ranks are still in step (a collective right after) and that nothing was sent
+    df.comm.stats.reset()
+    if _rank() == 0:
+        check("len", lambda: len(x), 5)
+        check("shape", lambda: tuple(x.shape), (5, 3))
+        check("size", lambda: (tuple(x.size()), x.size(0), x.size(-1)), ((5, 3), 5, 3))
+        check("dim", lambda: x.dim(), 2)
+        check("numel", lambda: (x.numel(), x.nelement()), (15, 15))
+        r = repr(x)
+        if "ShardTensor" not in r or "(5, 3)" not in r or "Shard(0)[0, 4, 1]" not in r:
+            probs.append(f"repr lacks global shape / layout: {r}")
+        if str(x) != r:
+            probs.append("str != repr")
+    if sum(df.comm.stats.calls.values()):
+        probs.append(f"metadata / repr communicated: {dict(df.comm.stats.calls)}")
+    check("still in step", lambda: torch.equal(x.full_tensor(), full), True)
+    # values: global on every rank
+    check("item(sum)", lambda: abs(x.sum().item() - full.sum().item()) < TOL, True)
+    check("item(element)", lambda: x[3, 1].item(), full[3, 1].item())
+    check("item(1-element)", lambda: df.distribute_tensor(full[0, :1], mesh, [Shard(0)],
+                                                          sharding_shapes={0: (0, 0, 1)}).item(), full[0, 0].item())
+    check("float(amax)", lambda: float(x.amax()), float(full.amax()))
+    check("int(argmin)", lambda: int(x.argmin()), int(full.argmin()))
+    check("if x.sum() > 0", lambda: bool(x.sum() > 0), bool(full.sum() > 0))
+    check("if (x > 2).any()", lambda: bool((x > 1.5).any()), bool((full > 1.5).any()))
+    check("iteration", lambda: [row.full_tensor().tolist() for row in x], full.tolist())
+    check("x[-1]", lambda: x[-1].full_tensor().tolist(), full[-1].tolist())
+    check("x[-4]", lambda: x[-4].full_tensor().tolist(), full[-4].tolist())
+    check("unbind(1)", lambda: [t.full_tensor().tolist() for t in x.unbind(1)], [t.tolist() for t in full.unbind(1)])
+    check("in", lambda: full[3, 2].item() in x, True)
+    check("torch.equal", lambda: torch.equal(x, full), True)
+    check("x.T", lambda: x.T.full_tensor().tolist(), full.T.tolist())
+    check("int sum", lambda: int(df.distribute_tensor(torch.arange(7), mesh, [Shard(0)]).sum()), 21)
+    # .tolist(): the global list, or a clear error -- never this rank's chunk
+    try:
+        got = x.tolist()
+        if got != full.tolist():
+            probs.append(f"tolist returned {got}")
+    except (RuntimeError, TypeError, df.UnsupportedShardedOp):
+        pass
+    return probs
+
+
+def test_python_api_is_global_and_metadata_does_not_communicate(dist):
+    _no_problems(dist.run(3, _python_api))

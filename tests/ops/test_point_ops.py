@@ -290,3 +290,47 @@ def test_knn_and_radius_on_a_partitioned_surface(dist, world):
         n = results[0][1]
         for fetched, _ in results:
             assert max(fetched) < 0.25 * n, f"ranks fetched {fetched} of {n} points"
+
+
+def _mixed_layout_search(seed):
+    """knn/radius with points and queries in any mix of sharded, replicated and plain: results equal the plain
+    search, laid out like the queries (replicated when the queries are not sharded)."""
+    import domainflow as df
+
+    _, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    pts = torch.rand(60, 3, generator=gen, dtype=torch.float64)
+    qry = torch.rand(23, 3, generator=gen, dtype=torch.float64)
+    ref_i, ref_d = df.knn(pts, 4, qry)
+    ref_r = df.radius(pts, 0.25, qry, max_neighbors=5)
+    ps, qs = _sizes(len(pts), world, rng), _sizes(len(qry), world, rng)
+    layouts = {"plain": lambda t, s: t, "replicated": lambda t, s: df.distribute_tensor(t, mesh, [Replicate()]),
+               "sharded": lambda t, s: df.distribute_tensor(t, mesh, [Shard(0)], sharding_shapes={0: list(s)})}
+    problems = []
+    for pn, pl in layouts.items():
+        for qn, ql in layouts.items():
+            if pn == qn == "plain":
+                continue
+            idx, d = df.knn(pl(pts, ps), 4, ql(qry, qs))
+            edges = df.radius(pl(pts, ps), 0.25, ql(qry, qs), max_neighbors=5)
+            want = (Shard(0),) if qn == "sharded" else (Replicate(),)
+            if tuple(idx.placements) != want or tuple(edges[0].placements) != want:
+                problems.append(f"points {pn}, queries {qn}: results laid out {idx.placements}")
+            if qn == "sharded" and idx._spec.sizes[0] != tuple(qs):
+                problems.append(f"points {pn}, queries {qn}: knn rows {idx._spec.sizes[0]}, queries {qs}")
+            if not (torch.equal(idx.full_tensor(), ref_i) and torch.equal(d.full_tensor(), ref_d)):
+                problems.append(f"points {pn}, queries {qn}: knn differs from the plain search")
+            if not all(torch.equal(e.full_tensor(), r) for e, r in zip(edges, ref_r)):
+                problems.append(f"points {pn}, queries {qn}: radius differs from the plain search")
+    rep = df.distribute_tensor(pts, mesh, [Replicate()])
+    if not torch.equal(df.knn(rep, 3, exclude_self=True)[0].full_tensor(), df.knn(pts, 3, exclude_self=True)[0]):
+        problems.append("replicated points, exclude_self: differs from the plain search")
+    return problems
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_knn_and_radius_with_mixed_layouts(dist, world):
+    for problems in dist.run(world, _mixed_layout_search, 60 + world):
+        assert not problems, problems

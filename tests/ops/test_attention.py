@@ -229,3 +229,55 @@ def test_transolver_physics_attention(dist, world):
         assert calls == (1 if world > 1 else 0)
         # analytic minimum: slice tokens (B, H, M, D) and their normaliser (B, H, M), float64
         assert nbytes == (2 * 2 * 4 * 4 + 2 * 2 * 4) * 8 * (world > 1)
+
+
+def _dropout(seed):
+    """With value = identity, SDPA's output is the dropped-out attention weights themselves: every entry is
+    0 or P/(1-p). Gradients are checked against one device given the mask each rank drew."""
+    import warnings
+
+    import domainflow as df
+
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed + rank)  # each rank its own mask stream
+    L, p = 12, 0.4
+    q = torch.randn(2, L, 4, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, L, 4, generator=gen, dtype=torch.float64)
+    v = torch.eye(L, dtype=torch.float64).expand(2, L, L).contiguous()
+    cot = torch.randn(2, L, L, generator=gen, dtype=torch.float64)
+    problems = []
+    sizes = {0: random_sizes(L, world, rng)}
+    for name, (pq, pk) in {"batch": ([Shard(0)], [Shard(0)]), "ring": ([Shard(1)], [Shard(1)]),
+                           "queries": ([Shard(1)], [Replicate()]), "keys": ([Replicate()], [Shard(1)])}.items():
+        sq = sizes if pq[0] == Shard(1) else None
+        sk = sizes if pk[0] == Shard(1) else None
+        Q = df.distribute_tensor(q, mesh, pq, sharding_shapes=sq).requires_grad_()
+        K = df.distribute_tensor(k, mesh, pk, sharding_shapes=sk).requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = F.scaled_dot_product_attention(Q, K, df.distribute_tensor(v, mesh, pk, sharding_shapes=sk),
+                                                 dropout_p=p)
+            (out * df.distribute_tensor(cot, mesh, out.placements, sharding_shapes=(
+                {0: list(out._spec.sizes[0])} if out._spec.sizes[0] is not None else None))).sum().backward()
+        o = out.full_tensor()
+        qr, kr = q.clone().requires_grad_(), k.clone().requires_grad_()
+        P = torch.softmax(qr @ kr.transpose(-1, -2) / 2.0, -1)
+        kept = (o != 0).double()
+        if not torch.allclose(o, kept * P.detach() / (1 - p), rtol=1e-12, atol=0):
+            problems.append(f"{name}: output is not the dropped-out attention weights")
+        if not 0.2 < 1 - kept.mean().item() < 0.6:
+            problems.append(f"{name}: dropped {1 - kept.mean().item():.2f} of the weights, expected about {p}")
+        (kept * P / (1 - p) * cot).sum().backward()
+        for what, got, want in (("query", Q.grad.full_tensor(), qr.grad), ("key", K.grad.full_tensor(), kr.grad)):
+            if not torch.allclose(got, want, rtol=1e-10, atol=1e-12):
+                problems.append(f"{name}: {what} gradient differs from one device with the same mask")
+    return problems
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_attention_dropout_with_a_sharded_batch_or_sequence(dist, world):
+    for problems in dist.run(world, _dropout, 90 + world):
+        assert not problems, problems

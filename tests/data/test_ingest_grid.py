@@ -9,12 +9,15 @@ import pytest
 
 zarr = pytest.importorskip("zarr")
 
-from domainflow.app.cli import main as cli  # noqa: E402
+from pathlib import Path
+
 from domainflow.preprocess import ingest_grid  # noqa: E402
 from domainflow.preprocess.errors import IngestError  # noqa: E402
 from domainflow.preprocess.ingest_grid import ingest_climate, spatial_tile  # noqa: E402
 from domainflow.preprocess.synth_climate import VARIABLES, synth_climate  # noqa: E402
 from store_compare import assert_same_store  # noqa: E402
+
+from domainflow.app.cli import main as cli  # noqa: E402
 
 H, W, T = 24, 48, 30
 OPTS = dict(chunk_bytes=1024, progress=False)  # small tiles: several per map, as a big grid would have
@@ -179,3 +182,132 @@ def test_cli_synth_ingest_inspect_climate(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "grid store, format 2, complete" in out and "grid/t2m" in out and "domain 3: 2..3 rows" in out
     assert cli(["ingest", "climate", str(raw), str(store), "--on-error", "skip", "--quiet"]) != 0
+
+
+# =====================================================================================================
+# Climate
+# =====================================================================================================
+def _grid_source(path: Path, *variables, lat=None, lon=None, time=True, time_chunk=None, fmt=3, attrs=None):
+    """A small (time, latitude, longitude) Zarr with variables v0, v1, ..."""
+    g = zarr.open_group(path, mode="w", zarr_format=fmt)
+    T, H, W = variables[0].shape
+    lat = np.linspace(-60, 60, H) if lat is None else np.asarray(lat, float)
+    lon = np.arange(W) * 360.0 / W if lon is None else np.asarray(lon, float)
+
+    def put(name, values, dims, chunks, extra=None):
+        # v2 as xarray writes an array without missing values: no fill_value (to xarray a v2 fill_value is
+        # the _FillValue, and zarr-python's default 0 would make every 0 a missing value)
+        kw = ({"dimension_names": dims} if fmt == 3
+              else {"attributes": {"_ARRAY_DIMENSIONS": dims}, "fill_value": None})
+        a = g.create_array(name, shape=values.shape, dtype=values.dtype, chunks=chunks, **kw)
+        a[...] = values
+        if extra:
+            a.attrs.update(extra)
+
+    for i, v in enumerate(variables):
+        put(f"v{i}", v, ["time", "latitude", "longitude"], (time_chunk or v.shape[0],) + v.shape[1:],
+            (attrs or {}).get(f"v{i}"))
+    put("latitude", lat, ["latitude"], lat.shape)
+    put("longitude", lon, ["longitude"], lon.shape)
+    if time:
+        put("time", np.arange(T, dtype=np.int64) * 6, ["time"], (T,), {"units": "hours since 2000-01-01"})
+    return path
+
+
+@pytest.mark.parametrize("T,time_chunk,time_block", [(10, 4, None), (10, 10, 4), (3, 3, 8), (1, 1, None)])
+def test_grid_time_blocks_that_do_not_divide_the_series(tmp_path, T, time_chunk, time_block):
+    rng = np.random.default_rng(T)
+    v = rng.normal(size=(T, 5, 8)).astype(np.float32)
+    src = _grid_source(tmp_path / "src.zarr", v, time_chunk=time_chunk)
+    store = tmp_path / "g.zarr"
+    report = ingest_climate(src, store, time_block=time_block, progress=False)
+    block = time_block or time_chunk
+    assert len(report.written) == -(-T // block)
+    root = zarr.open_group(store, mode="r")
+    np.testing.assert_array_equal(np.asarray(root["data"][:, 0]), v)
+    train = root.attrs["splits"]["train"]
+    n_train = sum(b - a for a, b in train)
+    assert root.attrs["stats"]["grid/v0"]["count"] == n_train * 5 * 8
+    x = np.concatenate([v[a:b] for a, b in train]).astype(np.float64)
+    np.testing.assert_allclose(root.attrs["stats"]["grid/v0"]["mean"], [x.mean()], rtol=1e-9)
+
+
+def test_grid_regional_ascending_lat_and_no_time_coordinate(tmp_path):
+    v = np.arange(4 * 6 * 7, dtype=np.float32).reshape(4, 6, 7)
+    src = _grid_source(tmp_path / "src.zarr", v, lat=np.linspace(30, 55, 6), lon=np.linspace(-10, 20, 7),
+                       time=False, fmt=2)
+    store = tmp_path / "g.zarr"
+    ingest_climate(src, store, progress=False)
+    root = zarr.open_group(store, mode="r")
+    assert root.attrs["grid"]["periodic_lon"] is False
+    np.testing.assert_array_equal(root["lat"][...], np.linspace(30, 55, 6))  # kept ascending, as given
+    np.testing.assert_array_equal(root["time"][...], np.arange(4))
+    assert root["time"].attrs["units"] == "steps"
+    np.testing.assert_array_equal(root["data"][:, 0], v)
+
+
+def test_grid_variables_of_different_shapes_point_to_variables_option(tmp_path):
+    g = _grid_source(tmp_path / "src.zarr", np.zeros((4, 5, 8), np.float32))
+    a = zarr.open_group(g, mode="r+").create_array("v9", shape=(4, 5, 4), dtype="f4",
+                                                   dimension_names=["time", "latitude", "longitude"])
+    a[...] = 0
+    with pytest.raises(IngestError, match=r"different shapes.*--variables"):
+        ingest_climate(g, tmp_path / "g.zarr", progress=False)
+    ingest_climate(g, tmp_path / "g.zarr", variables=("v0",), progress=False)  # the way out works
+
+
+@pytest.mark.parametrize("step", [0, 9], ids=["in-train", "in-test"])
+def test_grid_value_beyond_float32_is_refused(tmp_path, step):
+    # BUG: ingest_block checks the *source* values for NaN/Inf and then casts them to float32. A float64
+    # source value beyond float32's range (1e39) becomes inf in the store: in the test split it is written
+    # silently (data holds inf, store complete); in the train split RunningStats.of raises a plain
+    # ValueError that names neither variable nor time step. Expected: IngestError naming the variable and
+    # time index (fix: check np.isfinite on the float32 block after the cast).
+    v = np.ones((10, 4, 8))
+    v[step, 1, 2] = 1e39
+    src = _grid_source(tmp_path / "src.zarr", v)
+    with pytest.raises(IngestError, match=rf"'v0'.*time index {step}"):
+        ingest_climate(src, tmp_path / "g.zarr", progress=False)
+
+
+def test_grid_split_file_with_empty_train_is_refused(tmp_path):
+    # BUG: mesh ingest refuses an empty train split, grid ingest completes: attrs.stats gets count 0,
+    # std NaN, min Infinity, max -Infinity, which zarr writes into zarr.json as bare NaN/Infinity (not valid
+    # JSON for strict readers) and which no model can normalise with. Expected: IngestError about the
+    # empty train split, before any block is written.
+    src = _grid_source(tmp_path / "src.zarr", np.ones((6, 4, 8), np.float32))
+    split = tmp_path / "split.json"
+    split.write_text(json.dumps({"train": [], "val": [[0, 3]], "test": [[3, 6]]}))
+    with pytest.raises(IngestError, match="train"):
+        ingest_climate(src, tmp_path / "g.zarr", split_file=str(split), progress=False)
+
+
+def test_grid_packed_int16_variables_are_decoded_or_refused(tmp_path):
+    # BUG: ERA5 written by xarray from the CDS netCDF keeps CF packing: int16 values with scale_factor /
+    # add_offset attrs. ingest_block copies the packed integers as they are, so the store holds e.g. 12000
+    # instead of 12000 * 0.01 + 250 = 370 K, with the source's units. Expected: unpack
+    # (raw * scale_factor + add_offset) or refuse with an IngestError naming scale_factor.
+    packed = np.arange(3 * 4 * 8, dtype=np.int16).reshape(3, 4, 8) * 100
+    src = _grid_source(tmp_path / "src.zarr", packed,
+                       attrs={"v0": {"scale_factor": 0.01, "add_offset": 250.0, "units": "K"}})
+    try:
+        ingest_climate(src, tmp_path / "g.zarr", progress=False)
+    except IngestError as exc:
+        assert "scale_factor" in str(exc)
+        return
+    data = np.asarray(zarr.open_group(tmp_path / "g.zarr", mode="r")["data"][:, 0])
+    np.testing.assert_allclose(data, packed * 0.01 + 250.0, rtol=1e-6)
+
+
+def test_grid_repeated_variable_is_refused_or_merged(tmp_path):
+    # BUG: `--variables v0,v0` is accepted: data gets two identical channels, attrs.grid.variables lists v0
+    # twice, but attrs.fields (keyed by name) describes only channel 1. Expected: IngestError naming the
+    # repeated variable, or the repeat dropped (one channel).
+    src = _grid_source(tmp_path / "src.zarr", np.ones((3, 4, 8), np.float32))
+    try:
+        ingest_climate(src, tmp_path / "g.zarr", variables=("v0", "v0"), progress=False)
+    except IngestError as exc:
+        assert "v0" in str(exc)
+        return
+    root = zarr.open_group(tmp_path / "g.zarr", mode="r")
+    assert root["data"].shape[1] == len(root.attrs["grid"]["variables"]) == len(root.attrs["fields"])

@@ -1,0 +1,88 @@
+"""Replicated parameters used with sharded activations: one plain nn.Parameter used several times in one
+forward gets the single-device gradient."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from sharded_check import Sharded, check_sharded, get_mesh, random_sizes
+
+from domainflow import Replicate, Shard
+
+D = torch.float64
+
+
+def _t(gen, *shape):
+    return torch.randn(*shape, generator=gen, dtype=D)
+
+
+def _zero_layouts(n: int, parts: int, rng: random.Random) -> list[tuple[int, ...]]:
+    """Layouts of ``n`` rows over ``parts`` ranks with empty shards: first empty, last empty, all rows on
+    one middle rank, plus one random (zeros likely)."""
+    if parts == 1:
+        return [(n,)]
+    out = [(0,) * (parts - 1) + (n,), (n,) + (0,) * (parts - 1)]
+    mid = [0] * parts
+    mid[parts // 2] = n
+    out.append(tuple(mid))
+    if parts >= 3 and n >= 2:
+        out.append((0, n - 1) + (0,) * (parts - 3) + (1,))
+    out.append(random_sizes(n, parts, rng))
+    return list(dict.fromkeys(out))[:4]
+
+
+def _run(fn, inputs, mesh, name, failures, **kw):
+    try:
+        check_sharded(fn, inputs, mesh, **kw)
+    except Exception as e:  # noqa: BLE001 - collect every failing case with its name
+        failures.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+
+
+def _ok(failures):
+    assert not failures, "\n".join(failures)
+    return True
+
+
+# =================================================================================================
+# 4. one plain nn.Parameter used several times in one forward
+# =================================================================================================
+class SharedParams(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.scale = torch.nn.Parameter(torch.tensor([0.7, -1.2, 0.4]))
+        self.norm = torch.nn.LayerNorm(3)
+
+    def forward(self, x):
+        h = self.lin(x) * self.scale                       # F.linear (own backward) + pointwise
+        h = self.lin(torch.tanh(h)) + x * self.scale       # same Linear again, scale again
+        h = self.norm(h) * self.scale + self.norm.weight   # LayerNorm weight also used as an addend
+        h = h @ self.lin.weight.t()                        # weight used a third time, through mm
+        h = torch.cat([h, self.scale.expand(h.shape[0], 3) * 2], 1)   # plain param concatenated
+        return h
+
+
+def _shared_params(mesh_shape, seed):
+    mesh = get_mesh(mesh_shape)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    torch.manual_seed(3)
+    model = SharedParams().double()
+    n = 7
+    rest = [Replicate()] * (len(mesh_shape) - 1)
+    for sizes in _zero_layouts(n, mesh_shape[0], rng):
+        x = Sharded(_t(gen, n, 3), [Shard(0)] + rest, {0: sizes})
+        _run(lambda a, m: m(a), [x], mesh, f"shared_out {sizes}", failures, module=model)
+        _run(lambda a, m: ((m(a) - 0.3) ** 2).mean() + m(a).sum() * 0.1, [x], mesh, f"shared_loss {sizes}", failures,
+             module=model)
+    return _ok(failures)
+
+
+@pytest.mark.parametrize("world,mesh_shape", [(2, (2,)), (3, (3,)), (4, (4,)), (4, (2, 2))])
+def test_parameter_used_several_times(dist, world, mesh_shape):
+    """Parameter gradients are plain tensors equal to one process, summed exactly once even when the
+    parameter meets ShardTensors through F.linear, pointwise ops, LayerNorm and mm in one forward."""
+    assert all(dist.run(world, _shared_params, mesh_shape, 400 + world))
