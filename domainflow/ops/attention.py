@@ -28,7 +28,7 @@ from domainflow.dispatch.toolkit import unsupported_or_fallback, bind, run_funct
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_aten, register_function
 from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
-from domainflow.dispatch.toolkit import params_for, without_partial, like
+from domainflow.dispatch.toolkit import like, params_for, warn_relayout, without_partial
 
 
 def _ring_exchange(tensors, recv_shapes, mesh, m):
@@ -318,8 +318,6 @@ def _sdpa(func, args, kwargs):
     if dropout and mq is not None and mk is not None:
         # dropout acts on each row's normalised weights: the ring's running rescaling cannot apply it, so
         # the keys and values are gathered (this rank's queries attend to all of them, as below)
-        from domainflow.dispatch.toolkit import warn_relayout
-
         warn_relayout(func, "gathered keys and values for attention dropout with a sharded sequence")
         k, v = (_replicated_local(t, t._spec.mesh) for t in (k, v))
         mk = mv = None

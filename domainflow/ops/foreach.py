@@ -62,11 +62,11 @@ _ABSENT = object()
 
 def _call(func, bound):
     args, kwargs = [], {}
-    for (name, _), v in zip(_arg_kinds(func), bound):
+    for a, v in zip(func._schema.arguments, bound):
         if v is _ABSENT:
             continue
-        if func._schema.arguments[len(args) + len(kwargs)].kwarg_only:
-            kwargs[name] = v
+        if a.kwarg_only:
+            kwargs[a.name] = v
         else:
             args.append(v)
     return func(*args, **kwargs)
@@ -87,8 +87,9 @@ def foreach(func, args, kwargs):
     n = len(bound[lists[0]])
     name = func._schema.name.split("::")[-1]
     if name in _PER_INDEX:
-        return _per_index(func, name, kinds, bound, lists, n)
-    inplace = bool(func._schema.arguments[lists[0]].alias_info and func._schema.arguments[lists[0]].alias_info.is_write)
+        return _per_index(name, bound, lists, n)
+    alias = func._schema.arguments[lists[0]].alias_info
+    inplace = bool(alias and alias.is_write)
     refs = []  # per index: the layout everything there is brought to, or None (plain tensors only)
     same = True
     for j in range(n):
@@ -117,7 +118,7 @@ def foreach(func, args, kwargs):
     return [o if refs[j] is None else wrap(o, refs[j]) for j, o in enumerate(out)]
 
 
-def _per_index(func, name, kinds, bound, lists, n):
+def _per_index(name, bound, lists, n):
     """A foreach reduction (or mm) as one engine call per index."""
     one = _PER_INDEX[name]
     outs = []

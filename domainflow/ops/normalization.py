@@ -232,11 +232,11 @@ def _layer_norm(func, args, kwargs):
     a = bind(args, kwargs, ("self", "normalized_shape", "weight", "bias", "eps"), weight=None, bias=None, eps=1e-5)
     x, weight, bias = a["self"], a["weight"], a["bias"]
     shape = tuple(a["normalized_shape"]) if not isinstance(a["normalized_shape"], int) else (a["normalized_shape"],)
-    if not isinstance(x, ShardTensor) or any(isinstance(t, ShardTensor) and not without_partial(t)._spec.is_replicated
+    if not isinstance(x, ShardTensor) or any(isinstance(t, ShardTensor) and not t._spec.reduced().is_replicated
                                              for t in (weight, bias)):
         return run_function_default(func, args, kwargs)
     axis = x.ndim - len(shape)
-    spec = without_partial(x)._spec
+    spec = x._spec.reduced()  # the layout once pending sums are reduced (no communication to know it)
     stat_mesh = [m for m, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim >= axis]
     if not stat_mesh:
         return run_function_default(func, args, kwargs)

@@ -15,24 +15,9 @@ from sharded_check import Sharded, check_sharded, get_mesh, random_sizes
 
 import domainflow as df
 from domainflow import Replicate, Shard, ShardTensor
+from sweep import error_line as _err, no_problems as _no_problems, none_failed as _ok, check_into as _run, randn as _t
 
 D = torch.float64
-
-
-def _t(gen, *shape):
-    return torch.randn(*shape, generator=gen, dtype=D)
-
-
-def _run(fn, inputs, mesh, name, failures, **kw):
-    try:
-        check_sharded(fn, inputs, mesh, **kw)
-    except Exception as e:  # noqa: BLE001 - collect every failing case with its name
-        failures.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-
-
-def _ok(failures):
-    assert not failures, "\n".join(failures)
-    return True
 
 
 # =================================================================================================
@@ -150,16 +135,6 @@ def _rank() -> int:
 
 def _dp_domain_mesh():
     return get_mesh((2, 2), ("dp", "domain"))
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-
-
-def _no_problems(results) -> None:
-    """``results``: one list of problem strings per rank."""
-    bad = {r: p for r, p in enumerate(results) if p}
-    assert not bad, "\n".join(f"rank {r}: {p}" for r, ps in bad.items() for p in ps)
 
 
 # =================================================================================================

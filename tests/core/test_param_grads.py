@@ -7,42 +7,12 @@ import random
 
 import pytest
 import torch
-from sharded_check import Sharded, check_sharded, get_mesh, random_sizes
+from sharded_check import Sharded, get_mesh
 
 from domainflow import Replicate, Shard
+from sweep import none_failed as _ok, check_into as _run, randn as _t, empty_shard_layouts as _zero_layouts
 
 D = torch.float64
-
-
-def _t(gen, *shape):
-    return torch.randn(*shape, generator=gen, dtype=D)
-
-
-def _zero_layouts(n: int, parts: int, rng: random.Random) -> list[tuple[int, ...]]:
-    """Layouts of ``n`` rows over ``parts`` ranks with empty shards: first empty, last empty, all rows on
-    one middle rank, plus one random (zeros likely)."""
-    if parts == 1:
-        return [(n,)]
-    out = [(0,) * (parts - 1) + (n,), (n,) + (0,) * (parts - 1)]
-    mid = [0] * parts
-    mid[parts // 2] = n
-    out.append(tuple(mid))
-    if parts >= 3 and n >= 2:
-        out.append((0, n - 1) + (0,) * (parts - 3) + (1,))
-    out.append(random_sizes(n, parts, rng))
-    return list(dict.fromkeys(out))[:4]
-
-
-def _run(fn, inputs, mesh, name, failures, **kw):
-    try:
-        check_sharded(fn, inputs, mesh, **kw)
-    except Exception as e:  # noqa: BLE001 - collect every failing case with its name
-        failures.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-
-
-def _ok(failures):
-    assert not failures, "\n".join(failures)
-    return True
 
 
 # =================================================================================================

@@ -16,6 +16,7 @@ from sharded_check import get_mesh, mesh_shapes, random_sizes
 
 import domainflow as df
 from domainflow import Partial, Replicate, Shard, ShardTensor
+from sweep import error_line as _err, no_problems as _no_problems
 
 CASES = [(w, ms) for w in WORLD_SIZES for ms in mesh_shapes(w)]
 IDS = [f"ws{w}-mesh{'x'.join(map(str, ms))}" for w, ms in CASES]
@@ -389,16 +390,6 @@ def _gen(seed: int) -> torch.Generator:
 
 def _rank() -> int:
     return torch.distributed.get_rank()
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-
-
-def _no_problems(results) -> None:
-    """``results``: one list of problem strings per rank."""
-    bad = {r: p for r, p in enumerate(results) if p}
-    assert not bad, "\n".join(f"rank {r}: {p}" for r, ps in bad.items() for p in ps)
 
 
 # =================================================================================================
