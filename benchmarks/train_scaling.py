@@ -71,11 +71,20 @@ about min(F, 0.95 * B1 / B4) * N cells per run, one hooked step and one more at 
 bytes and peak above base are compared with W=1's at N (skipped if 4 ranks' estimated peak does not fit
 in 80% of the available memory).
 
-Correctness guard: the first-step loss at every W must equal W=1's within rel 1e-4 (float32), else the row
-is marked and the script exits non-zero after writing the results.
+Plain-PyTorch rows "plain" and "plain*" (``--plain``, on by default): one rank on 1 core runs the same
+Trainer's model, loss, AdamW and schedule on ordinary tensors (each sample's ShardTensors replaced by their
+whole local tensors; no ShardTensor dispatch, no deferred gradient sums), timed the same way, first before
+the W cases and again after the W=1 recheck; the faster of the two is the plain reference. "vs plain" =
+plain best step / this best step: what domainflow costs at W = 1 and what W = 2 gains over a user who
+never used it. Their first-step loss must equal W=1's too.
 
-Targets (issue): saved bytes per rank at W <= 1.15 x (W=1 saved bytes / W), W = 2 and 4; W = 2 throughput
-(2 ranks, 2 cores) >= 1.6 x W = 1 (1 rank, 1 core); data stall < 5% at every W.
+Correctness guard: the first-step loss at every W (and plain PyTorch's) must equal W=1's within rel 1e-4
+(float32), else the row is marked and the script exits non-zero after writing the results.
+
+Targets (issues 11 and 14): saved bytes per rank at W <= 1.15 x (W=1 saved bytes / W), W = 2 and 4; W = 2
+throughput (2 ranks, 2 cores) >= 1.6 x W = 1 (1 rank, 1 core); data stall < 5% at every W; W = 1's best
+step <= 1.05 x plain PyTorch's; W = 2 samples/s >= 1.8 x plain PyTorch's (issue 14 asks this at 200k
+cells: ``--cells 200000``).
 """
 
 from __future__ import annotations
@@ -93,6 +102,8 @@ REL_TOL = 1e-4
 MEM_TARGET = 1.15
 THROUGHPUT_TARGET = 1.6
 STALL_TARGET = 0.05
+PLAIN_STEP_TARGET = 1.05       # domainflow at W = 1 against plain PyTorch: the engine's cost at one rank
+PLAIN_THROUGHPUT_TARGET = 1.8  # W = 2 (2 cores) against plain PyTorch on 1 core
 
 
 # --------------------------------------------------------------------------------------------------
@@ -140,7 +151,32 @@ def machine_busy_s() -> float:
 # --------------------------------------------------------------------------------------------------
 # one rank
 # --------------------------------------------------------------------------------------------------
-def _rank(over: list[str], total_steps: int, warmup: int, threads: int) -> dict:
+def _plain(sample: dict) -> dict:
+    """A one-rank sample with every ShardTensor replaced by its (whole) local tensor."""
+    from domainflow import ShardTensor
+
+    return {k: v._local if isinstance(v, ShardTensor) else v for k, v in sample.items()}
+
+
+def _plain_step(trainer, samples):
+    """What a user writes in plain PyTorch: the Trainer's own model, loss, optimizer and schedule on
+    ordinary tensors (no ShardTensor, no deferred gradient sums); returns the mean loss."""
+    import torch
+
+    trainer.opt.zero_grad(set_to_none=True)
+    losses = []
+    for total, sample in samples:
+        mse, _ = trainer._forward_loss(sample)
+        (mse * (float(sample["weight"]) / max(total, 1))).backward()
+        losses.append(float(mse.detach()))
+    if trainer.cfg.train.clip_grad > 0:
+        torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), trainer.cfg.train.clip_grad)
+    trainer.opt.step()
+    trainer.sched.step()
+    return sum(losses) / len(losses)
+
+
+def _rank(over: list[str], total_steps: int, warmup: int, threads: int, plain: bool = False) -> dict:
     import resource
 
     import torch
@@ -175,19 +211,22 @@ def _rank(over: list[str], total_steps: int, warmup: int, threads: int) -> dict:
         _, samples, waited = next(stream)
         t1 = time.perf_counter()
         comm.stats.reset()
+        if plain:
+            samples = [(total, _plain(sample)) for total, sample in samples]
+        step = (lambda: _plain_step(trainer, samples)) if plain else (lambda: trainer.train_step(samples).loss)
         if k == 0:
             with saved.hooks():
-                log = trainer.train_step(samples)
+                loss = step()
         else:
-            log = trainer.train_step(samples)
+            loss = step()
         t2 = time.perf_counter()
         r1 = resource.getrusage(resource.RUSAGE_SELF)
-        rows = [s["coords"]._local.shape[0] for _, s in samples]
-        steps.append({"step_s": t2 - t0, "data_s": t1 - t0, "waited_s": waited, "loss": log.loss,
+        rows = [getattr(s["coords"], "_local", s["coords"]).shape[0] for _, s in samples]
+        steps.append({"step_s": t2 - t0, "data_s": t1 - t0, "waited_s": waited, "loss": loss,
                       "run": [s["run"] for _, s in samples], "rows": rows,
                       "minflt": r1.ru_minflt - r0.ru_minflt, "sys_s": r1.ru_stime - r0.ru_stime,
                       "user_s": r1.ru_utime - r0.ru_utime, "calls": dict(comm.stats.calls)})
-        del samples, log
+        del samples, step
     if window:
         window = {"wall_s": time.perf_counter() - window["t"], "cpu_s": time.process_time() - window["cpu"],
                   "machine_busy_s": machine_busy_s() - window["busy"]}
@@ -200,7 +239,8 @@ def _rank(over: list[str], total_steps: int, warmup: int, threads: int) -> dict:
             "base_rss": base_rss, "peak_rss": peak, "peak_above_base": peak - base_rss, "window": window}
 
 
-def run_case(store: Path, world: int, steps: int, warmup: int, args, label: str, dp: int = 1) -> dict:
+def run_case(store: Path, world: int, steps: int, warmup: int, args, label: str, dp: int = 1,
+             plain: bool = False) -> dict:
     """``dp`` x ``world`` ranks (world = the domain size) on ``store``; per-step slowest-rank times, memory
     maxima over ranks, and the CPU other processes used during the timed steps."""
     from domainflow.app.launch import launch_local
@@ -210,7 +250,7 @@ def run_case(store: Path, world: int, steps: int, warmup: int, args, label: str,
     total = 1 + warmup + steps
     out = Path(args.work) / "out" / f"{label}_dp{dp}_W{world}"
     res = launch_local(_rank, dp * world, overrides(store, out, world, total, args, dp), total, warmup,
-                       args.threads, threads_per_rank=args.threads)
+                       args.threads, plain, threads_per_rank=args.threads)
     ranks = [res[r] for r in sorted(res)]
     slowest = [max(r["timed"][i]["step_s"] for r in ranks) for i in range(len(ranks[0]["timed"]))]
     case = {"world": world, "dp": dp, "label": label, "wall_s": time.perf_counter() - t0,
@@ -253,6 +293,8 @@ def main() -> None:
                     help="tuned: no mmap/munmap of large tensors on every step (see the docstring)")
     ap.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
                     help="run the dp = 2 control on runs of half the cells (the machine's ceiling for W = 2)")
+    ap.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time plain PyTorch: the same model, loss and optimizer on ordinary tensors, 1 rank")
     ap.add_argument("--recheck", action=argparse.BooleanOptionalAction, default=True,
                     help="time W = 1 again after the other cases (drift of the machine's speed)")
     ap.add_argument("--verify-factor", type=float, default=4.0,
@@ -279,11 +321,14 @@ def main() -> None:
         prep_s += half_prep
 
     cases, control = [], None
+    plain = run_case(store, 1, args.steps, args.warmup, args, "plain", plain=True) if args.plain else None
     for w in worlds:
         cases.append(run_case(store, w, args.steps, args.warmup, args, "main"))
         if half_store is not None and (w == 2 or (w == worlds[-1] and control is None)):
             control = run_case(half_store, 1, args.steps, args.warmup, args, "control", dp=2)
     recheck = run_case(store, 1, args.steps, args.warmup, args, "recheck") if args.recheck else None
+    plain_recheck = (run_case(store, 1, args.steps, args.warmup, args, "plain_recheck", plain=True)
+                     if args.plain and args.recheck else None)
     ref = cases[0]
     b1, p1 = ref["max_saved_bytes"], ref["max_peak_above_base"]
     # the W=1 step the throughputs are measured against: the faster of the two W=1 runs (the conservative
@@ -291,7 +336,13 @@ def main() -> None:
     ref_best = min(ref["best_s"], recheck["best_s"]) if recheck else ref["best_s"]
     ref_median = min(ref["median_s"], recheck["median_s"]) if recheck else ref["median_s"]
     ok_all = True
+    # plain PyTorch's step, the same way: the faster of its two runs
+    plain_best = min(p["best_s"] for p in (plain, plain_recheck) if p) if plain else None
+    plain_median = min(p["median_s"] for p in (plain, plain_recheck) if p) if plain else None
     for c in cases + ([control] if control else []):
+        if plain_best:
+            c["throughput_vs_plain"] = plain_best / c["best_s"]
+            c["throughput_vs_plain_median"] = plain_median / c["median_s"]
         c["throughput_vs_W1"] = ref_best / c["best_s"]
         c["throughput_vs_W1_median"] = ref_median / c["median_s"]
         c["saved_bytes_per_cell"] = c["max_saved_bytes"] / max(c["rows"])
@@ -305,6 +356,11 @@ def main() -> None:
         c["peak_ratio_to_bound"] = c["max_peak_above_base"] / (p1 / w) if p1 > 0 else float("nan")
         c["largest_cells_saved"] = int(n_cells * b1 / c["max_saved_bytes"])
         c["largest_cells_peak"] = int(n_cells * p1 / c["max_peak_above_base"]) if c["max_peak_above_base"] else None
+    for c in (plain, plain_recheck):
+        if c is not None:  # plain PyTorch computes the same loss as domainflow at W = 1
+            c["loss_rel_err"] = abs(c["first_loss"] - ref["first_loss"]) / max(abs(ref["first_loss"]), 1e-30)
+            c["loss_ok"] = c["loss_rel_err"] <= REL_TOL
+            ok_all &= c["loss_ok"]
     by_w = {c["world"]: c for c in cases}
     if control is not None:
         control["cells"] = half_cells
@@ -338,20 +394,32 @@ def main() -> None:
           f"synthetic surface of {n_cells} cells per run, {args.runs} runs; the real Trainer, mesh (dp 1, domain "
           f"W); {args.threads} torch thread(s) per rank on {os.cpu_count()} cores; malloc {args.malloc}; best / "
           f"median of {args.steps} steps after {args.warmup} warm-up")
-    print(f"{'W':<5}{'cells/rank':>11}{'step s best/med':>17}{'samples/s':>10}{'vs W=1':>8}{'stall %':>8}"
+    print(f"{'W':<6}{'cells/rank':>11}{'step s best/med':>17}{'samples/s':>10}{'vs W=1':>8}{'vs plain':>9}{'stall %':>8}"
           f"{'loss ok':>8}{'saved MiB':>10}{'bound MiB':>10}{'/bound':>7}{'peak MiB':>9}{'/(P1/W)':>8}"
           f"{'other':>6}")
+    if plain is not None:
+        for c in (plain, plain_recheck):
+            if c is None:
+                continue
+            vs_plain = f"{plain_best / c['best_s']:>8.2f}x"
+            print(f"{c['label'].replace('_recheck', '*'):<6}{max(c['rows']):>11}{c['best_s']:>9.2f} /"
+                  f"{c['median_s']:>6.2f}{1 / c['best_s']:>10.3f}{ref_best / c['best_s']:>7.2f}x{vs_plain}"
+                  f"{100 * c['stall_fraction']:>8.2f}{'yes' if c['loss_ok'] else 'NO':>8}"
+                  f"{c['max_saved_bytes'] / MiB:>10.0f}{'-':>10}{'-':>7}{c['max_peak_above_base'] / MiB:>9.0f}"
+                  f"{'-':>8}{c['other_cpu_cores']:>6.2f}")
     for c in cases + ([control] if control else []):
         main_row = c["label"] == "main"
         label = str(c["world"]) if main_row else "dp2*"
+        vs_plain = f"{c['throughput_vs_plain']:>8.2f}x" if "throughput_vs_plain" in c else f"{'-':>9}"
         samples = c["dp"] / c["best_s"]
         mem = (f"{'yes' if c['loss_ok'] else 'NO':>8}{c['max_saved_bytes'] / MiB:>10.0f}"
                f"{c['saved_bound_bytes'] / MiB:>10.0f}{c['saved_ratio_to_bound']:>7.2f}"
                f"{c['max_peak_above_base'] / MiB:>9.0f}{c['peak_ratio_to_bound']:>8.2f}") if main_row else (
                f"{'-':>8}{c['max_saved_bytes'] / MiB:>10.0f}{'-':>10}{'-':>7}{c['max_peak_above_base'] / MiB:>9.0f}"
                f"{'-':>8}")
-        print(f"{label:<5}{max(c['rows']):>11}{c['best_s']:>9.2f} /{c['median_s']:>6.2f}{samples:>10.3f}"
-              f"{c['throughput_vs_W1']:>7.2f}x{100 * c['stall_fraction']:>8.2f}{mem}{c['other_cpu_cores']:>6.2f}")
+        print(f"{label:<6}{max(c['rows']):>11}{c['best_s']:>9.2f} /{c['median_s']:>6.2f}{samples:>10.3f}"
+              f"{c['throughput_vs_W1']:>7.2f}x{vs_plain}{100 * c['stall_fraction']:>8.2f}{mem}"
+              f"{c['other_cpu_cores']:>6.2f}")
     print("step: barrier -> next sample -> end of train_step, slowest rank; vs W=1: W=1 best step / this best step "
           "(one sample per step); stall: time in next() of the stream over the step time (max over ranks); saved: "
           "bytes autograd saves in the first step (max over ranks; parameters excluded); bound: W=1 saved / W; "
@@ -394,6 +462,11 @@ def main() -> None:
         targets[f"throughput_W2_ge_{THROUGHPUT_TARGET}x_W1"] = by_w[2]["throughput_vs_W1"] >= THROUGHPUT_TARGET
     for c in cases:
         targets[f"data_stall_W{c['world']}_lt_{int(100 * STALL_TARGET)}pct"] = c["stall_fraction"] < STALL_TARGET
+    if plain is not None:
+        targets[f"step_W1_le_{PLAIN_STEP_TARGET}x_plain"] = ref_best / plain_best <= PLAIN_STEP_TARGET
+        if 2 in by_w:
+            targets[f"throughput_W2_ge_{PLAIN_THROUGHPUT_TARGET}x_plain"] = \
+                by_w[2]["throughput_vs_plain"] >= PLAIN_THROUGHPUT_TARGET
     targets["first_step_loss_matches_W1"] = ok_all
     for k, v in targets.items():
         print(f"target {k}: {'met' if v else 'NOT met'}")
@@ -427,7 +500,9 @@ def main() -> None:
                        "throughput": f"W=2 (2 ranks, 2 cores) best-step samples/s >= {THROUGHPUT_TARGET} x W=1 "
                                      f"(1 rank, 1 core)",
                        "stall": f"time in next() of the stream / step time < {STALL_TARGET} at every W",
-                       "loss": f"first-step loss at every W equals W=1's within rel {REL_TOL}"},
+                       "loss": f"first-step loss at every W (and plain PyTorch's) equals W=1's within rel {REL_TOL}",
+                       "plain": f"W=1 best step <= {PLAIN_STEP_TARGET} x plain PyTorch's; W=2 samples/s >= "
+                                f"{PLAIN_THROUGHPUT_TARGET} x plain PyTorch's on 1 core"},
            "targets_met": targets, "informational": info,
            "largest_surface": {"budget": "W=1's per-rank memory at the benchmark size",
                                "method": "linear: N * B1 / B_W from the measured saved bytes (and peak above base)",
@@ -436,7 +511,8 @@ def main() -> None:
                                             for c in cases},
                                "verification": verify},
            "w1_reference_best_s": ref_best, "w1_reference_median_s": ref_median,
-           "cases": cases, "control": control, "w1_recheck": recheck}
+           "plain_reference_best_s": plain_best, "plain_reference_median_s": plain_median,
+           "cases": cases, "control": control, "w1_recheck": recheck, "plain": plain, "plain_recheck": plain_recheck}
     write_results("train_scaling", out)
     if not ok_all:
         raise SystemExit("a domain-parallel run's first-step loss differs from domain = 1's: its numbers measure "
