@@ -7,7 +7,9 @@ import functools
 
 import torch
 
-from domainflow.dispatch.toolkit import unsupported_or_fallback, common_mesh, shard_tensors
+from domainflow.dispatch.param_grads import reduce_param_grads
+from domainflow.dispatch.toolkit import bind, common_mesh, run_function_default, shard_tensors, unsupported_or_fallback
+from domainflow.tensor.redistribute import grad_spec
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_aten, register_function
 from domainflow.tensor.shard_tensor import ShardTensor
@@ -186,22 +188,19 @@ class _LocalLinear(torch.autograd.Function):
         # activation checkpointing), for the deferred gradient sums that are keyed by parameter
         ctx.spec, ctx.has_bias, ctx.params = spec, bias is not None, (weight, bias)
         out = torch.nn.functional.linear(local, weight, bias)
-        out_spec = spec.with_(shape=tuple(spec.shape[:-1]) + (weight.shape[0],))
-        return ShardTensor(out, out_spec)
+        return ShardTensor(out, _linear_specs(spec, weight.shape[0])[0])
 
     @staticmethod
     def backward(ctx, grad):
-        from domainflow.dispatch.param_grads import reduce_param_grads
-        from domainflow.tensor.redistribute import grad_spec
-
         local, weight = ctx.saved_tensors
         spec = ctx.spec
-        out_spec = grad_spec(spec).with_(shape=tuple(spec.shape[:-1]) + (weight.shape[0],))
+        _, out_spec, gx_spec, mesh_dims = _linear_specs(spec, weight.shape[0])
         # a pending sum of gradients over a mesh dim the input is replicated on (e.g. tokens a contraction
         # over the sharded points made) stays pending: every gradient here is linear in it, so the input's
         # gradient stays Partial and the parameters' join their sum over the sharded dims
         kept = _kept_partial_dims(grad, spec)
         if kept:
+            mesh_dims = [m for m, p in enumerate(spec.placements) if isinstance(p, Shard) or m in kept]
             out_spec = out_spec.with_(placements=tuple(grad._spec.placements[m] if m in kept else p
                                                         for m, p in enumerate(out_spec.placements)),
                                       sizes=tuple(None if m in kept else s for m, s in enumerate(out_spec.sizes)))
@@ -213,14 +212,22 @@ class _LocalLinear(torch.autograd.Function):
         g2, x2 = g.reshape(-1, g.shape[-1]), local.reshape(-1, local.shape[-1]).to(cd)
         gw = (g2.t() @ x2).to(weight.dtype)
         gb = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
-        mesh_dims = [m for m, p in enumerate(spec.placements) if isinstance(p, Shard) or m in kept]
         # summed over the domain now, or once per backward for the whole model (deferred_param_grads)
         gw, gb = reduce_param_grads(ctx.params, (gw, gb), spec.mesh, mesh_dims)
-        gx_spec = grad_spec(spec)
         if kept:
             gx_spec = gx_spec.with_(placements=tuple(grad._spec.placements[m] if m in kept else p
                                                       for m, p in enumerate(gx_spec.placements)))
         return ShardTensor(gx, gx_spec), gw, gb
+
+
+@functools.lru_cache(maxsize=4096)
+def _linear_specs(spec: ShardSpec, out_features: int):
+    """Layouts of a local linear on input ``spec``: (output, output gradient, input gradient, the mesh dims
+    the parameters' gradients are summed over), once per (input layout, width)."""
+    out_spec = spec.with_(shape=tuple(spec.shape[:-1]) + (out_features,))
+    gx_spec = grad_spec(spec)
+    gout_spec = gx_spec.with_(shape=out_spec.shape)
+    return out_spec, gout_spec, gx_spec, tuple(m for m, p in enumerate(spec.placements) if isinstance(p, Shard))
 
 
 def _kept_partial_dims(grad, spec: ShardSpec) -> set:
@@ -232,10 +239,11 @@ def _kept_partial_dims(grad, spec: ShardSpec) -> set:
 
 
 def _linear_function(func, args, kwargs):
-    from domainflow.dispatch.toolkit import bind, run_function_default
-
-    a = bind(args, kwargs, ("self", "weight", "bias"), bias=None)
-    x, weight, bias = a["self"], a["weight"], a["bias"]
+    if not kwargs and 2 <= len(args) <= 3:  # nn.Linear's own call: F.linear(input, weight, bias)
+        x, weight, bias = args[0], args[1], args[2] if len(args) == 3 else None
+    else:
+        a = bind(args, kwargs, ("self", "weight", "bias"), bias=None)
+        x, weight, bias = a["self"], a["weight"], a["bias"]
     plain = all(t is None or type(t) is not ShardTensor for t in (weight, bias))
     if (not isinstance(x, ShardTensor) or not plain or x.ndim < 2 or x._spec.has_partial
             or x._spec.mesh_dim_of(x.ndim - 1) is not None):
