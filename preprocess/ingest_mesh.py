@@ -1,9 +1,11 @@
 """``domainflow ingest drivaerml RAW STORE``: DrivaerML-layout run folders -> a partitioned mesh store.
 
-Per run (one dask task each): read only the needed cell arrays of the surface (and volume, joining
-``.part`` pieces), compute cell centres, normals and areas, non-dimensionalise, refuse NaN/Inf, partition
-the rows into P spatially compact contiguous parts, and write the run into scratch before moving it into
-``runs/<id>`` in one rename. The coordinator then merges the train runs' statistics (in run order, so
+Per run (one dask task each): stream the needed cell arrays of the surface (and volume, its ``.part``
+pieces read as one stream) block by block (``mesh_stream``): cell centres, normals and areas,
+non-dimensionalised fields, NaN/Inf refused; partition the rows into P spatially compact contiguous parts
+out of core, and write the run into scratch before moving it into ``runs/<id>`` in one rename. Memory per
+worker is set by ``--memory-limit``, not by the run's size. ``reader="vtk"`` keeps the earlier in-memory
+path (VTK reads the whole file), the tests' oracle. The coordinator then merges the train runs' statistics (in run order, so
 1 or N workers give identical stores), records splits, fields and references, and marks the store
 complete last. A rerun resumes: published runs are kept, the rest are redone.
 """
@@ -24,6 +26,7 @@ from .reference import DRIVAERML, Reference
 from .report import IngestReport
 from .splits import check_fractions, read_split_file, split_runs
 from .stats import RunningStats, merge_all
+from .mesh_stream import block_cells_for, stream_location
 from .store_writer import StoreWriter, write_array
 from .vtk_io import (cell_centres, check_finite, locate, pieces_of, read_cells, read_csv_row,
                      surface_geometry, whole_file)
@@ -81,6 +84,8 @@ class MeshOptions:
     on_error: str = "stop"
     overwrite: bool = False
     progress: bool = True
+    memory_limit: int = 2 << 30  # per worker: sets the streaming block size
+    reader: str = "stream"       # "stream" (bounded memory) or "vtk" (whole file through VTK: the tests' oracle)
 
     def validate(self):
         check_parts(self.parts)
@@ -95,6 +100,10 @@ class MeshOptions:
             raise IngestError(f"--chunk-bytes must be at least 64 (default 1 MiB), got {self.chunk_bytes}")
         if self.volume_points is not None and self.volume_points < 1:
             raise IngestError(f"--volume-points must be a positive cap, got {self.volume_points}")
+        if self.memory_limit < 64 << 20:
+            raise IngestError(f"--memory-limit must be at least 64 MiB (default 2 GiB), got {self.memory_limit} bytes")
+        if self.reader not in ("stream", "vtk"):
+            raise IngestError(f"reader must be 'stream' or 'vtk', got {self.reader!r}")
         if self.on_error not in ("stop", "skip"):
             raise IngestError(f"--on-error must be 'stop' or 'skip', got {self.on_error!r}")
         self.split = check_fractions(self.split)
@@ -165,11 +174,20 @@ def _ingest_run(run_dir: Path, run_id: str, writer: StoreWriter, opts: MeshOptio
     group = zarr.open_group(folder, mode="w", zarr_format=3)
     stats, cells, warnings = {}, {}, []
     for loc in opts.locations:
-        with whole_file(files[loc], scratch=writer.scratch) as path:
-            raw_bytes += path.stat().st_size
-            rows, arrays = _read_location(loc, path, files[loc], run_id, opts, warnings)
-        cells[loc] = len(rows["coords"])
-        stats.update({f"{loc}/{k}": v for k, v in _write_location(group, loc, rows, arrays, opts).items()})
+        if opts.reader == "stream":
+            columns = writer.scratch / "columns"
+            columns.mkdir(parents=True, exist_ok=True)
+            loc_stats, cells[loc], size = stream_location(
+                files[loc], files[loc], loc, FIELDS[loc], opts, run_id, group, columns, warnings,
+                _CP_CHECK if loc == "surface" else None, block_cells_for(opts.memory_limit))
+            raw_bytes += size
+        else:
+            with whole_file(files[loc], scratch=writer.scratch) as path:
+                raw_bytes += path.stat().st_size
+                rows, arrays = _read_location(loc, path, files[loc], run_id, opts, warnings)
+            cells[loc] = len(rows["coords"])
+            loc_stats = _write_location(group, loc, rows, arrays, opts)
+        stats.update({f"{loc}/{k}": v for k, v in loc_stats.items()})
     group.attrs.update({**attrs, "cells": cells, "stats": stats, "complete": True})
     writer.publish_run(folder, run_id)
     return {"run": run_id, "stats": stats, "cells": cells, "raw_bytes": raw_bytes, "warnings": warnings}

@@ -133,3 +133,181 @@ def part_boxes(sorted_pts: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         boxes[nonempty, 0, a] = np.minimum.reduceat(col, starts) if len(nonempty) else 0
         boxes[nonempty, 1, a] = np.maximum.reduceat(col, starts) if len(nonempty) else 0
     return boxes
+
+
+# ------------------------------------------------------------------------------------------------
+# out of core: the same RCB partition from coordinates on disk, a block of rows at a time
+# ------------------------------------------------------------------------------------------------
+_BINS = 4096           # histogram bins per node and refinement round
+_GATHER = 1 << 20      # values of one bin gathered to select the median exactly
+
+
+def rcb_streaming(coords, parts: int, block_rows: int, node_ids) -> tuple[np.ndarray, np.ndarray]:
+    """The partition ``partition(coords, parts, "rcb")`` makes, found in bounded memory.
+
+    ``coords``: a row array on disk (``read(lo, hi)``, ``blocks(rows)``, ``n``) of float32/64 (N, D) points;
+    ``node_ids``: a writable (N,) integer row array that receives each row's part. Each bisection level
+    finds every node's exact median along its longest side by histogram passes (4096 bins a round, then the
+    values of the median's bin), then assigns rows in one pass, ties to the lower row as in memory. Returns
+    (offsets (P+1,), boxes (P, 2, D)); rows keep file order within a part, so the stored order is
+    ``argsort(part, stable)``. About three passes over the coordinates per level."""
+    check_parts(parts)
+    n = coords.n
+    d = coords.shape[1]
+    levels = parts.bit_length() - 1
+    count = np.array([n], dtype=np.int64)
+    lo_box, hi_box = _boxes(coords, None, 1, block_rows)
+    for level in range(levels):
+        nodes = 1 << level
+        src = node_ids if level else None
+        span = hi_box - lo_box                       # in the coordinates' dtype, as the in-memory cut
+        axis = np.argmax(span, axis=1) if d else np.zeros(nodes, np.int64)
+        half = (count + 1) // 2
+        cut, ties = _medians(coords, src, nodes, axis, half, count, lo_box, hi_box, block_rows)
+        count, lo_box, hi_box = _assign(coords, src, node_ids, nodes, axis, cut, ties, block_rows)
+    if levels == 0:
+        for lo, hi in coords.blocks(block_rows):
+            node_ids.write(lo, np.zeros(hi - lo, node_ids.dtype))
+    offsets = np.concatenate([[0], np.cumsum(count)]).astype(np.int64)
+    boxes = np.full((parts, 2, d), np.nan, dtype=np.float32)
+    full = count > 0
+    boxes[full, 0] = lo_box[full]
+    boxes[full, 1] = hi_box[full]
+    return offsets, boxes
+
+
+def _node_block(src, lo, hi) -> np.ndarray:
+    return np.zeros(hi - lo, np.int64) if src is None else src.read(lo, hi).astype(np.int64)
+
+
+def _boxes(coords, src, nodes, block_rows):
+    d = coords.shape[1]
+    dt = coords.dtype
+    lo_box = np.full((nodes, d), np.inf, dtype=dt)
+    hi_box = np.full((nodes, d), -np.inf, dtype=dt)
+    for lo, hi in coords.blocks(block_rows):
+        x, node = coords.read(lo, hi), _node_block(src, lo, hi)
+        for a in range(d):
+            np.minimum.at(lo_box[:, a], node, x[:, a])
+            np.maximum.at(hi_box[:, a], node, x[:, a])
+    return lo_box, hi_box
+
+
+def _bin(v, lo, width):
+    """Histogram bin of values ``v`` in a range starting at ``lo`` of ``width`` (the same in every pass)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        b = np.floor((v.astype(np.float64) - lo) / width * _BINS)
+    return np.clip(np.nan_to_num(b, nan=0.0), 0, _BINS - 1).astype(np.int64)
+
+
+def _medians(coords, src, nodes, axis, half, count, lo_box, hi_box, block_rows):
+    """Each node's ``half``-th smallest value along its axis (exact) and how many of the values equal to it
+    go left (the first ones in row order)."""
+    k = half - 1                                      # 0-based rank of the cut value
+    active = count > 0
+    cut = np.zeros(nodes, dtype=np.float64)
+    below = np.zeros(nodes, dtype=np.int64)          # values known to lie below the current range
+    chain = [[] for _ in range(nodes)]                # (lo, width, bin) rounds that narrowed each node's range
+    first = np.array([lo_box[j, axis[j]] for j in range(nodes)], dtype=np.float64)
+    last = np.array([hi_box[j, axis[j]] for j in range(nodes)], dtype=np.float64)
+    done = ~active | (first == last)
+    cut[done & active] = first[done & active]
+    inside = count.copy()                             # values of each node inside its current range
+    while not done.all():
+        # a histogram round over the nodes whose bin is still too full to gather
+        rng_lo, rng_w = first.copy(), last - first
+        gather = ~done & (inside <= _GATHER)
+        hist_nodes = ~done & ~gather
+        hist = np.zeros((nodes, _BINS), dtype=np.int64)
+        vmin, vmax = np.full(nodes, np.inf), np.full(nodes, -np.inf)
+        vals = [[] for _ in range(nodes)]
+        for lo, hi in coords.blocks(block_rows):
+            x, node = coords.read(lo, hi), _node_block(src, lo, hi)
+            v = x[np.arange(hi - lo), axis[node]]
+            member = _members(v, node, chain, ~done)
+            if hist_nodes.any():
+                m = member & hist_nodes[node]
+                b = _bin(v[m], rng_lo[node[m]], rng_w[node[m]])
+                hist += np.bincount(node[m] * _BINS + b, minlength=nodes * _BINS).reshape(nodes, _BINS)
+                np.minimum.at(vmin, node[m], v[m])
+                np.maximum.at(vmax, node[m], v[m])
+            if gather.any():
+                m = member & gather[node]
+                for j in np.unique(node[m]):
+                    vals[j].append(v[m][node[m] == j])
+        for j in np.flatnonzero(gather):
+            v = np.sort(np.concatenate(vals[j]))
+            cut[j] = v[k[j] - below[j]]
+            done[j] = True
+        for j in np.flatnonzero(hist_nodes):
+            if vmin[j] == vmax[j]:  # every value left in range is the same: that is the cut
+                cut[j] = vmin[j]
+                done[j] = True
+                continue
+            c = np.cumsum(hist[j])
+            b = int(np.searchsorted(c, k[j] - below[j], side="right"))
+            below[j] += int(c[b - 1]) if b else 0
+            inside[j] = int(hist[j, b])
+            chain[j].append((rng_lo[j], rng_w[j], b))
+            a_lo = rng_lo[j] + rng_w[j] * b / _BINS
+            a_hi = rng_lo[j] + rng_w[j] * (b + 1) / _BINS
+            first[j], last[j] = a_lo, a_hi
+    ties = _ties_left(coords, src, nodes, axis, cut, half, block_rows)
+    return cut, ties
+
+
+def _members(v, node, chain, open_nodes) -> np.ndarray:
+    """Rows whose value lies inside their node's current (narrowed) range."""
+    m = open_nodes[node].copy()
+    depth = max((len(c) for c in chain), default=0)
+    for r in range(depth):
+        lo = np.array([c[r][0] if len(c) > r else 0.0 for c in chain])
+        w = np.array([c[r][1] if len(c) > r else 0.0 for c in chain])
+        want = np.array([c[r][2] if len(c) > r else -1 for c in chain])
+        has = want[node] >= 0
+        m &= ~has | (_bin(v, lo[node], w[node]) == want[node])
+    return m
+
+
+def _ties_left(coords, src, nodes, axis, cut, half, block_rows) -> np.ndarray:
+    """How many rows equal to the cut go left: ``half`` minus those strictly below it."""
+    less = np.zeros(nodes, dtype=np.int64)
+    for lo, hi in coords.blocks(block_rows):
+        x, node = coords.read(lo, hi), _node_block(src, lo, hi)
+        v = x[np.arange(hi - lo), axis[node]]
+        m = v < cut[node].astype(v.dtype)
+        less += np.bincount(node[m], minlength=nodes)
+    return half - less
+
+
+def _assign(coords, src, dst, nodes, axis, cut, ties, block_rows):
+    """Send every row to child 2j (below the cut, or among the first ``ties[j]`` rows equal to it) or
+    2j+1; returns the children's counts and bounding boxes."""
+    d = coords.shape[1]
+    taken = np.zeros(nodes, dtype=np.int64)
+    count = np.zeros(2 * nodes, dtype=np.int64)
+    lo_box = np.full((2 * nodes, d), np.inf, dtype=coords.dtype)
+    hi_box = np.full((2 * nodes, d), -np.inf, dtype=coords.dtype)
+    for lo, hi in coords.blocks(block_rows):
+        x, node = coords.read(lo, hi), _node_block(src, lo, hi)
+        v = x[np.arange(hi - lo), axis[node]]
+        c = cut[node].astype(v.dtype)
+        left = v < c
+        eq = np.flatnonzero(v == c)
+        if len(eq):  # rank of each tie among its node's ties in row order, carried across blocks
+            en = node[eq]
+            order = np.argsort(en, kind="stable")
+            sn = en[order]
+            starts = np.flatnonzero(np.r_[True, sn[1:] != sn[:-1]])
+            rank = np.arange(len(sn)) - np.repeat(starts, np.diff(np.r_[starts, len(sn)]))
+            rank_of = np.empty(len(eq), np.int64)
+            rank_of[order] = rank + taken[sn]
+            left[eq] = rank_of < ties[en]
+            taken += np.bincount(en, minlength=nodes)
+        child = 2 * node + (~left)
+        dst.write(lo, child.astype(dst.dtype))
+        count += np.bincount(child, minlength=2 * nodes)
+        for a in range(d):
+            np.minimum.at(lo_box[:, a], child, x[:, a])
+            np.maximum.at(hi_box[:, a], child, x[:, a])
+    return count, lo_box, hi_box

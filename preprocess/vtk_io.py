@@ -83,11 +83,18 @@ def _check_complete_xml(path: Path, joined: Path, pieces: list[Path]) -> None:
     lack the last one(s), which VTK would report as a corrupt file. Reads only the head and the tail."""
     size = joined.stat().st_size
     with open(joined, "rb") as f:
-        head = f.read(64).lstrip(b"\xef\xbb\xbf \t\r\n")
-        if not head.startswith((b"<?xml", b"<VTKFile")):
-            return  # not VTK XML (legacy VTK, or garbage that the reader reports as corrupt)
+        head = f.read(64)
         f.seek(max(0, size - _XML_TAIL))
         tail = f.read()
+    check_pieces_complete(path, head, tail, pieces)
+
+
+def check_pieces_complete(path: Path, head: bytes, tail: bytes, pieces: list[Path]) -> None:
+    """Refuse a VTK XML file shipped as ``pieces`` whose joined bytes (``head``: the first 64, ``tail``: the
+    last few KiB) do not end with ``</VTKFile>``, naming the piece(s) that seem to be missing."""
+    head = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+    if not head.startswith((b"<?xml", b"<VTKFile")):
+        return  # not VTK XML (legacy VTK, or garbage that the reader reports as corrupt)
     if tail.rstrip().endswith(b"</VTKFile>"):
         return
     digits = [_PIECE.search(p.name).group(1) for p in pieces]

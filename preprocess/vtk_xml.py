@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import IngestError
+from .vtk_io import _XML_TAIL, check_pieces_complete, pieces_of
 
 SCAN_BLOCK = 4 << 20  # bytes read at a time while scanning the XML structure
 _ATTR = re.compile(rb'([A-Za-z_:][-\w:.]*)\s*=\s*"([^"]*)"')
@@ -33,7 +34,6 @@ _TYPES = {"Int8": "i1", "UInt8": "u1", "Int16": "i2", "UInt16": "u2", "Int32": "
           "Int64": "i8", "UInt64": "u8", "Float32": "f4", "Float64": "f8"}
 _ASSOCIATIONS = {"cell": "CellData", "point": "PointData"}
 _TOPOLOGY = {"UnstructuredGrid": ("Cells",), "PolyData": ("Verts", "Lines", "Strips", "Polys")}
-_PART = re.compile(r"\.(\d+)\.part$")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -73,22 +73,17 @@ class ByteSource:
 
 
 def byte_source(path: Path) -> ByteSource:
-    """``path`` itself, or its ``.NN.part`` pieces (all of them, none missing) as one stream."""
+    """``path`` itself, or its ``.NN.part`` pieces (all of them, none missing, ending like a whole VTK XML
+    file) as one stream."""
     path = Path(path)
     if path.exists():
         return ByteSource(path)
-    found = {}
-    for p in path.parent.glob(path.name + ".*.part"):
-        m = _PART.search(p.name)
-        if m:
-            found[int(m.group(1))] = p
-    if not found:
+    pieces = pieces_of(path)
+    if not pieces:
         raise IngestError(f"{path} is missing (neither the file nor {path.name}.00.part pieces exist)")
-    missing = [i for i in range(max(found) + 1) if i not in found]
-    if missing:
-        raise IngestError(f"{path}: split into .part files but piece(s) {missing} are missing "
-                          f"(found {sorted(found)}); download the missing pieces")
-    return ByteSource(path, [found[i] for i in sorted(found)])
+    src = ByteSource(path, pieces)
+    check_pieces_complete(path, src.read(0, 64), src.read(max(0, src.size - _XML_TAIL), _XML_TAIL), pieces)
+    return src
 
 
 # ------------------------------------------------------------------------------------------------
@@ -145,7 +140,7 @@ def _scan(src: ByteSource) -> tuple[Element, int | None, str | None]:
         if tag.startswith(b"/"):
             name = tag[1:].strip().decode()
             if stack[-1].name != name:
-                raise IngestError(f"{src.path}: malformed VTK XML: </{name}> closes <{stack[-1].name}>")
+                raise IngestError(f"{src.path}: corrupt VTK XML: </{name}> closes <{stack[-1].name}>")
             stack.pop()
             continue
         selfclosing = tag.endswith(b"/")
@@ -162,8 +157,8 @@ def _scan(src: ByteSource) -> tuple[Element, int | None, str | None]:
         if not selfclosing:
             stack.append(el)
     if len(stack) > 1:
-        raise IngestError(f"{src.path}: the file ends inside <{stack[-1].name}>: truncated (a missing .part piece "
-                          f"or a cut download?)")
+        raise IngestError(f"{src.path}: corrupt or truncated VTK file: it ends inside <{stack[-1].name}> (a missing "
+                          f".part piece or a cut download?)")
     return root, None, None
 
 
@@ -177,7 +172,7 @@ def _find(src, fill, get_buf, get_at, pos, what: bytes) -> tuple[int, int]:
         if k >= 0:
             return at + k, len(what)
         if at + len(buf) >= src.size:
-            raise IngestError(f"{src.path}: the file ends inside a tag: truncated or not VTK XML")
+            raise IngestError(f"{src.path}: corrupt or truncated VTK file: it ends inside a tag")
         upto += SCAN_BLOCK
 
 
@@ -226,7 +221,7 @@ class VtkXmlFile:
             raise
         vtk = root.find("VTKFile")
         if vtk is None:
-            raise IngestError(f"{self.path}: not a VTK XML file (no <VTKFile> element)")
+            raise IngestError(f"{self.path}: corrupt or truncated VTK file, or not VTK XML (no <VTKFile> element)")
         self.kind = vtk.attrs.get("type", "")
         if self.kind not in _TOPOLOGY:
             raise IngestError(f"{self.path}: VTK XML type {self.kind!r} is not a mesh this reader handles "
@@ -239,7 +234,7 @@ class VtkXmlFile:
         body = vtk.find(self.kind)
         pieces = [p for p in (body.children if body else []) if p.name == "Piece"]
         if not pieces:
-            raise IngestError(f"{self.path}: holds no <Piece>: an empty or truncated file")
+            raise IngestError(f"{self.path}: corrupt or truncated VTK file: it holds no <Piece>")
         self.pieces = []
         for p in pieces:
             n_points = int(p.attrs.get("NumberOfPoints", 0))
@@ -330,6 +325,41 @@ class VtkXmlFile:
                 parts.append(v)
             point_base += p["points"]
         return np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else np.zeros(0, np.int64)
+
+    def cell_block(self, lo: int, hi: int, section: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Cells ``[lo, hi)`` of ``section`` (over all pieces): (number of points of each cell, their point ids
+        one cell after another), read from just that stretch of ``offsets`` and ``connectivity``."""
+        section = section or _TOPOLOGY[self.kind][0]
+        sizes, conn, base, point_base = [], [], 0, 0
+        for p in self.pieces:
+            n = p["counts"].get(section, 0)
+            a, b = max(lo - base, 0), min(hi - base, n)
+            if a < b:
+                arrays = p["arrays"]["topology"].get(section, {})
+                if "offsets" not in arrays or "connectivity" not in arrays:
+                    raise IngestError(f"{self.path}: <{section}> lacks its offsets or connectivity array")
+                ends = self._decode(arrays["offsets"], max(a - 1, 0), b).astype(np.int64, copy=False)
+                start = int(ends[0]) if a > 0 else 0
+                ends = ends[1:] if a > 0 else ends
+                if len(ends) != b - a or (np.diff(ends, prepend=start) < 0).any():
+                    raise IngestError(f"{self.path}: <{section}> offsets are not ascending: a corrupt file")
+                ids = self._decode(arrays["connectivity"], start, int(ends[-1])).astype(np.int64, copy=False)
+                sizes.append(np.diff(ends, prepend=start))
+                conn.append(ids + point_base if point_base else ids)
+            base += n
+            point_base += p["points"]
+        if not sizes:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return (np.concatenate(sizes), np.concatenate(conn)) if len(sizes) > 1 else (sizes[0], conn[0])
+
+    def cell_types(self, lo: int, hi: int) -> np.ndarray:
+        """VTK cell types of cells ``[lo, hi)`` of a .vtu (over all pieces)."""
+        return self._rows(lambda p: p["arrays"]["topology"].get("Cells", {}).get("types"),
+                          lambda p: p["counts"].get("Cells", 0), lo, hi, "cell types")
+
+    def cell_counts(self) -> dict[str, int]:
+        """Cells per topology section over all pieces (a .vtu has only ``Cells``)."""
+        return {t: sum(p["counts"].get(t, 0) for p in self.pieces) for t in _TOPOLOGY[self.kind]}
 
     def _rows(self, pick, count, start, stop, what) -> np.ndarray:
         total = sum(count(p) for p in self.pieces)
@@ -464,7 +494,7 @@ class VtkXmlFile:
             data = b"".join(parts)
         if len(data) != (hi - lo) * row:
             raise IngestError(f"{self.path}: DataArray {a.name!r} ends early ({len(data)} of {(hi - lo) * row} bytes): "
-                              f"a truncated file")
+                              f"a corrupt or truncated file")
         return np.frombuffer(bytearray(data), a.dtype)  # writable, like VTK's arrays
 
     def _check_rows(self, a: ArrayInfo, total_rows: int, hi: int) -> None:
@@ -484,7 +514,7 @@ class _Raw:
     def head(self, n: int) -> bytes:
         b = self.src.read(self.start, n)
         if len(b) < n:
-            raise IngestError(f"{self.src.path}: the file ends inside a DataArray header: truncated")
+            raise IngestError(f"{self.src.path}: corrupt or truncated VTK file: it ends inside a DataArray header")
         return b
 
     def body(self, header_bytes: int, offset: int, n: int, together: bool) -> bytes:

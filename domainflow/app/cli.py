@@ -63,6 +63,20 @@ def _predict(args) -> int:
     return 0
 
 
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
+
+
+def _bytes(text: str) -> int:
+    """A size such as 2GiB, 512MiB, 1.5G or 1000000 (bytes)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 2GiB, 512MiB or 1500000000")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
 def _floats(text: str, n: int, what: str) -> tuple[float, ...]:
     try:
         vals = tuple(float(x) for x in text.split(","))
@@ -102,7 +116,8 @@ def _ingest(args) -> int:
         ref = Reference(u_inf=args.u_inf, rho_inf=args.rho_inf, p_inf=args.p_inf, l_ref=args.l_ref)
         locations = tuple(x for x in args.locations.split(",") if x)
         opts = MeshOptions(parts=args.parts, method=args.partition, reference=ref, locations=locations,
-                           volume_points=args.volume_points, seed=args.seed, on_error=args.on_error, **common)
+                           volume_points=args.volume_points, seed=args.seed, on_error=args.on_error,
+                           memory_limit=args.memory_limit, **common)
         report = ingest_drivaerml(args.raw, args.store, opts)
     else:
         from domainflow.preprocess.errors import IngestError
@@ -173,6 +188,8 @@ def _add_ingest(sub):
     d.add_argument("--partition", choices=("rcb", "morton", "slab"), default="rcb")
     d.add_argument("--locations", default="surface,volume", help="surface,volume (default) or one of them")
     d.add_argument("--volume-points", type=int, default=None, help="cap volume cells per run (random subset)")
+    d.add_argument("--memory-limit", type=_bytes, default=2 << 30,
+                   help="memory per worker, e.g. 2GiB (default): sets the streaming block size")
     d.add_argument("--seed", type=int, default=0, help="seed of the split and the volume subsample")
     d.add_argument("--u-inf", type=float, default=DRIVAERML.u_inf,
                    help=f"free-stream speed, m/s (default {DRIVAERML.u_inf}, the DrivaerML paper's 140 km/h)")

@@ -213,20 +213,20 @@ def test_rerun_on_a_complete_store_is_a_no_op(raw, tmp_path):
 def test_resume_after_an_interrupted_ingest_gives_the_same_store(raw, store, tmp_path, monkeypatch):
     """Interrupt the third run half-way through writing it (as a kill would), then rerun."""
     path = tmp_path / "resumed.zarr"
-    real = ingest_mesh._write_location
+    real = ingest_mesh.stream_location
     calls = []
 
-    def dying(group, loc, *a, **k):
-        calls.append(loc)
+    def dying(*a, **k):  # stream_location(path, shown_as, loc, ...)
+        calls.append(a[2])
         if len(calls) == 5:  # run_3's surface: written into scratch, then the process "dies"
-            real(group, loc, *a, **k)
+            real(*a, **k)
             raise KeyboardInterrupt
-        return real(group, loc, *a, **k)
+        return real(*a, **k)
 
-    monkeypatch.setattr(ingest_mesh, "_write_location", dying)
+    monkeypatch.setattr(ingest_mesh, "stream_location", dying)
     with pytest.raises(KeyboardInterrupt):
         ingest_drivaerml(raw, path, **OPTS)
-    monkeypatch.setattr(ingest_mesh, "_write_location", real)
+    monkeypatch.setattr(ingest_mesh, "stream_location", real)
     root = zarr.open_group(path, mode="r")
     assert root.attrs["domainflow"]["complete"] is False
     assert sorted(root["runs"].group_keys()) == ["run_1", "run_2"]
@@ -242,18 +242,18 @@ def test_resume_redoes_a_published_run_whose_raw_files_changed(raw, tmp_path, mo
     not keep the stale run_1."""
     src = _copy_raw(raw, tmp_path)
     path = tmp_path / "changed.zarr"
-    real, calls = ingest_mesh._write_location, []
+    real, calls = ingest_mesh.stream_location, []
 
-    def dying(group, loc, *a, **k):
-        calls.append(loc)
+    def dying(*a, **k):
+        calls.append(a[2])
         if len(calls) == 5:
             raise KeyboardInterrupt
-        return real(group, loc, *a, **k)
+        return real(*a, **k)
 
-    monkeypatch.setattr(ingest_mesh, "_write_location", dying)
+    monkeypatch.setattr(ingest_mesh, "stream_location", dying)
     with pytest.raises(KeyboardInterrupt):
         ingest_drivaerml(src, path, **OPTS)
-    monkeypatch.setattr(ingest_mesh, "_write_location", real)
+    monkeypatch.setattr(ingest_mesh, "stream_location", real)
     f = src / "run_1" / "boundary_1.vtp"
     mesh = pv.read(f)
     mesh.cell_data["pMeanTrim"] = np.asarray(mesh.cell_data["pMeanTrim"]) * 2

@@ -106,3 +106,46 @@ def test_rows_per_rank_are_the_sharding_sizes():
     for world in (1, 2, 3, 4, 8):
         sizes = shapes.rows_per_rank(p.offsets, world)
         assert sum(sizes) == 1000 and len(sizes) == world
+
+
+# -- out of core: the same partition from coordinates on disk -------------------------------------------
+def _streamed(pts, parts, block, tmp_path):
+    from domainflow.preprocess.partition import rcb_streaming
+    from domainflow.preprocess.scratch import ScratchArray
+
+    coords = ScratchArray(tmp_path / "coords", len(pts), pts.dtype, (pts.shape[1],))
+    coords.write(0, pts)
+    ids = ScratchArray(tmp_path / "ids", len(pts), np.uint16)
+    try:
+        offsets, boxes = rcb_streaming(coords, parts, block, ids)
+        return np.argsort(ids.read(0, len(pts)), kind="stable"), offsets, boxes
+    finally:
+        coords.close()
+        ids.close()
+
+
+_CLOUDS = {
+    "gaussian": lambda rng: rng.standard_normal((6000, 3)).astype(np.float32),
+    "many ties": lambda rng: np.round(rng.standard_normal((4000, 3)) * 2).astype(np.float32),
+    "all equal": lambda rng: np.zeros((300, 3), np.float32),
+    "fewer points than parts": lambda rng: rng.standard_normal((5, 3)).astype(np.float32),
+    "one point": lambda rng: rng.standard_normal((1, 3)).astype(np.float32),
+    "2-D float64": lambda rng: rng.standard_normal((3000, 2)),
+    "a flat slab": lambda rng: np.c_[rng.standard_normal((3000, 2)), np.full(3000, 0.5)].astype(np.float32),
+}
+
+
+@pytest.mark.parametrize("cloud", sorted(_CLOUDS))
+@pytest.mark.parametrize("parts,bins,gather", [(16, 4096, 1 << 20), (32, 4, 25), (1, 16, 40), (2, 8, 10)])
+def test_out_of_core_rcb_equals_the_in_memory_partition(tmp_path, monkeypatch, cloud, parts, bins, gather):
+    """Blocks of 97 rows and (in most cases) a median search that must narrow its range several times."""
+    from domainflow.preprocess import partition as part_module
+
+    monkeypatch.setattr(part_module, "_BINS", bins)
+    monkeypatch.setattr(part_module, "_GATHER", gather)
+    pts = _CLOUDS[cloud](np.random.default_rng(7))
+    ref = partition(pts, parts, "rcb")
+    order, offsets, boxes = _streamed(pts, parts, 97, tmp_path)
+    assert np.array_equal(offsets, ref.offsets)
+    assert np.array_equal(order, ref.order)
+    assert np.array_equal(boxes, ref.boxes, equal_nan=True)

@@ -1,0 +1,108 @@
+"""The streaming ingest (the default) against the in-memory one (VTK reads the whole file, ``partition()``
+sorts in memory): the same store, array for array, when blocks are far smaller than a run and the
+out-of-core median search needs several refinement rounds."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+pv = pytest.importorskip("pyvista")
+vtk = pytest.importorskip("vtk")
+
+from domainflow.preprocess import ingest_mesh, partition  # noqa: E402
+from domainflow.preprocess.ingest_mesh import ingest_drivaerml  # noqa: E402
+from domainflow.preprocess.synth_drivaerml import synth_drivaerml  # noqa: E402
+from store_compare import load_store  # noqa: E402
+
+OPTS = dict(parts=8, progress=False, split=(0.5, 0.25, 0.25))
+
+
+@pytest.fixture(scope="module")
+def raw(tmp_path_factory):
+    out = tmp_path_factory.mktemp("stream_raw")
+    synth_drivaerml(out, runs=2, cells=3000, seed=5, volume_cells=2600, volume_pieces=3)
+    # run_2's surface re-saved by VTK as appended raw, uncompressed: a second encoding end to end
+    f = out / "run_2" / "boundary_2.vtp"
+    w = vtk.vtkXMLPolyDataWriter()
+    w.SetInputData(pv.read(f))
+    w.SetFileName(str(f))
+    w.SetDataModeToAppended()
+    w.EncodeAppendedDataOff()
+    w.SetCompressorTypeToNone()
+    assert w.Write() == 1
+    return out
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 211 cells and a median search of 16 bins that gathers at most 40 values."""
+    monkeypatch.setattr(ingest_mesh, "block_cells_for", lambda limit: 211)
+    monkeypatch.setattr(partition, "_BINS", 16)
+    monkeypatch.setattr(partition, "_GATHER", 40)
+
+
+def _close(a, b, path=""):
+    """Attrs equal, statistics (floats of a different summation order) to rounding."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(a) == sorted(b), f"{path}: keys {sorted(a)} vs {sorted(b)}"
+        for k in a:
+            _close(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)) and a and isinstance(a[0], (int, float, list)) and "stats" in path:
+        atol = 1e-6 if "normals" in path else 1e-12  # the normals themselves differ by a few ulps
+        np.testing.assert_allclose(np.asarray(a, float), np.asarray(b, float), rtol=1e-9, atol=atol, err_msg=path)
+    elif isinstance(a, float) and "stats" in path:
+        assert a == pytest.approx(b, rel=1e-9, abs=1e-12), path
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def assert_stores_match(streamed, oracle):
+    a, b = load_store(streamed), load_store(oracle)
+    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
+    for key in a:
+        x, y = a[key], b[key]
+        if x[0] == "group":
+            _close(x[1], y[1], key)
+            continue
+        assert x[3] == y[3] and x[4] == y[4], f"chunks/dtype of {key}: {x[3:]} vs {y[3:]}"
+        if key.endswith("/normals"):  # VTK's normal filter rounds differently: a few float32 ulps
+            np.testing.assert_allclose(x[1], y[1], rtol=0, atol=4e-6, err_msg=key)
+        else:
+            assert x[1].shape == y[1].shape and np.array_equal(x[1], y[1], equal_nan=True), f"values of {key}"
+
+
+def test_streamed_store_equals_the_in_memory_one(raw, tmp_path, small_blocks):
+    ingest_drivaerml(raw, tmp_path / "stream.zarr", **OPTS)
+    ingest_drivaerml(raw, tmp_path / "vtk.zarr", reader="vtk", **OPTS)
+    assert_stores_match(tmp_path / "stream.zarr", tmp_path / "vtk.zarr")
+    scratch = tmp_path / "stream.zarr.ingest-tmp"
+    assert not scratch.exists() or not [p for p in scratch.rglob("*") if p.is_file()]  # column files removed
+
+
+@pytest.mark.parametrize("extra", [dict(volume_points=700), dict(method="morton"), dict(method="slab", parts=4)])
+def test_streamed_subsample_and_sorted_methods_equal_the_in_memory_ones(raw, tmp_path, small_blocks, extra):
+    opts = {**OPTS, **extra}
+    ingest_drivaerml(raw, tmp_path / "stream.zarr", **opts)
+    ingest_drivaerml(raw, tmp_path / "vtk.zarr", reader="vtk", **opts)
+    assert_stores_match(tmp_path / "stream.zarr", tmp_path / "vtk.zarr")
+
+
+def test_streaming_reads_part_pieces_without_a_joined_copy(raw, tmp_path, monkeypatch):
+    """The volume ships as .part pieces; the streaming path never writes them joined (the in-memory path
+    concatenates them into a temporary file first)."""
+    joined = []
+    real = ingest_mesh.whole_file
+
+    def spy(path, *a, **k):
+        joined.append(path)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(ingest_mesh, "whole_file", spy)
+    src = tmp_path / "raw"
+    shutil.copytree(raw, src)
+    assert list((src / "run_1").glob("volume_1.vtu.*.part"))
+    report = ingest_drivaerml(src, tmp_path / "s.zarr", **OPTS)
+    assert report.written == ["run_1", "run_2"] and joined == []
