@@ -1,0 +1,135 @@
+"""Ingest at growing run sizes: peak memory and time per cell of one worker, streaming (the default) against
+the in-memory path (VTK reads the whole file, ``reader="vtk"``), volume cells only.
+
+Run: .venv/bin/python benchmarks/ingest_scale.py [--volume-cells 1000000 2000000 4000000 --memory-limit 512MiB
+     --work /tmp/domainflow_ingest_scale]   (about 5 min at the defaults)
+Prints a table and writes benchmarks/results/ingest_scale.json. Each (size, path) ingests one synthetic run
+(``synth_drivaerml``, hexahedra, the volume in 2 ``.part`` pieces, 64 parts) in a fresh process, so its peak
+resident size (the kernel's high-water mark, whole process) is its own; "above imports" subtracts what a
+fresh process holds after importing the ingest. The data are generated once under ``--work`` (outside the
+repository) and reused. Quote ratios between rows of one run: the machine may be shared.
+
+Targets (issue 15): the streaming path's peak above imports at the largest size is at most 1.3x that at
+the smallest, and under ``--memory-limit``; its time per cell is within 20% across sizes. The 150M-cell
+figure is extrapolated from the measured per-cell time and the flat memory. (``domainflow synth`` itself
+does not stream yet: it bounds the sizes this benchmark can make.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from measure import write_results  # noqa: E402  (benchmarks/measure.py, next to this script)
+
+MiB = 2**20
+FLAT_TARGET = 1.3
+TIME_TARGET = 1.2
+
+_CHILD = r"""
+import json, sys, time
+from domainflow.preprocess.parallel import peak_memory, reset_peak_memory
+from domainflow.preprocess.ingest_mesh import ingest_drivaerml
+raw, store, reader, limit = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+base = reset_peak_memory()
+t = time.perf_counter()
+report = ingest_drivaerml(raw, store, parts=64, locations=("volume",), split=(1.0, 0.0, 0.0), progress=False,
+                          reader=reader, memory_limit=limit, overwrite=True)
+seconds = time.perf_counter() - t
+task = report.tasks[0]
+print(json.dumps({"seconds": seconds, "task_seconds": task["seconds"], "cells": task["cells"]["volume"],
+                  "raw_bytes": task["raw_bytes"], "base_rss": base, "peak_rss": peak_memory()}))
+"""
+
+
+def _bytes(text: str) -> int:
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    for u, f in units.items():
+        if text.endswith(u):
+            return int(float(text[:-len(u)]) * f)
+    return int(text)
+
+
+def make_raw(work: Path, cells: int) -> Path:
+    from domainflow.preprocess.synth_drivaerml import synth_drivaerml
+
+    raw = work / f"raw_{cells}"
+    done = raw / ".complete"
+    if not done.exists():
+        t = time.perf_counter()
+        synth_drivaerml(raw, runs=1, cells=2000, volume_cells=cells, volume_pieces=2)
+        done.write_text(f"{time.perf_counter() - t:.1f}")
+    return raw
+
+
+def run_one(raw: Path, store: Path, reader: str, limit: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(raw), str(store), reader, str(limit)],
+                         capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise SystemExit(f"ingest ({reader}) of {raw} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--volume-cells", type=int, nargs="+", default=[1_000_000, 2_000_000, 4_000_000])
+    ap.add_argument("--memory-limit", type=_bytes, default=512 * MiB)
+    ap.add_argument("--work", default="/tmp/domainflow_ingest_scale")
+    ap.add_argument("--vtk", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the in-memory path at every size")
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    base = run_baseline()
+    rows = []
+    for n in sorted(args.volume_cells):
+        raw = make_raw(work, n)
+        for reader in (["stream", "vtk"] if args.vtk else ["stream"]):
+            r = run_one(raw, work / f"store_{reader}_{n}.zarr", reader, args.memory_limit)
+            r.update(reader=reader, requested_cells=n, above_imports=r["peak_rss"] - base,
+                     us_per_cell=1e6 * r["task_seconds"] / r["cells"])
+            rows.append(r)
+            print(f"  {reader:>6} {r['cells']:>10} cells: {r['task_seconds']:7.1f} s, peak {r['peak_rss'] / MiB:7.0f} MiB",
+                  flush=True)
+    print(f"\none ingest worker, volume only, 64 parts; memory limit {args.memory_limit / MiB:.0f} MiB; "
+          f"a fresh process holds {base / MiB:.0f} MiB after the imports")
+    print(f"{'path':<8}{'cells':>11}{'raw MiB':>9}{'s':>8}{'us/cell':>9}{'peak MiB':>10}{'above imports':>15}"
+          f"{'B/cell':>8}")
+    for r in rows:
+        print(f"{r['reader']:<8}{r['cells']:>11}{r['raw_bytes'] / MiB:>9.0f}{r['task_seconds']:>8.1f}"
+              f"{r['us_per_cell']:>9.2f}{r['peak_rss'] / MiB:>10.0f}{r['above_imports'] / MiB:>15.0f}"
+              f"{r['above_imports'] / r['cells']:>8.0f}")
+    stream = [r for r in rows if r["reader"] == "stream"]
+    small, large = stream[0], stream[-1]
+    flat = large["above_imports"] / max(small["above_imports"], 1)
+    times = [r["us_per_cell"] for r in stream]
+    spread = max(times) / min(times)
+    targets = {f"peak_flat_le_{FLAT_TARGET}x": flat <= FLAT_TARGET,
+               "peak_under_memory_limit": all(r["peak_rss"] <= args.memory_limit for r in stream),
+               f"time_per_cell_within_{TIME_TARGET}x": spread <= TIME_TARGET}
+    extrapolated = {"cells": 150_000_000, "seconds": 150e6 * times[-1] / 1e6, "peak_rss": large["peak_rss"]}
+    for k, v in targets.items():
+        print(f"target {k}: {'met' if v else 'NOT met'}")
+    print(f"streaming peak above imports: largest / smallest = {flat:.2f}; time per cell max / min = {spread:.2f}; "
+          f"150M cells extrapolated: about {extrapolated['seconds'] / 60:.0f} min in {large['peak_rss'] / MiB:.0f} MiB")
+    write_results("ingest_scale", {"memory_limit": args.memory_limit, "baseline_rss": base, "rows": rows,
+                                   "peak_ratio_largest_to_smallest": flat, "time_per_cell_spread": spread,
+                                   "targets": {"flat": f"stream peak above imports, largest / smallest <= {FLAT_TARGET}",
+                                               "limit": "stream peak resident size <= --memory-limit",
+                                               "time": f"stream time per cell max / min <= {TIME_TARGET}"},
+                                   "targets_met": targets, "extrapolated_150M": extrapolated})
+
+
+def run_baseline() -> int:
+    code = ("import json, zarr, dask, numcodecs; import domainflow.preprocess.ingest_mesh; "
+            "from domainflow.preprocess.parallel import peak_memory; print(peak_memory())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    main()
