@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import IngestError, RunError
-from .parallel import peak_memory, reset_peak_memory, run_tasks
+from .parallel import count_cells, peak_memory, reset_peak_memory, run_tasks
 from .partition import METHODS, check_parts, partition
 from .reference import DRIVAERML, Reference
 from .report import IngestReport
@@ -186,6 +186,7 @@ def _ingest_run(run_dir: Path, run_id: str, writer: StoreWriter, opts: MeshOptio
                 raw_bytes += path.stat().st_size
                 rows, arrays = _read_location(loc, path, files[loc], run_id, opts, warnings)
             cells[loc] = len(rows["coords"])
+            count_cells(cells[loc])
             loc_stats = _write_location(group, loc, rows, arrays, opts)
         stats.update({f"{loc}/{k}": v for k, v in loc_stats.items()})
     group.attrs.update({**attrs, "cells": cells, "stats": stats, "complete": True})

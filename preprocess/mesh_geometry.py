@@ -22,6 +22,10 @@ import numpy as np
 
 def group_by_size(sizes: np.ndarray):
     """(k, cell indices with k points, their positions in the concatenated connectivity) for each k."""
+    if len(sizes) and sizes.min() == sizes.max():  # one cell size (the usual mesh): no search
+        k = int(sizes[0])
+        yield k, np.arange(len(sizes)), np.arange(len(sizes) * k).reshape(-1, k)
+        return
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if len(sizes) else np.zeros(0, np.int64)
     for k in np.unique(sizes):
         idx = np.flatnonzero(sizes == k)
@@ -54,18 +58,20 @@ def cell_centres(sizes: np.ndarray, conn: np.ndarray, points: np.ndarray, first:
     for k, idx, pos in group_by_size(sizes):
         if k == 0:
             raise ValueError("a cell without points")
-        p = points[conn[pos] - first].astype(np.float64, copy=False)  # (m, k, 3)
+        ids = conn[pos] - first  # (m, k)
         kinds = np.full(len(idx), _POLYGON_TYPE.get(k, -1)) if types is None else np.asarray(types)[idx]
-        for t in np.unique(kinds):
-            sel = kinds == t
+        one = len(kinds) and kinds.min() == kinds.max()
+        for t in (kinds[:1] if one else np.unique(kinds)):
+            sel = slice(None) if one else kinds == t
             w = _WEIGHTS.get(int(t))
-            q = p[sel]
+            cols = ids[sel]
             if w is None or len(w) != k:  # other polygons, polyhedra, higher-order cells: the mean
-                out[idx[sel]] = q.sum(axis=1) / k
+                out[idx[sel]] = points[cols].astype(np.float64, copy=False).sum(axis=1) / k
                 continue
-            acc = q[:, 0] * w[0]
+            # corner by corner, in point order as VTK sums (the same bits); one (m, 3) gather at a time
+            acc = points[cols[:, 0]].astype(np.float64) * w[0]
             for i in range(1, k):
-                acc = acc + q[:, i] * w[i]
+                acc += points[cols[:, i]].astype(np.float64, copy=False) * w[i]
             out[idx[sel]] = acc
     return out
 

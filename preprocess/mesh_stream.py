@@ -25,6 +25,7 @@ import numpy as np
 
 from .errors import IngestError
 from .mesh_geometry import cell_centres, polygon_normals_areas
+from .parallel import count_cells
 from .partition import partition, rcb_streaming
 from .scratch import ScratchArray
 from .stats import RunningStats
@@ -105,6 +106,7 @@ def stream_location(path: Path, shown_as: Path, loc: str, specs, opts, run_id: s
             if keep is not None:
                 a, b = np.searchsorted(keep, [c0, c1])
                 if a == b:
+                    count_cells(c1 - c0)
                     continue
                 pick = keep[a:b] - c0
             sizes, conn = f.cell_block(c0, c1, section)
@@ -142,6 +144,7 @@ def stream_location(path: Path, shown_as: Path, loc: str, specs, opts, run_id: s
             for k, v in block.items():
                 cols[k].write(out, v)
             out += m
+            count_cells(c1 - c0)
         # the in-memory path's order: areas, then each array raw and dimensionless, then the geometry
         if nonpositive:
             raise IngestError(f"{name}: {nonpositive} surface cells have zero or negative area; the mesh is degenerate")
@@ -196,13 +199,21 @@ def _points_of(f: VtkXmlFile, conn: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     if conn.min() < 0 or conn.max() >= f.n_points:
         raise IngestError(f"{f.path}: the connectivity refers to point {int(conn.max())} of {f.n_points} (or a "
                           f"negative id): a corrupt file")
-    used = np.unique(conn)
+    first, span = int(conn.min()), int(conn.max()) - int(conn.min()) + 1
+    if span <= 8 * len(conn):  # ids in a compact range (the usual numbering): a mask, no sort
+        mask = np.zeros(span, dtype=bool)
+        mask[conn - first] = True
+        used = np.flatnonzero(mask) + first
+        local = (np.cumsum(mask) - 1)[conn - first]
+    else:
+        used = np.unique(conn)
+        local = np.searchsorted(used, conn)
     cuts = np.flatnonzero(np.diff(used) > _POINT_GAP) + 1
     parts = []
     for run in np.split(used, cuts):
         stretch = f.points(int(run[0]), int(run[-1]) + 1)
         parts.append(stretch[run - run[0]])
-    return np.concatenate(parts) if len(parts) > 1 else parts[0], np.searchsorted(used, conn)
+    return np.concatenate(parts) if len(parts) > 1 else parts[0], local
 
 
 def _warn_cp(ratio: float, name, opts, warnings: list) -> None:
@@ -228,8 +239,10 @@ def _write_partitioned(sub, cols: dict, rows: int, opts, scratch: Path, tag: str
         offsets, boxes = rcb_streaming(coords, opts.parts, block_cells, part_of)
         filled = offsets[:-1].copy()  # next free row of each part
         for lo, hi in coords.blocks(block_cells):
-            part = part_of.read(lo, hi).astype(np.int64)
-            order = np.argsort(part, kind="stable")  # within a part rows keep file order
+            part = part_of.read(lo, hi)
+            small = part.astype(np.uint16) if opts.parts <= 1 << 16 else part  # radix-sorted when small
+            order = np.argsort(small, kind="stable")  # within a part rows keep file order
+            part = part.astype(np.int64)
             counts = np.bincount(part, minlength=opts.parts)
             starts = np.concatenate([[0], np.cumsum(counts)])
             for k, col in cols.items():

@@ -4,12 +4,63 @@ One task per run (meshes) or per time block (grids). Tasks are independent and r
 (statistics, sizes); the coordinator merges them in a fixed order, so results do not depend on the
 number of workers or on completion order. ``workers == 1`` runs in this process (no pickling, no start-up
 cost); more workers use dask's process pool, since VTK reading and compression hold the GIL.
+
+Progress: the bar counts tasks, and tasks report the cells they have gone through (``count_cells``, after
+every block) into one shared counter, so a single huge run shows cells and cells/s as it goes. On a
+``dask.distributed`` cluster the bar counts tasks only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from typing import Callable, Iterable, Iterator
+
+_cells = None  # a shared multiprocessing.Value while tasks run locally (in this process and its workers)
+_POLL = 0.5  # seconds between progress updates from the counter
+
+
+def count_cells(n: int) -> None:
+    """Tell the progress bar that ``n`` more cells went through (no-op outside run_tasks)."""
+    if _cells is not None:
+        with _cells.get_lock():
+            _cells.value += int(n)
+
+
+def _cells_text(n: int, seconds: float) -> str:
+    from tqdm import tqdm
+
+    rate = tqdm.format_sizeof(n / seconds) if seconds > 0 else "?"
+    return f"{n:,} cells, {rate} cells/s"
+
+
+@contextlib.contextmanager
+def _cell_counter(bar, context):
+    """A shared counter (workers inherit it) shown on ``bar`` every _POLL seconds and once at the end."""
+    global _cells
+    counter, stop, t0 = context.Value("q", 0), threading.Event(), time.perf_counter()
+
+    def show():
+        bar.set_postfix_str(_cells_text(counter.value, time.perf_counter() - t0), refresh=True)
+
+    def poll():
+        while not stop.wait(_POLL):
+            show()
+
+    before, _cells = _cells, counter
+    thread = threading.Thread(target=poll, daemon=True, name="ingest-progress")
+    if not bar.disable:
+        thread.start()
+    try:
+        yield counter
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join()
+        if counter.value:
+            show()
+        _cells = before
 
 
 def run_tasks(func: Callable, calls: Iterable[tuple], *, workers: int = 1, scheduler: str | None = None,
@@ -36,6 +87,14 @@ def run_tasks(func: Callable, calls: Iterable[tuple], *, workers: int = 1, sched
 
 
 def _local(func, calls, workers, bar):
+    import multiprocessing
+
+    context = multiprocessing.get_context(_start_method())
+    with _cell_counter(bar, context) as counter:
+        yield from _local_counted(func, calls, workers, bar, counter)
+
+
+def _local_counted(func, calls, workers, bar, counter):
     if workers == 1:
         with one_core():
             for args in calls:
@@ -53,15 +112,18 @@ def _local(func, calls, workers, bar):
 
     tasks = [dask.delayed(func, pure=False)(*args) for args in calls]
     keys = {t.key for t in tasks}
-    with worker_pool(workers) as pool, _Progress():
+    with worker_pool(workers, counter) as pool, _Progress():
         results = dask.compute(*tasks, scheduler="processes", pool=pool, chunksize=1)  # one run per batch
     yield from results
 
 
-def _init_worker():
+def _init_worker(counter=None):
     """One core per worker process: VTK's SMP filters and zarr's codec threads would otherwise each use
     every core, so N workers would oversubscribe the machine N-fold. On Linux a worker also dies with the
-    ingest that started it (a ``kill -9`` of the command would otherwise leave its workers running)."""
+    ingest that started it (a ``kill -9`` of the command would otherwise leave its workers running). The
+    progress counter comes along."""
+    global _cells
+    _cells = counter
     _set_threads(1)
     _die_with_parent()
 
@@ -109,21 +171,27 @@ def one_core():
         zarr.config.set({"threading.max_workers": zarr_workers})
 
 
-def worker_pool(workers: int):
+def _start_method() -> str:
+    import sys
+
+    return "fork" if sys.platform.startswith("linux") else "spawn"
+
+
+def worker_pool(workers: int, counter=None):
     """A process pool for dask's local scheduler. On Linux the workers fork from this process: no
     re-import of ``__main__`` (so ingest works from any script, guarded by ``if __name__ == "__main__"``
     or not) and no start-up import cost; zarr resets its event loop after a fork. Elsewhere: spawn."""
     import multiprocessing
-    import sys
     from concurrent.futures import ProcessPoolExecutor
 
-    method = "fork" if sys.platform.startswith("linux") else "spawn"
+    method = _start_method()
     if method == "fork":  # import the heavy readers once, here, instead of once per worker
         import importlib
 
         for module in ("pyvista", "zarr"):
             importlib.import_module(module)
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_init_worker)
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_init_worker,
+                               initargs=(counter,))
 
 
 def _distributed(func, calls, address, bar):

@@ -187,10 +187,22 @@ def _boxes(coords, src, nodes, block_rows):
     hi_box = np.full((nodes, d), -np.inf, dtype=dt)
     for lo, hi in coords.blocks(block_rows):
         x, node = coords.read(lo, hi), _node_block(src, lo, hi)
-        for a in range(d):
-            np.minimum.at(lo_box[:, a], node, x[:, a])
-            np.maximum.at(hi_box[:, a], node, x[:, a])
+        _update_min_max(lo_box, hi_box, node, x)
     return lo_box, hi_box
+
+
+def _update_min_max(lo, hi, group: np.ndarray, values: np.ndarray) -> None:
+    """lo[g] = min(lo[g], values of group g), hi likewise (like np.minimum.at, several times faster):
+    one radix sort of the group ids, then reduceat."""
+    if not len(group):
+        return
+    order = np.argsort(group.astype(np.uint16) if len(lo) <= 1 << 16 else group, kind="stable")
+    g = group[order]
+    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+    v = values[order]
+    ids = g[starts]
+    lo[ids] = np.minimum(lo[ids], np.minimum.reduceat(v, starts, axis=0))
+    hi[ids] = np.maximum(hi[ids], np.maximum.reduceat(v, starts, axis=0))
 
 
 def _bin(v, lo, width):
@@ -216,7 +228,11 @@ def _medians(coords, src, nodes, axis, half, count, lo_box, hi_box, block_rows):
     while not done.all():
         # a histogram round over the nodes whose bin is still too full to gather
         rng_lo, rng_w = first.copy(), last - first
-        gather = ~done & (inside <= _GATHER)
+        # gather the values of nodes whose range is narrow enough, up to _GATHER values over all nodes
+        # together (at deep levels every node is small; gathering them all would hold the whole column)
+        cand = np.flatnonzero(~done & (inside <= _GATHER))
+        gather = np.zeros(nodes, dtype=bool)
+        gather[cand[np.cumsum(inside[cand]) <= _GATHER]] = True
         hist_nodes = ~done & ~gather
         hist = np.zeros((nodes, _BINS), dtype=np.int64)
         vmin, vmax = np.full(nodes, np.inf), np.full(nodes, -np.inf)
@@ -229,8 +245,7 @@ def _medians(coords, src, nodes, axis, half, count, lo_box, hi_box, block_rows):
                 m = member & hist_nodes[node]
                 b = _bin(v[m], rng_lo[node[m]], rng_w[node[m]])
                 hist += np.bincount(node[m] * _BINS + b, minlength=nodes * _BINS).reshape(nodes, _BINS)
-                np.minimum.at(vmin, node[m], v[m])
-                np.maximum.at(vmax, node[m], v[m])
+                _update_min_max(vmin, vmax, node[m], v[m])
             if gather.any():
                 m = member & gather[node]
                 for j in np.unique(node[m]):
@@ -307,7 +322,5 @@ def _assign(coords, src, dst, nodes, axis, cut, ties, block_rows):
         child = 2 * node + (~left)
         dst.write(lo, child.astype(dst.dtype))
         count += np.bincount(child, minlength=2 * nodes)
-        for a in range(d):
-            np.minimum.at(lo_box[:, a], child, x[:, a])
-            np.maximum.at(hi_box[:, a], child, x[:, a])
+        _update_min_max(lo_box, hi_box, child, x)
     return count, lo_box, hi_box

@@ -58,7 +58,9 @@ clr = cl/2 - ..., the lift carried by the front and rear axle (wheelbase = L - o
 the run's frontal area and mid-wheelbase point; force_mom_constref uses A_REF_CONST and CENTRE_CONST.
 
 Volume flow model: a uniform hexahedral box grid around the car (cells whose centre lies inside the
-body are removed; the ground is the box floor). Potential flow of a Rankine-like body: line sources of
+body are removed; the ground is the box floor), built and written slab by slab (``BoxGrid``,
+``vtu_writer``) so a 50M-cell volume needs no more memory than a small one; values do not depend on the
+block size. Potential flow of a Rankine-like body: line sources of
 strength U dS/dx along the body axis (S = cross-section area, continued behind the base by a wake
 displacement body decaying over 1.5 m), with core radii so the field is regular, plus their ground
 images. A Gaussian wake behind the base (width growing downstream, deficit from momentum balance with the
@@ -485,49 +487,116 @@ _PRESSURE_RECOVERY = 1.2  # m, base pressure recovery length in the wake
 _NUT_FREE = 2e-5  # m^2/s
 
 
+VOLUME_BLOCK_CELLS = 1 << 18  # box cells per streamed volume block (about 100 MiB of work arrays)
+FIELD_CHUNK = 16384  # cells per volume_fields chunk; blocks are re-cut to it so values never depend on blocks
+
+
+class BoxGrid:
+    """The volume mesh: a uniform hexahedral box grid around the body (ground = floor), minus the cells
+    whose centre lies inside the body; cells in (i, j, k) order, points = the used grid nodes in (a, b, c)
+    order. Built and written slab by slab (slab i = the cells with x index i), so memory stays at a block."""
+
+    def __init__(self, body: Body, cells: int):
+        self.body = body
+        self.lo = np.array([-1.0, -(0.5 * body.width + 0.9), 0.0])
+        hi = np.array([body.length + 3.0, 0.5 * body.width + 0.9, body.height + 0.9])
+        self.size = hi - self.lo
+        self.dims, self.n_cells = self._fit(cells)
+        nx, ny, nz = (int(d) for d in self.dims)
+        self.slab_cells = ny * nz
+        self.slabs_per_block = max(1, VOLUME_BLOCK_CELLS // self.slab_cells)
+
+    def _fit(self, cells: int):
+        """Spacing whose fluid cell count is within 3% of ``cells`` (the body's volume is removed, so
+        refine; coarse grids' counts jump, so then search nearby spacings)."""
+        def fluid(h):
+            dims = np.maximum(2, np.round(self.size / h)).astype(int)
+            return dims, self._count(dims)
+
+        h = (np.prod(self.size) / cells) ** (1.0 / 3.0)
+        best = None
+        for _ in range(3):
+            dims, count = fluid(h)
+            if best is None or abs(count - cells) < abs(best[1] - cells):
+                best = (dims, count)
+            if abs(count - cells) <= 0.03 * cells:
+                break
+            h *= (count / cells) ** (1.0 / 3.0)
+        if abs(best[1] - cells) > 0.03 * cells:
+            for f in np.linspace(0.85, 1.15, 31):
+                dims, count = fluid(h * f)
+                if abs(count - cells) < abs(best[1] - cells):
+                    best = (dims, count)
+        return best
+
+    def _axes(self, dims):
+        return [self.lo[d] + (np.arange(dims[d]) + 0.5) * self.size[d] / dims[d] for d in range(3)]
+
+    def _keep(self, dims, i0: int, i1: int) -> np.ndarray:
+        """Fluid mask (i1 - i0, ny, nz) of slabs [i0, i1)."""
+        ax = self._axes(dims)
+        centres = np.stack(np.meshgrid(ax[0][i0:i1], ax[1], ax[2], indexing="ij"), axis=-1).reshape(-1, 3)
+        return ~self.body.inside(centres).reshape(i1 - i0, int(dims[1]), int(dims[2]))
+
+    def _count(self, dims) -> int:
+        nx, ny, nz = (int(d) for d in dims)
+        x = self._axes(dims)[0]
+        inside = np.flatnonzero((x > 0.0) & (x < self.body.length))  # inside() is False elsewhere
+        count = nx * ny * nz
+        if len(inside):
+            step = max(1, VOLUME_BLOCK_CELLS // (ny * nz))
+            for i0 in range(int(inside[0]), int(inside[-1]) + 1, step):
+                i1 = min(i0 + step, int(inside[-1]) + 1)
+                count -= int((~self._keep(dims, i0, i1)).sum())
+        return count
+
+    def blocks(self):
+        """Per block of slabs: (points (p, 3) float64 of the grid nodes first used here, hexahedra (c, 8)
+        int64 point ids in VTK order, their centres (c, 3) float64)."""
+        nx, ny, nz = (int(d) for d in self.dims)
+        dims = self.dims
+        spacing = self.size / dims
+        plane_offset = 0  # id of the first used point of plane s0
+        for s0 in range(0, nx, self.slabs_per_block):
+            s1 = min(s0 + self.slabs_per_block, nx)
+            k0, k1 = max(s0 - 1, 0), min(s1 + 1, nx)
+            keep = self._keep(dims, k0, k1)  # slabs s0 - 1 .. s1 where they exist
+            touch = np.zeros((k1 - k0, ny + 1, nz + 1), dtype=bool)  # nodes each slab's cells use, one side
+            for db in (0, 1):
+                for dc in (0, 1):
+                    touch[:, db:db + ny, dc:dc + nz] |= keep
+            planes = np.arange(s0, s1 + 1)  # nodes of planes s0 .. s1: used by slab a - 1 or slab a
+            used = np.zeros((len(planes), ny + 1, nz + 1), dtype=bool)
+            for n, a in enumerate(planes):
+                for slab in (a - 1, a):
+                    if k0 <= slab < k1:
+                        used[n] |= touch[slab - k0]
+            flat = used.reshape(len(planes), -1)
+            ids = np.cumsum(flat.ravel()).reshape(flat.shape) - 1 + plane_offset
+            emit = len(planes) if s1 == nx else len(planes) - 1  # plane s1 belongs to the next block
+            n_emit = int(flat[:emit].sum())
+            a, bc = np.nonzero(flat[:emit])
+            b, c = np.unravel_index(bc, (ny + 1, nz + 1))
+            points = self.lo + np.stack([a + s0, b, c], axis=1) * spacing
+            si, j, k = np.nonzero(keep[s0 - k0:s1 - k0])
+            node = lambda da, db, dc: ids[si + da, (j + db) * (nz + 1) + (k + dc)]  # noqa: E731
+            hexes = np.stack([node(0, 0, 0), node(1, 0, 0), node(1, 1, 0), node(0, 1, 0),
+                              node(0, 0, 1), node(1, 0, 1), node(1, 1, 1), node(0, 1, 1)], axis=1)
+            i = si + s0
+            corners = np.stack([np.stack([i + da, j + db, k + dc], axis=1)
+                                for da, db, dc in _HEX_CORNERS], axis=1)
+            centres = (self.lo + corners * spacing).mean(axis=1)
+            plane_offset += n_emit
+            yield points, hexes.astype(np.int64), centres
+
+
+_HEX_CORNERS = ((0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 1, 0), (0, 0, 1), (1, 0, 1), (1, 1, 1), (0, 1, 1))
+
+
 def volume_grid(body: Body, cells: int) -> tuple[np.ndarray, np.ndarray]:
-    """Hexahedral box grid around the body minus the cells whose centre is inside it: points (P, 3)
-    float64 and VTK hexahedron connectivity (C, 8)."""
-    lo = np.array([-1.0, -(0.5 * body.width + 0.9), 0.0])
-    hi = np.array([body.length + 3.0, 0.5 * body.width + 0.9, body.height + 0.9])
-    size = hi - lo
-
-    def fluid(h):
-        dims = np.maximum(2, np.round(size / h)).astype(int)
-        return dims, ~body.inside(_cell_centres(lo, size, dims))
-
-    h = (np.prod(size) / cells) ** (1.0 / 3.0)
-    best = None
-    for _ in range(3):  # the body's volume is removed: refine until the count fits
-        dims, keep = fluid(h)
-        count = int(keep.sum())
-        if best is None or abs(count - cells) < abs(best[2] - cells):
-            best = (dims, keep, count)
-        if abs(count - cells) <= 0.03 * cells:
-            break
-        h *= (count / cells) ** (1.0 / 3.0)
-    if abs(best[2] - cells) > 0.03 * cells:  # coarse grids: counts jump, so search nearby spacings
-        for f in np.linspace(0.85, 1.15, 31):
-            dims, keep = fluid(h * f)
-            if abs(int(keep.sum()) - cells) < abs(best[2] - cells):
-                best = (dims, keep, int(keep.sum()))
-    dims, keep, _ = best
-    nx, ny, nz = dims
-    idx = np.flatnonzero(keep)
-    i, j, k = np.unravel_index(idx, (nx, ny, nz))
-    pid = lambda a, b, c: (a * (ny + 1) + b) * (nz + 1) + c  # noqa: E731
-    hexes = np.stack([pid(i, j, k), pid(i + 1, j, k), pid(i + 1, j + 1, k), pid(i, j + 1, k),
-                      pid(i, j, k + 1), pid(i + 1, j, k + 1), pid(i + 1, j + 1, k + 1), pid(i, j + 1, k + 1)],
-                     axis=1)
-    used, inverse = np.unique(hexes, return_inverse=True)
-    a, b, c = np.unravel_index(used, (nx + 1, ny + 1, nz + 1))
-    points = lo + np.stack([a, b, c], axis=1) * (size / dims)
-    return points, inverse.reshape(hexes.shape).astype(np.int64)
-
-
-def _cell_centres(lo, size, dims):
-    axes = [lo[d] + (np.arange(dims[d]) + 0.5) * size[d] / dims[d] for d in range(3)]
-    return np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, 3)
+    """The whole volume mesh in memory (small grids, tests): points (P, 3) float64 and hexahedra (C, 8)."""
+    parts = list(BoxGrid(body, cells).blocks())
+    return np.concatenate([p for p, _, _ in parts]), np.concatenate([h for _, h, _ in parts])
 
 
 def _line_sources(body: Body, n: int = 160):
@@ -620,54 +689,52 @@ def _surface_mesh(case: SurfaceCase):
     return mesh
 
 
-def _volume_mesh(case: SurfaceCase, cells: int, reference: Reference):
-    import pyvista as pv
-
-    points, hexes = volume_grid(case.body, cells)
-    grid = pv.UnstructuredGrid({pv.CellType.HEXAHEDRON: hexes}, points.astype(np.float32))
-    centres = points[hexes].mean(axis=1)
-    for k, v in volume_fields(case.body, case, centres, reference).items():
-        grid.cell_data[k] = v.astype(np.float32)
-    return grid
-
-
-def _part_name(path: Path, k: int) -> Path:
-    return path.with_name(f"{path.name}.{k:02d}.part")
-
-
 def _tmp_name(path: Path) -> Path:
     return path.with_name(f".tmp-{os.getpid()}-{path.name}")
 
 
-def _write_volume(path: Path, grid, pieces: int) -> None:
-    """Write the grid as binary XML; with pieces > 1, as consecutive byte pieces ``.NN.part`` (what
-    ``cat`` joins back), after removing any stale whole file or pieces of an earlier synth."""
-    stale = sorted(path.parent.glob(path.name + ".*.part"))
-    if pieces <= 1:
-        with _atomic(path) as tmp:
-            grid.save(tmp, binary=True)
-        for p in stale:
-            p.unlink()
-        return
-    whole = _tmp_name(path)
-    parts = [_part_name(path, k) for k in range(pieces)]
-    tmps = [_tmp_name(p) for p in parts]
+_VOLUME_FIELDS = ("UMeanTrim", "pMeanTrim", "nutMeanTrim", "CpMeanTrim")
+_HEXAHEDRON = 12  # VTK cell type
+
+
+def _write_volume(path: Path, case: SurfaceCase, cells: int, pieces: int, reference: Reference) -> None:
+    """Stream the volume mesh and its fields into ``path`` (binary VTK XML, zlib), block by block; with
+    pieces > 1 as consecutive byte pieces ``.NN.part`` (what ``cat`` joins back), replacing any stale
+    whole file or pieces of an earlier synth."""
+    from .vtu_writer import VtuWriter
+
+    grid = BoxGrid(case.body, cells)
+    writer = VtuWriter(path, pieces)
+    for name in _VOLUME_FIELDS:
+        writer.declare("CellData", name, "f4", 3 if name == "UMeanTrim" else 1)
+    writer.declare("Points", "Points", "f4", 3)
+    for name, dtype in (("connectivity", "i8"), ("offsets", "i8"), ("types", "u1")):
+        writer.declare("Cells", name, dtype)
+    n_points = n_cells = 0
+    pending = np.empty((0, 3))  # centres whose fields wait for a whole FIELD_CHUNK
+
+    def fields(centres):
+        for k, v in volume_fields(case.body, case, centres, reference, FIELD_CHUNK).items():
+            writer.append("CellData", k, v.astype(np.float32))
+
     try:
-        grid.save(whole, binary=True)
-        size = whole.stat().st_size
-        with open(whole, "rb") as src:
-            for k, tmp in enumerate(tmps):
-                with open(tmp, "wb") as dst:
-                    dst.write(src.read((k + 1) * size // pieces - k * size // pieces))
-        for p in stale + [path]:
-            if p.exists():
-                p.unlink()
-        for k in reversed(range(pieces)):  # piece 00 last: until then the set reads as incomplete
-            os.replace(tmps[k], parts[k])
-    finally:
-        for t in tmps + [whole]:
-            if t.exists():
-                t.unlink()
+        for points, hexes, centres in grid.blocks():
+            writer.append("Points", "Points", points.astype(np.float32))
+            writer.append("Cells", "connectivity", hexes.ravel())
+            writer.append("Cells", "offsets", 8 * (n_cells + 1 + np.arange(len(hexes), dtype=np.int64)))
+            writer.append("Cells", "types", np.full(len(hexes), _HEXAHEDRON, np.uint8))
+            n_points, n_cells = n_points + len(points), n_cells + len(hexes)
+            pending = np.concatenate([pending, centres])
+            whole = len(pending) - len(pending) % FIELD_CHUNK
+            if whole:
+                fields(pending[:whole])
+                pending = pending[whole:]
+        if len(pending):
+            fields(pending)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close(n_points, n_cells)
 
 
 def write_run(folder: Path, run: int, case: SurfaceCase, volume_cells: int, volume_pieces: int,
@@ -684,7 +751,7 @@ def write_run(folder: Path, run: int, case: SurfaceCase, volume_cells: int, volu
     _write_csv(folder / f"force_mom_{run}.csv", {k: case.forces[k] for k in FORCE_COLUMNS})
     _write_csv(folder / f"force_mom_constref_{run}.csv", {k: case.forces_constref[k] for k in FORCE_COLUMNS})
     _write_csv(folder / f"geo_parameters_{run}.csv", case.body.params)
-    _write_volume(folder / f"volume_{run}.vtu", _volume_mesh(case, volume_cells, reference), volume_pieces)
+    _write_volume(folder / f"volume_{run}.vtu", case, volume_cells, volume_pieces, reference)
 
 
 def _count(name: str, value, low: int, high: int | None = None) -> int:

@@ -231,6 +231,7 @@ class VtkXmlFile:
                                                                        else "u4"))
         self.compressor = vtk.attrs.get("compressor") or None
         self._app_encoding = app_encoding
+        self._block_tables: dict[tuple[int, str], tuple] = {}  # per compressed array: its block table
         body = vtk.find(self.kind)
         pieces = [p for p in (body.children if body else []) if p.name == "Piece"]
         if not pieces:
@@ -464,13 +465,7 @@ class VtkXmlFile:
             self._check_rows(a, total_rows, hi)
             data = stream.body(hs, lo * row, (hi - lo) * row, together=True)
         else:
-            nblocks = int(np.frombuffer(stream.head(hs), self.header)[0])
-            head = np.frombuffer(stream.head(hs * (3 + nblocks)), self.header).astype(np.int64)
-            bsize, last = int(head[1]), int(head[2])
-            sizes = head[3:]
-            usizes = np.full(nblocks, bsize, dtype=np.int64)
-            if nblocks and last:
-                usizes[-1] = last
+            bsize, usizes, coff, header_bytes = self._block_table(a, stream)
             nbytes = int(usizes.sum())
             total_rows = nbytes // row if row else 0
             hi = total_rows if hi is None else hi
@@ -479,11 +474,18 @@ class VtkXmlFile:
             if b1 <= b0:
                 return np.zeros(0, a.dtype)
             k0, k1 = b0 // bsize, (b1 - 1) // bsize
-            coff = np.concatenate([[0], np.cumsum(sizes)])
             decomp = _decompressor(self.compressor, self.path)
+            together = None
+            if a.encoding == "raw":  # the blocks lie back to back: one read for all of them
+                together = stream.body(header_bytes, int(coff[k0]), int(coff[k1 + 1] - coff[k0]), together=True)
             parts = []
             for k in range(k0, k1 + 1):
-                raw = stream.body(hs * (3 + nblocks), int(coff[k]), int(sizes[k]), together=False)
+                size = int(coff[k + 1] - coff[k])
+                if together is None:
+                    raw = stream.body(header_bytes, int(coff[k]), size, together=False)
+                else:
+                    at = int(coff[k] - coff[k0])
+                    raw = together[at:at + size]
                 block = decomp(raw, int(usizes[k]))
                 if len(block) != usizes[k]:
                     raise IngestError(f"{self.path}: DataArray {a.name!r}: block {k} decompresses to {len(block)} "
@@ -496,6 +498,22 @@ class VtkXmlFile:
             raise IngestError(f"{self.path}: DataArray {a.name!r} ends early ({len(data)} of {(hi - lo) * row} bytes): "
                               f"a corrupt or truncated file")
         return np.frombuffer(bytearray(data), a.dtype)  # writable, like VTK's arrays
+
+    def _block_table(self, a: ArrayInfo, stream) -> tuple:
+        """(block size, uncompressed size of each block, compressed offsets (nblocks + 1,), header bytes) of
+        a compressed array, parsed once (its header grows with the array: 8 bytes per 32 KiB block)."""
+        key = (a.start, a.encoding)
+        if key not in self._block_tables:
+            hs = self.header.itemsize
+            nblocks = int(np.frombuffer(stream.head(hs), self.header)[0])
+            head = np.frombuffer(stream.head(hs * (3 + nblocks)), self.header).astype(np.int64)
+            bsize, last = int(head[1]), int(head[2])
+            usizes = np.full(nblocks, bsize, dtype=np.int64)
+            if nblocks and last:
+                usizes[-1] = last
+            coff = np.concatenate([[0], np.cumsum(head[3:])])
+            self._block_tables[key] = (bsize, usizes, coff, hs * (3 + nblocks))
+        return self._block_tables[key]
 
     def _check_rows(self, a: ArrayInfo, total_rows: int, hi: int) -> None:
         if a.rows is not None and total_rows != a.rows:

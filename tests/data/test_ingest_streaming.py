@@ -106,3 +106,13 @@ def test_streaming_reads_part_pieces_without_a_joined_copy(raw, tmp_path, monkey
     assert list((src / "run_1").glob("volume_1.vtu.*.part"))
     report = ingest_drivaerml(src, tmp_path / "s.zarr", **OPTS)
     assert report.written == ["run_1", "run_2"] and joined == []
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_progress_bar_counts_cells_across_workers(raw, tmp_path, capfd, small_blocks, workers):
+    """The bar shows the cells gone through, block by block, from worker processes too; at the end every
+    cell of every run is counted once."""
+    report = ingest_drivaerml(raw, tmp_path / "s.zarr", **{**OPTS, "progress": True, "workers": workers})
+    total = sum(n for t in report.tasks for n in t["cells"].values())
+    err = capfd.readouterr().err
+    assert f"{total:,} cells" in err.split("\r")[-1] or f"{total:,} cells" in err.splitlines()[-1], err[-400:]

@@ -234,3 +234,54 @@ def test_bad_arguments_raise(tmp_path, kwargs):
     with pytest.raises(ValueError):
         synth_drivaerml(tmp_path / "out", **kwargs)
     assert not (tmp_path / "out").exists()
+
+
+def _volume_oracle(body, cells):
+    """The in-memory construction the streamed grid replaces: the whole box, np.unique over all hexahedra."""
+    grid = S.BoxGrid(body, cells)  # the fitted spacing (its count pass is checked below)
+    lo, size, dims = grid.lo, grid.size, grid.dims
+    nx, ny, nz = dims
+    axes = [lo[d] + (np.arange(dims[d]) + 0.5) * size[d] / dims[d] for d in range(3)]
+    keep = ~body.inside(np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, 3))
+    assert keep.sum() == grid.n_cells
+    i, j, k = np.unravel_index(np.flatnonzero(keep), (nx, ny, nz))
+    pid = lambda a, b, c: (a * (ny + 1) + b) * (nz + 1) + c  # noqa: E731
+    hexes = np.stack([pid(i, j, k), pid(i + 1, j, k), pid(i + 1, j + 1, k), pid(i, j + 1, k),
+                      pid(i, j, k + 1), pid(i + 1, j, k + 1), pid(i + 1, j + 1, k + 1), pid(i, j + 1, k + 1)],
+                     axis=1)
+    used, inverse = np.unique(hexes, return_inverse=True)
+    a, b, c = np.unravel_index(used, (nx + 1, ny + 1, nz + 1))
+    return lo + np.stack([a, b, c], axis=1) * (size / dims), inverse.reshape(hexes.shape)
+
+
+@pytest.mark.parametrize("cells,block", [(300, 1 << 18), (4000, 1 << 18), (4000, 300), (30000, 2000)])
+def test_streamed_volume_equals_in_memory_grid(monkeypatch, cells, block):
+    """Slab blocks of any size give the in-memory grid's points, hexahedra and centres bit for bit."""
+    monkeypatch.setattr(S, "VOLUME_BLOCK_CELLS", block)
+    body = S.Body(S.sample_parameters(2, 3))
+    points, hexes = _volume_oracle(body, cells)
+    blocks = list(S.BoxGrid(body, cells).blocks())
+    assert len(blocks) > (1 if block < 1000 else 0)
+    np.testing.assert_array_equal(np.concatenate([p for p, _, _ in blocks]), points)
+    np.testing.assert_array_equal(np.concatenate([h for _, h, _ in blocks]), hexes)
+    np.testing.assert_array_equal(np.concatenate([c for _, _, c in blocks]), points[hexes].mean(axis=1))
+
+
+def test_streamed_volume_file_equals_vtk_written_grid(tmp_path, monkeypatch):
+    """The streamed file reads back in VTK as the grid VTK's own writer would have written (same points,
+    cells and float32 fields), whatever the block and field-chunk boundaries."""
+    monkeypatch.setattr(S, "VOLUME_BLOCK_CELLS", 700)
+    case = S.simulate_surface(S.sample_parameters(0, 1), CELLS)
+    points, hexes = _volume_oracle(case.body, 9000)
+    want = pv.UnstructuredGrid({pv.CellType.HEXAHEDRON: hexes}, points.astype(np.float32))
+    for k, v in S.volume_fields(case.body, case, points[hexes].mean(axis=1)).items():
+        want.cell_data[k] = v.astype(np.float32)
+    S._write_volume(tmp_path / "v.vtu", case, 9000, 1, DRIVAERML)
+    got = pv.read(tmp_path / "v.vtu")
+    np.testing.assert_array_equal(got.points, want.points)
+    np.testing.assert_array_equal(got.cell_connectivity, want.cell_connectivity)
+    np.testing.assert_array_equal(got.celltypes, want.celltypes)
+    assert sorted(got.cell_data) == sorted(want.cell_data)
+    for k in want.cell_data:
+        np.testing.assert_array_equal(got.cell_data[k], want.cell_data[k], err_msg=k)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.vtu"]  # no scratch left behind
