@@ -150,7 +150,7 @@ def rcb_streaming(coords, parts: int, block_rows: int, node_ids) -> tuple[np.nda
     finds every node's exact median along its longest side by histogram passes (4096 bins a round, then the
     values of the median's bin), then assigns rows in one pass, ties to the lower row as in memory. Returns
     (offsets (P+1,), boxes (P, 2, D)); rows keep file order within a part, so the stored order is
-    ``argsort(part, stable)``. About three passes over the coordinates per level."""
+    ``argsort(part, stable)``. About two passes over the coordinates per level."""
     check_parts(parts)
     n = coords.n
     d = coords.shape[1]
@@ -214,11 +214,13 @@ def _bin(v, lo, width):
 
 def _medians(coords, src, nodes, axis, half, count, lo_box, hi_box, block_rows):
     """Each node's ``half``-th smallest value along its axis (exact) and how many of the values equal to it
-    go left (the first ones in row order)."""
+    go left (the first ones in row order): ``half`` minus the values strictly below the cut, counted while
+    selecting (values in lower histogram bins lie strictly below every value of the median's bin)."""
     k = half - 1                                      # 0-based rank of the cut value
     active = count > 0
     cut = np.zeros(nodes, dtype=np.float64)
     below = np.zeros(nodes, dtype=np.int64)          # values known to lie below the current range
+    less = np.zeros(nodes, dtype=np.int64)           # values strictly below the cut, once it is known
     chain = [[] for _ in range(nodes)]                # (lo, width, bin) rounds that narrowed each node's range
     first = np.array([lo_box[j, axis[j]] for j in range(nodes)], dtype=np.float64)
     last = np.array([hi_box[j, axis[j]] for j in range(nodes)], dtype=np.float64)
@@ -248,15 +250,18 @@ def _medians(coords, src, nodes, axis, half, count, lo_box, hi_box, block_rows):
                 _update_min_max(vmin, vmax, node[m], v[m])
             if gather.any():
                 m = member & gather[node]
-                for j in np.unique(node[m]):
-                    vals[j].append(v[m][node[m] == j])
+                for j, values in _by_group(node[m], v[m], nodes):
+                    vals[j].append(values)
         for j in np.flatnonzero(gather):
-            v = np.sort(np.concatenate(vals[j]))
-            cut[j] = v[k[j] - below[j]]
+            v = np.concatenate(vals[j]) if len(vals[j]) != 1 else vals[j][0]
+            r = int(k[j] - below[j])
+            cut[j] = np.partition(v, r)[r]
+            less[j] = below[j] + int(np.count_nonzero(v < v.dtype.type(cut[j])))
             done[j] = True
         for j in np.flatnonzero(hist_nodes):
             if vmin[j] == vmax[j]:  # every value left in range is the same: that is the cut
                 cut[j] = vmin[j]
+                less[j] = below[j]
                 done[j] = True
                 continue
             c = np.cumsum(hist[j])
@@ -267,8 +272,15 @@ def _medians(coords, src, nodes, axis, half, count, lo_box, hi_box, block_rows):
             a_lo = rng_lo[j] + rng_w[j] * b / _BINS
             a_hi = rng_lo[j] + rng_w[j] * (b + 1) / _BINS
             first[j], last[j] = a_lo, a_hi
-    ties = _ties_left(coords, src, nodes, axis, cut, half, block_rows)
-    return cut, ties
+    return cut, np.where(active, half - less, 0)
+
+
+def _by_group(group: np.ndarray, values: np.ndarray, groups: int):
+    """(g, values of group g) for every group present, in row order within a group: one radix sort."""
+    order = np.argsort(group.astype(np.uint16) if groups <= 1 << 16 else group, kind="stable")
+    counts = np.bincount(group, minlength=groups)
+    pieces = np.split(values[order], np.cumsum(counts)[:-1])
+    return [(int(j), pieces[j]) for j in np.flatnonzero(counts)]
 
 
 def _members(v, node, chain, open_nodes) -> np.ndarray:
@@ -282,17 +294,6 @@ def _members(v, node, chain, open_nodes) -> np.ndarray:
         has = want[node] >= 0
         m &= ~has | (_bin(v, lo[node], w[node]) == want[node])
     return m
-
-
-def _ties_left(coords, src, nodes, axis, cut, half, block_rows) -> np.ndarray:
-    """How many rows equal to the cut go left: ``half`` minus those strictly below it."""
-    less = np.zeros(nodes, dtype=np.int64)
-    for lo, hi in coords.blocks(block_rows):
-        x, node = coords.read(lo, hi), _node_block(src, lo, hi)
-        v = x[np.arange(hi - lo), axis[node]]
-        m = v < cut[node].astype(v.dtype)
-        less += np.bincount(node[m], minlength=nodes)
-    return half - less
 
 
 def _assign(coords, src, dst, nodes, axis, cut, ties, block_rows):
