@@ -1,9 +1,11 @@
 """``domainflow ingest drivaerml RAW STORE``: DrivaerML-layout run folders -> a partitioned mesh store.
 
-Per run (one dask task each): stream the needed cell arrays of the surface (and volume, its ``.part``
-pieces read as one stream) block by block (``mesh_stream``): cell centres, normals and areas,
-non-dimensionalised fields, NaN/Inf refused; partition the rows into P spatially compact contiguous parts
-out of core, and write the run into scratch before moving it into ``runs/<id>`` in one rename. Memory per
+Per run, a small dask graph (``run_graph``): a start task (files present, CSVs read); per location scan
+tasks, one per ``--task-bytes`` of raw data, that stream the needed cell arrays of the surface (and volume,
+its ``.part`` pieces read as one stream) block by block (``mesh_stream``): cell centres, normals and areas,
+non-dimensionalised fields, NaN/Inf counted; a partition task (checks over all stretches, P spatially
+compact contiguous parts); a task per column that writes it into the run's group in scratch; and a last
+task that moves the run into ``runs/<id>`` in one rename. One huge run thus uses every worker. Memory per
 worker is set by ``--memory-limit``, not by the run's size. ``reader="vtk"`` keeps the earlier in-memory
 path (VTK reads the whole file), the tests' oracle. The coordinator then merges the train runs' statistics (in run order, so
 1 or N workers give identical stores), records splits, fields and references, and marks the store
@@ -13,20 +15,23 @@ complete last. A rerun resumes: published runs are kept, the rest are redone.
 from __future__ import annotations
 
 import os
+import shutil
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .errors import IngestError, RunError
-from .parallel import count_cells, peak_memory, reset_peak_memory, run_tasks
+from .parallel import count_cells, peak_memory, release_free_memory, reset_peak_memory, run_graphs
 from .partition import METHODS, check_parts, partition
 from .reference import DRIVAERML, Reference
 from .report import IngestReport
 from .splits import check_fractions, read_split_file, split_runs
 from .stats import RunningStats, merge_all
-from .mesh_stream import block_cells_for, stream_location
+from .mesh_stream import (block_cells_for, partition_location, remove_files, scan_cells, scan_tasks_for,
+                          write_column)
 from .store_writer import StoreWriter, write_array
 from .vtk_io import (cell_centres, check_finite, locate, pieces_of, read_cells, read_csv_row,
                      surface_geometry, whole_file)
@@ -85,6 +90,7 @@ class MeshOptions:
     overwrite: bool = False
     progress: bool = True
     memory_limit: int = 2 << 30  # per worker: sets the streaming block size
+    task_bytes: int = 256 << 20  # a raw file larger than this is scanned by several tasks (same store)
     reader: str = "stream"       # "stream" (bounded memory) or "vtk" (whole file through VTK: the tests' oracle)
 
     def validate(self):
@@ -102,6 +108,8 @@ class MeshOptions:
             raise IngestError(f"--volume-points must be a positive cap, got {self.volume_points}")
         if self.memory_limit < 64 << 20:
             raise IngestError(f"--memory-limit must be at least 64 MiB (default 2 GiB), got {self.memory_limit} bytes")
+        if self.task_bytes < 1 << 20:
+            raise IngestError(f"--task-bytes must be at least 1 MiB (default 256 MiB), got {self.task_bytes} bytes")
         if self.reader not in ("stream", "vtk"):
             raise IngestError(f"reader must be 'stream' or 'vtk', got {self.reader!r}")
         if self.on_error not in ("stop", "skip"):
@@ -131,12 +139,167 @@ def discover_runs(raw: Path) -> dict[str, Path]:
     return dict(sorted(found.items(), key=lambda kv: int(kv[0][4:])))
 
 
-# -- one run (a dask task) ------------------------------------------------------------------------
+# -- one run: a graph of tasks (streaming) or one task (the in-memory oracle) ------------------------
+def run_graph(run_dir: Path, run_id: str, store: Path, opts: MeshOptions):
+    """The dask graph that ingests one run; its last task returns the run's summary. Streaming: a start
+    task (files present, CSVs read), per location ``scan_tasks_for`` scan tasks, a partition task and a
+    task per column, then a task that publishes the run. ``reader="vtk"``: one task."""
+    import dask
+
+    if opts.reader != "stream":
+        return dask.delayed(ingest_run, pure=False)(str(run_dir), run_id, str(store), opts)
+    stage = dask.delayed(_stage, pure=False)
+    files = _files(run_dir, run_id)
+    block_cells = block_cells_for(opts.memory_limit)
+    start = stage(_start_run, run_id, opts, str(run_dir), run_id, str(store), opts)
+    locations = []
+    for loc in opts.locations:
+        pieces = scan_tasks_for(_raw_size(files[loc]), opts.task_bytes)
+        tag = f"{run_id}-{loc}-{uuid.uuid4().hex[:8]}"
+        scans = [stage(_scan, run_id, opts, start, files[loc], loc, tag, i, pieces, block_cells, run_id, opts)
+                 for i in range(pieces)]
+        plan = stage(_partition, run_id, opts, start, scans, files[loc], loc, tag, block_cells, opts)
+        keys = ["coords", "order"] + (["normals", "areas"] if loc == "surface" else []) \
+            + [f"field/{s.name}" for s in FIELDS[loc]]
+        columns = [stage(_column, run_id, opts, plan, key, opts) for key in keys]
+        locations.append((loc, tag, scans, plan, columns))
+    return dask.delayed(_finish_run, pure=False)(run_id, str(store), opts, start, locations)
+
+
+def _raw_size(path: Path) -> int:
+    """Bytes of a raw file or of its .part pieces; 0 when absent or incomplete (its scan names the fault)."""
+    try:
+        return path.stat().st_size if path.exists() else sum(p.stat().st_size for p in pieces_of(path))
+    except (IngestError, OSError):
+        return 0
+
+
+def _failed(value) -> dict | None:
+    """The first failure among a stage's inputs (a skipped run's record), looking into lists and tuples."""
+    if isinstance(value, dict) and "error" in value:
+        return value
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            bad = _failed(v)
+            if bad is not None:
+                return bad
+    return None
+
+
+def _stage(fn, run_id: str, opts: MeshOptions, *args):
+    """Run one stage of a run's graph: passes an upstream failure on, turns an IngestError/OSError into
+    the run's RunError (or, with ``--on-error skip``, into a failure record), times the stage."""
+    bad = _failed(list(args))
+    if bad is not None:
+        return bad
+    t0, started, rss0 = time.perf_counter(), time.time(), reset_peak_memory()
+    try:
+        out = fn(*args)
+    except (IngestError, OSError) as exc:
+        if opts.on_error == "skip":
+            return {"run": run_id, "error": str(exc)}
+        if isinstance(exc, RunError):
+            raise
+        raise RunError(run_id, str(exc)) from None
+    peak = peak_memory()
+    release_free_memory()  # the next stage in this worker starts from what is live, not from this one's heap
+    return {"out": out, "seconds": time.perf_counter() - t0, "started": started, "pid": os.getpid(),
+            "peak_rss": peak, "start_rss": rss0}
+
+
+def _start_run(run_dir: str, run_id: str, store: str, opts: MeshOptions) -> dict:
+    """The run's files are there and its CSVs parse; a fresh scratch folder for the run group."""
+    run_dir = Path(run_dir)
+    files = _files(run_dir, run_id)
+    _check_present(run_dir, run_id, files, opts)
+    attrs = _run_attrs(run_id, files, opts)
+    writer = StoreWriter(store)
+    columns = writer.scratch / "columns"
+    columns.mkdir(parents=True, exist_ok=True)
+    folder = writer.new_run_folder(run_id)
+    import zarr
+
+    zarr.open_group(folder, mode="w", zarr_format=3)
+    return {"attrs": attrs, "folder": str(folder), "columns": str(columns)}
+
+
 def _files(run_dir: Path, run_id: str) -> dict[str, Path]:
     i = run_id[4:]
     return {"surface": run_dir / f"boundary_{i}.vtp", "volume": run_dir / f"volume_{i}.vtu",
             "forces": run_dir / f"force_mom_{i}.csv", "forces_constref": run_dir / f"force_mom_constref_{i}.csv",
             "geometry": run_dir / f"geo_parameters_{i}.csv", "stl": run_dir / f"drivaer_{i}.stl"}
+
+
+def _scan(start: dict, path: Path, loc: str, tag: str, piece: int, pieces: int, block_cells: int,
+          run_id: str, opts: MeshOptions) -> dict:
+    return scan_cells(path, path, loc, FIELDS[loc], opts, run_id, Path(start["out"]["columns"]), tag, piece,
+                      pieces, _CP_CHECK if loc == "surface" else None, block_cells)
+
+
+def _partition(start: dict, scans: list, path: Path, loc: str, tag: str, block_cells: int,
+               opts: MeshOptions) -> dict:
+    return partition_location([s["out"] for s in scans], loc, path, opts, Path(start["out"]["folder"]),
+                              Path(start["out"]["columns"]), tag, block_cells)
+
+
+def _column(plan: dict, key: str, opts: MeshOptions) -> dict:
+    return write_column(plan["out"], key, opts)
+
+
+def _finish_run(run_id: str, store: str, opts: MeshOptions, start: dict, locations: list) -> dict:
+    """The run's last task: publish its group (attrs, cells, statistics) in one rename, or, when a stage
+    failed (``--on-error skip``), drop what the run left in scratch and return the failure."""
+    stages = [start] + [x for _, _, scans, plan, columns in locations for x in scans + [plan] + columns]
+    bad = _failed(stages)
+    if bad is not None:
+        _drop_run_scratch(start, locations)
+        return bad
+    import zarr
+
+    begun = start["out"]
+    stats, cells, warnings, raw_bytes = {}, {}, [], 0
+    for loc, _, _, plan, columns in locations:
+        p = plan["out"]
+        cells[loc], raw_bytes = p["rows"], raw_bytes + p["raw_bytes"]
+        warnings += p["warnings"]
+        for c in columns:
+            stats.update({f"{loc}/{k}": v for k, v in c["out"].items()})
+        remove_files([p["perm"]])
+    group = zarr.open_group(begun["folder"], mode="r+")
+    group.attrs.update({**begun["attrs"], "cells": cells, "stats": stats, "complete": True})
+    StoreWriter(store).publish_run(Path(begun["folder"]), run_id)
+    return {"run": run_id, "stats": stats, "cells": cells, "raw_bytes": raw_bytes, "warnings": warnings,
+            "seconds": sum(x["seconds"] for x in stages), "started": min(x["started"] for x in stages),
+            "pid": stages[0]["pid"], "pids": sorted({x["pid"] for x in stages}), "peak_rss": max(x["peak_rss"] for x in stages),
+            "start_rss": min(x["start_rss"] for x in stages), "tasks": len(stages)}
+
+
+def _drop_run_scratch(start: dict, locations: list) -> None:
+    """Remove a failed run's half-built group and column files (each stage removes its own on error too)."""
+    import shutil
+
+    if "out" not in start:
+        return
+    shutil.rmtree(start["out"]["folder"], ignore_errors=True)
+    columns = Path(start["out"]["columns"])
+    for _, tag, *_ in locations:
+        for f in columns.glob(f"{tag}.*"):
+            f.unlink(missing_ok=True)
+
+
+def _check_present(run_dir: Path, run_id: str, files: dict, opts: MeshOptions) -> None:
+    needed = ["forces", "forces_constref", "geometry"] + list(opts.locations)
+    missing = [files[k] for k in needed if locate(files[k]) is None]
+    if missing:
+        present = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+        raise RunError(run_id, f"missing file(s) {[str(m) for m in missing]}; the folder holds {present}")
+
+
+def _run_attrs(run_id: str, files: dict, opts: MeshOptions) -> dict:
+    return {"run": int(run_id[4:]), "run_id": run_id, **opts.reference.to_attrs(),
+            "fingerprint": fingerprint(files, opts), "forces": read_csv_row(files["forces"]),
+            "forces_constref": read_csv_row(files["forces_constref"]),
+            "geometry": read_csv_row(files["geometry"])}
 
 
 def ingest_run(run_dir: str, run_id: str, store: str, opts: MeshOptions) -> dict:
@@ -157,37 +320,23 @@ def ingest_run(run_dir: str, run_id: str, store: str, opts: MeshOptions) -> dict
 
 
 def _ingest_run(run_dir: Path, run_id: str, writer: StoreWriter, opts: MeshOptions) -> dict:
+    """The in-memory path (``reader="vtk"``, the tests' oracle): VTK reads each file whole."""
     import zarr
 
     files = _files(run_dir, run_id)
-    needed = ["forces", "forces_constref", "geometry"] + list(opts.locations)
-    missing = [files[k] for k in needed if locate(files[k]) is None]
-    if missing:
-        present = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
-        raise RunError(run_id, f"missing file(s) {[str(m) for m in missing]}; the folder holds {present}")
-    ref = opts.reference
-    attrs = {"run": int(run_id[4:]), "run_id": run_id, **ref.to_attrs(), "fingerprint": fingerprint(files, opts),
-             "forces": read_csv_row(files["forces"]), "forces_constref": read_csv_row(files["forces_constref"]),
-             "geometry": read_csv_row(files["geometry"])}
+    _check_present(run_dir, run_id, files, opts)
+    attrs = _run_attrs(run_id, files, opts)
     raw_bytes = 0
     folder = writer.new_run_folder(run_id)
     group = zarr.open_group(folder, mode="w", zarr_format=3)
     stats, cells, warnings = {}, {}, []
     for loc in opts.locations:
-        if opts.reader == "stream":
-            columns = writer.scratch / "columns"
-            columns.mkdir(parents=True, exist_ok=True)
-            loc_stats, cells[loc], size = stream_location(
-                files[loc], files[loc], loc, FIELDS[loc], opts, run_id, group, columns, warnings,
-                _CP_CHECK if loc == "surface" else None, block_cells_for(opts.memory_limit))
-            raw_bytes += size
-        else:
-            with whole_file(files[loc], scratch=writer.scratch) as path:
-                raw_bytes += path.stat().st_size
-                rows, arrays = _read_location(loc, path, files[loc], run_id, opts, warnings)
-            cells[loc] = len(rows["coords"])
-            count_cells(cells[loc])
-            loc_stats = _write_location(group, loc, rows, arrays, opts)
+        with whole_file(files[loc], scratch=writer.scratch) as path:
+            raw_bytes += path.stat().st_size
+            rows, arrays = _read_location(loc, path, files[loc], run_id, opts, warnings)
+        cells[loc] = len(rows["coords"])
+        count_cells(cells[loc])
+        loc_stats = _write_location(group, loc, rows, arrays, opts)
         stats.update({f"{loc}/{k}": v for k, v in loc_stats.items()})
     group.attrs.update({**attrs, "cells": cells, "stats": stats, "complete": True})
     writer.publish_run(folder, run_id)
@@ -304,10 +453,10 @@ def _ingest_runs(writer: StoreWriter, raw: Path, store: Path, runs: dict, splits
             report.warnings.append(f"{r} {why}; removed from the partial store (redone if still wanted)")
             del done[r]
     report.kept = [r for r in wanted if r in done]
-    todo = [(str(runs[r]), r, str(store), opts) for r in wanted if r not in done]
+    todo = [run_graph(runs[r], r, store, opts) for r in wanted if r not in done]
     summaries = {r: {"stats": done[r]["stats"], "cells": done[r]["cells"]} for r in report.kept}
     try:
-        for out in run_tasks(ingest_run, todo, workers=opts.workers, scheduler=opts.scheduler,
+        for out in run_graphs(todo, workers=opts.workers, scheduler=opts.scheduler, unit="run",
                              desc=f"ingest {raw.name}", progress=opts.progress):
             if "error" in out:
                 report.skipped[out["run"]] = out["error"]
@@ -316,6 +465,11 @@ def _ingest_runs(writer: StoreWriter, raw: Path, store: Path, runs: dict, splits
             report.written.append(out["run"])
             report.warnings += out["warnings"]
             summaries[out["run"]] = out
+    except BaseException:
+        # no task of ours runs any more (the pool has shut down): the failed runs' column files go now,
+        # their half-built groups when the next ingest opens the store
+        shutil.rmtree(writer.scratch / "columns", ignore_errors=True)
+        raise
     finally:
         report.seconds = time.perf_counter() - t0
     ok = {k: [r for r in v if r in summaries] for k, v in splits.items()}

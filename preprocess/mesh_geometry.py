@@ -55,6 +55,7 @@ def cell_centres(sizes: np.ndarray, conn: np.ndarray, points: np.ndarray, first:
     ``points`` holds the rows ``first ..`` of the points array that ``conn`` refers to. ``types``: VTK cell
     types (None: polygons, typed by their point count)."""
     out = np.empty((len(sizes), 3), dtype=np.float64)
+    points = np.asarray(points, dtype=np.float64)  # once per point, not once per corner (the same values)
     for k, idx, pos in group_by_size(sizes):
         if k == 0:
             raise ValueError("a cell without points")
@@ -69,9 +70,12 @@ def cell_centres(sizes: np.ndarray, conn: np.ndarray, points: np.ndarray, first:
                 out[idx[sel]] = points[cols].astype(np.float64, copy=False).sum(axis=1) / k
                 continue
             # corner by corner, in point order as VTK sums (the same bits); one (m, 3) gather at a time
-            acc = points[cols[:, 0]].astype(np.float64) * w[0]
+            acc = points[cols[:, 0]] * w[0]
+            corner = np.empty_like(acc)
             for i in range(1, k):
-                acc += points[cols[:, i]].astype(np.float64, copy=False) * w[i]
+                np.take(points, cols[:, i], axis=0, out=corner)
+                corner *= w[i]
+                acc += corner
             out[idx[sel]] = acc
     return out
 
@@ -81,10 +85,11 @@ def polygon_normals_areas(sizes: np.ndarray, conn: np.ndarray, points: np.ndarra
     """(n, 3) unit normals and (n,) areas of polygons by Newell's method (float64)."""
     normals = np.empty((len(sizes), 3), dtype=np.float64)
     areas = np.empty(len(sizes), dtype=np.float64)
+    points = np.asarray(points, dtype=np.float64)
     for k, idx, pos in group_by_size(sizes):
         if k < 3:
             raise ValueError(f"a polygon with {k} points")
-        p = points[conn[pos] - first].astype(np.float64, copy=False)
+        p = points[conn[pos] - first]
         q = np.roll(p, -1, axis=1)
         n = np.stack([((p[..., 1] - q[..., 1]) * (p[..., 2] + q[..., 2])).sum(axis=1),
                       ((p[..., 2] - q[..., 2]) * (p[..., 0] + q[..., 0])).sum(axis=1),

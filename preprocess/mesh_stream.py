@@ -1,24 +1,28 @@
 """One location (surface or volume) of one run, streamed from its VTK XML file into the store in bounded
-memory: the ingest's default path.
+memory: the ingest's default path, in three stages that run as separate dask tasks, so one huge run
+keeps every worker busy.
 
-1. Blocks of cells: read that stretch of the connectivity, the points it refers to and the needed cell
+1. ``scan_cells`` (one task per stretch of cells; a file larger than ``--task-bytes`` gets several):
+   blocks of cells: read that stretch of the connectivity, the points it refers to and the needed cell
    arrays (``vtk_xml``), compute centres (and surface normals and areas, ``mesh_geometry``), make the
-   fields dimensionless, check them, and append every row to column files on local scratch disk.
+   fields dimensionless, check them, and append every row to column files on scratch disk.
    ``--volume-points K`` keeps the same K cells as the in-memory path (one seeded draw) and skips blocks
    holding none of them.
-2. The exact RCB partition from the coordinate column (``partition.rcb_streaming``): the same parts and
-   order as ``partition()`` in memory.
-3. Rows copied part by part into reordered column files, then written into the store's arrays in whole
-   chunks with statistics merged block by block.
+2. ``partition_location`` (one task): the checks over all stretches (the first bad cell is named), then the
+   exact RCB partition from the coordinate column: ``partition()`` in memory when the location has at most
+   ``IN_MEMORY_PARTITION_BLOCKS`` blocks of rows, else out of core (``partition.rcb_streaming``: the same
+   parts and order), and, per block, the permutation that sorts its rows into their parts.
+3. ``write_column`` (one task per column: coordinates, each field, ...): rows copied part by part into a
+   reordered column file, then written into the store's array in whole chunks with statistics merged
+   block by block.
 
-Peak memory is set by ``block_cells`` (the ingest derives it from ``--memory-limit``), not by the run.
-The in-memory path (``vtk_io.read_cells``, VTK's filters, ``partition()``) stays as the tests' oracle.
+Peak memory per task is set by ``block_cells`` (the ingest derives it from ``--memory-limit``), not by the
+run. The in-memory path (``vtk_io.read_cells``, VTK's filters, ``partition()``) stays as the tests' oracle.
 """
 
 from __future__ import annotations
 
 import contextlib
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -27,13 +31,17 @@ from .errors import IngestError
 from .mesh_geometry import cell_centres, polygon_normals_areas
 from .parallel import count_cells
 from .partition import partition, rcb_streaming
-from .scratch import ScratchArray
+from .scratch import JoinedColumns, ScratchArray
 from .stats import RunningStats
 from .store_writer import chunk_options, chunk_rows, write_array
 from .vtk_xml import VtkXmlFile
 
 BYTES_PER_CELL = 2048  # working bytes per cell of a block (all columns, the gathered points, temporaries)
 _POINT_GAP = 4096      # point ids further apart than this are read as separate stretches
+# a location of at most this many blocks of rows is partitioned in memory (``partition()``: about 80 B per
+# row, within one block's working set of BYTES_PER_CELL per cell); larger ones out of core. Both give the
+# same parts and order (tests/data/test_partition.py), so the choice changes only time and memory.
+IN_MEMORY_PARTITION_BLOCKS = 8
 
 
 def block_cells_for(memory_limit: int) -> int:
@@ -56,42 +64,70 @@ class _BadRows:
             self.count += int(rows.sum())
         self.total += len(values)
 
+    @classmethod
+    def merged(cls, parts: list) -> "_BadRows":
+        """One record from the records of consecutive stretches of cells (in cell order)."""
+        out = cls(parts[0].what)
+        for p in parts:
+            if out.first is None and p.first is not None:
+                out.first = p.first
+            out.count += p.count
+            out.total += p.total
+        return out
+
     def check(self) -> None:
         if self.count:
             raise IngestError(f"{self.what}: {self.count} of {self.total} cells hold NaN/Inf (first at cell "
                               f"{self.first}); fix or drop this run (--on-error skip records it and carries on)")
 
 
-def stream_location(path: Path, shown_as: Path, loc: str, specs, opts, run_id: str, group, scratch: Path,
-                    warnings: list, cp_check: str | None, block_cells: int) -> tuple[dict, int, int]:
-    """Ingest ``loc`` of one run from ``path`` into ``group[loc]``; returns (statistics, rows, raw bytes)."""
-    with VtkXmlFile(path) as f, contextlib.ExitStack() as scratch_files:
+def scan_tasks_for(raw_bytes: int, task_bytes: int) -> int:
+    """How many ``scan_cells`` tasks read a file of ``raw_bytes`` (one per ``task_bytes`` started)."""
+    return max(1, -(-int(raw_bytes) // max(1, int(task_bytes))))
+
+
+def _kept_cells(n: int, loc: str, opts, run_id: str):
+    """The cells ``--volume-points`` keeps (sorted; the in-memory path's draw), or None for all."""
+    if loc == "volume" and opts.volume_points and n > opts.volume_points:
+        return np.sort(np.random.default_rng([opts.seed, int(run_id[4:])]).choice(n, opts.volume_points,
+                                                                                   replace=False))
+    return None
+
+
+def scan_cells(path: Path, shown_as: Path, loc: str, specs, opts, run_id: str, scratch: Path, tag: str,
+               piece: int, pieces: int, cp_check: str | None, block_cells: int) -> dict:
+    """Stage 1: cells ``[piece*n//pieces, (piece+1)*n//pieces)`` of ``loc`` into column files under
+    ``scratch`` (kept for the later stages); returns where they are and what the checks saw."""
+    with VtkXmlFile(path) as f, contextlib.ExitStack() as on_error:
         name = shown_as
         section = _check_mesh(f, loc, name)
         n = f.cell_counts()[section]
         if n == 0:
             raise IngestError(f"{name}: VTK read no cells; the file is empty, truncated or not a mesh")
-        sources = _check_arrays(f, [s.source for s in specs], name)
+        _check_arrays(f, [s.source for s in specs], name)
         check_cp = cp_check if cp_check and cp_check in f.array_names("cell") else None
-        keep = None
-        if loc == "volume" and opts.volume_points and n > opts.volume_points:
-            keep = np.sort(np.random.default_rng([opts.seed, int(run_id[4:])])
-                           .choice(n, opts.volume_points, replace=False))
-        rows = n if keep is None else len(keep)
-        tag = f"{run_id}-{loc}-{uuid.uuid4().hex[:8]}"
+        keep = _kept_cells(n, loc, opts, run_id)
+        first, end = piece * n // pieces, (piece + 1) * n // pieces
+        if keep is not None:
+            keep = keep[np.searchsorted(keep, first):np.searchsorted(keep, end)]
+        rows = end - first if keep is None else len(keep)
+
+        cols, files = {}, {}
 
         def column(key, dtype, tail=()):
-            arr = ScratchArray(scratch / f"{tag}-{key}", rows, dtype, tail)
-            scratch_files.callback(arr.close)
-            return arr
+            target = scratch / f"{tag}.{piece}.{key.replace('/', '-')}"
+            cols[key] = ScratchArray(target, rows, dtype, tail)
+            files[key] = (str(target), np.dtype(dtype).str, tuple(tail))
+            on_error.callback(cols[key].close)  # removed unless the scan finishes
 
         geometry = ["coords"] + (["normals", "areas"] if loc == "surface" else [])
-        cols = {"coords": column("coords", np.float32, (3,)), "order": column("order", np.int64)}
+        column("coords", np.float32, (3,))
+        column("order", np.int64)
         if loc == "surface":
-            cols["normals"] = column("normals", np.float32, (3,))
-            cols["areas"] = column("areas", np.float32)
+            column("normals", np.float32, (3,))
+            column("areas", np.float32)
         for s in specs:
-            cols[f"field/{s.name}"] = column(f"field-{s.name}", np.float32, (s.components,))
+            column(f"field/{s.name}", np.float32, (s.components,))
         bad = {s.source: _BadRows(f"{name} array {s.source!r}") for s in specs}
         bad_scaled = {s.source: _BadRows(f"{name} array {s.source!r} made dimensionless "
                                          f"(scale {s.scale_offset(opts.reference)[0]:g})") for s in specs}
@@ -100,8 +136,8 @@ def stream_location(path: Path, shown_as: Path, loc: str, specs, opts, run_id: s
         cp = np.zeros(3)  # dot(theirs, ours), dot(ours, ours), all of theirs finite (1) or not (0)
         cp[2] = 1.0
         out = 0
-        for c0 in range(0, n, block_cells):
-            c1 = min(c0 + block_cells, n)
+        for c0 in range(first, end, block_cells):
+            c1 = min(c0 + block_cells, end)
             pick = None
             if keep is not None:
                 a, b = np.searchsorted(keep, [c0, c1])
@@ -140,24 +176,136 @@ def stream_location(path: Path, shown_as: Path, loc: str, specs, opts, run_id: s
                     cp[1] += float(np.dot(ours, ours))
             if pick is not None:
                 block = {k: v[pick] for k, v in block.items()}
-            m = len(block["order"])
             for k, v in block.items():
                 cols[k].write(out, v)
-            out += m
+            out += len(block["order"])
             count_cells(c1 - c0)
-        # the in-memory path's order: areas, then each array raw and dimensionless, then the geometry
+        on_error.pop_all()
+        for arr in cols.values():
+            arr.close(remove=False)
+        return {"rows": rows, "files": files, "bad": bad, "bad_scaled": bad_scaled, "bad_geo": bad_geo,
+                "nonpositive": nonpositive, "cp": cp if check_cp else None, "raw_bytes": f.src.size,
+                "sources": [s.source for s in specs], "geometry": geometry}
+
+
+def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, scratch: Path, tag: str,
+                       block_cells: int) -> dict:
+    """Stage 2: the checks over every scanned stretch (in the in-memory path's order), then the partition
+    of all rows and the per-block sorting permutation; creates the location's group with its ``parts`` and
+    ``part_boxes``; returns the plan the ``write_column`` tasks follow (and any warning)."""
+    import zarr
+
+    first = scans[0]
+    nonpositive = sum(s["nonpositive"] for s in scans)
+    columns = {k: [s["files"][k] for s in scans] for k in first["files"]}
+    try:
         if nonpositive:
-            raise IngestError(f"{name}: {nonpositive} surface cells have zero or negative area; the mesh is degenerate")
-        for s in sources:
-            bad[s].check()
-            bad_scaled[s].check()
-        for k in geometry:
-            bad_geo[k].check()
-        if check_cp and cp[2] and cp[1] > 0:
-            _warn_cp(cp[0] / cp[1], name, opts, warnings)
-        sub = group.create_group(loc)
-        stats = _write_partitioned(sub, cols, rows, opts, scratch, tag, scratch_files, block_cells)
-        return stats, rows, f.src.size
+            raise IngestError(f"{shown_as}: {nonpositive} surface cells have zero or negative area; the mesh is "
+                              f"degenerate")
+        for src in first["sources"]:
+            _BadRows.merged([s["bad"][src] for s in scans]).check()
+            _BadRows.merged([s["bad_scaled"][src] for s in scans]).check()
+        for k in first["geometry"]:
+            _BadRows.merged([s["bad_geo"][k] for s in scans]).check()
+        warnings = []
+        if first["cp"] is not None:
+            cp = np.sum([s["cp"] for s in scans], axis=0)
+            if all(s["cp"][2] for s in scans) and cp[1] > 0:
+                _warn_cp(cp[0] / cp[1], shown_as, opts, warnings)
+        rows = sum(s["rows"] for s in scans)
+        plan = {"rows": rows, "columns": columns, "method": opts.method, "block_cells": block_cells,
+                "group": str(Path(group_dir) / loc), "warnings": warnings, "raw_bytes": first["raw_bytes"]}
+        with contextlib.ExitStack() as stack:
+            coords = JoinedColumns.open(columns["coords"])
+            stack.callback(coords.close)
+            if opts.method == "rcb":
+                part_of = ScratchArray(scratch / f"{tag}.part", rows, np.uint32)
+                stack.callback(part_of.close)
+                if rows <= IN_MEMORY_PARTITION_BLOCKS * block_cells:  # fits the budget: the in-memory RCB
+                    p = partition(coords.read(0, rows), opts.parts, "rcb")
+                    offsets, boxes = p.offsets, p.boxes
+                    part = np.empty(rows, np.uint32)
+                    part[p.order] = np.repeat(np.arange(opts.parts, dtype=np.uint32), np.diff(offsets))
+                    part_of.write(0, part)
+                    del p, part
+                else:
+                    offsets, boxes = rcb_streaming(coords, opts.parts, block_cells, part_of)
+                perm = ScratchArray(scratch / f"{tag}.perm", rows, np.uint32)
+                stack.callback(perm.close, False)
+                counts = []
+                for lo, hi in coords.blocks(block_cells):
+                    part = part_of.read(lo, hi)
+                    small = part.astype(np.uint16) if opts.parts <= 1 << 16 else part  # radix-sorted when small
+                    perm.write(lo, np.argsort(small, kind="stable"))  # within a part rows keep file order
+                    counts.append(np.bincount(part, minlength=opts.parts))
+                plan.update(perm=str(perm.path), counts=np.array(counts, dtype=np.int64).reshape(-1, opts.parts))
+            else:  # morton / slab sort all rows by a key: in memory (O(rows) memory)
+                p = partition(coords.read(0, rows), opts.parts, opts.method)
+                offsets, boxes = p.offsets, p.boxes
+                order = ScratchArray(scratch / f"{tag}.perm", rows, np.int64)
+                stack.callback(order.close, False)
+                order.write(0, p.order)
+                plan["perm"] = str(order.path)
+                del p
+        plan["offsets"] = offsets
+        sub = zarr.open_group(plan["group"], mode="w", zarr_format=3)
+        sub.create_group("fields")
+        write_array(sub, "parts", offsets.astype(np.int64), opts.chunk_bytes)
+        write_array(sub, "part_boxes", boxes.astype(np.float32), opts.chunk_bytes)
+        return plan
+    except BaseException:
+        remove_files([f for files in columns.values() for f in files])
+        raise
+
+
+def write_column(plan: dict, key: str, opts) -> dict:
+    """Stage 3: column ``key`` reordered into its parts and written into the store's array in whole chunks;
+    returns its statistics (none for ``order``). Removes the column's scan files."""
+    import zarr
+
+    rows, block_cells = plan["rows"], plan["block_cells"]
+    with contextlib.ExitStack() as stack:
+        col = JoinedColumns.open(plan["columns"][key])
+        stack.callback(col.close, True)
+        reordered = ScratchArray(Path(plan["perm"]).with_name(Path(plan["perm"]).stem + f".sorted-"
+                                                              f"{key.replace('/', '-')}"), rows, col.dtype, col.tail)
+        stack.callback(reordered.close)
+        if plan["method"] == "rcb":
+            perm = ScratchArray.open(plan["perm"], np.uint32)
+            stack.callback(perm.close, False)
+            filled = np.asarray(plan["offsets"][:-1]).copy()  # next free row of each part
+            for (lo, hi), counts in zip(col.blocks(block_cells), plan["counts"]):
+                values = col.read(lo, hi)[perm.read(lo, hi)]
+                starts = np.concatenate([[0], np.cumsum(counts)])
+                for q in np.flatnonzero(counts):
+                    reordered.write(int(filled[q]), values[starts[q]:starts[q + 1]])
+                filled += counts
+        else:
+            order = ScratchArray.open(plan["perm"], np.int64)
+            stack.callback(order.close, False)
+            reordered.write(0, col.read(0, rows)[order.read(0, rows)])
+        sub = zarr.open_group(plan["group"], mode="r+")
+        target = sub["fields"] if key.startswith("field/") else sub
+        name = key.split("/", 1)[1] if key.startswith("field/") else key
+        channels = int(np.prod(col.tail, dtype=np.int64)) if col.tail else 1
+        merged = None if key == "order" else RunningStats.empty(channels)
+        chunks = (min(max(1, rows), chunk_rows(reordered.row_bytes, opts.chunk_bytes)),) + col.tail
+        arr = target.create_array(name, shape=reordered.shape, chunks=chunks, dtype=col.dtype, attributes={},
+                                  **chunk_options())
+        step = chunks[0] * max(1, block_cells // chunks[0])  # whole chunks per write
+        for lo in range(0, rows, step):
+            hi = min(lo + step, rows)
+            values = reordered.read(lo, hi)
+            arr[lo:hi] = values
+            if merged is not None:
+                merged = merged.merge(RunningStats.of(values))
+        return {name: merged.to_attrs()} if merged is not None else {}
+
+
+def remove_files(files) -> None:
+    """Delete scratch column files (``(path, dtype, tail)`` entries or paths), ignoring missing ones."""
+    for f in files:
+        Path(f[0] if isinstance(f, (tuple, list)) else f).unlink(missing_ok=True)
 
 
 def _check_mesh(f: VtkXmlFile, loc: str, name) -> str:
@@ -222,58 +370,3 @@ def _warn_cp(ratio: float, name, opts, warnings: list) -> None:
         warnings.append(f"{name}: Cp from pMeanTrim with U_inf={opts.reference.u_inf} is {1 / ratio:.3f}x the "
                         f"file's CpMeanTrim; the data were made dimensionless with U_inf ~ {u:.3f} "
                         f"(pass --u-inf / --rho-inf to match)")
-
-
-def _write_partitioned(sub, cols: dict, rows: int, opts, scratch: Path, tag: str, scratch_files,
-                       block_cells: int) -> dict:
-    """Partition by the coordinates, reorder every column part by part, write the store arrays in whole
-    chunks; returns the per-array statistics."""
-    coords = cols["coords"]
-    reordered = {}
-    for k, col in cols.items():
-        reordered[k] = ScratchArray(scratch / f"{tag}-sorted-{k.replace('/', '-')}", rows, col.dtype, col.tail)
-        scratch_files.callback(reordered[k].close)
-    if opts.method == "rcb":
-        part_of = ScratchArray(scratch / f"{tag}-part", rows, np.uint32)
-        scratch_files.callback(part_of.close)
-        offsets, boxes = rcb_streaming(coords, opts.parts, block_cells, part_of)
-        filled = offsets[:-1].copy()  # next free row of each part
-        for lo, hi in coords.blocks(block_cells):
-            part = part_of.read(lo, hi)
-            small = part.astype(np.uint16) if opts.parts <= 1 << 16 else part  # radix-sorted when small
-            order = np.argsort(small, kind="stable")  # within a part rows keep file order
-            part = part.astype(np.int64)
-            counts = np.bincount(part, minlength=opts.parts)
-            starts = np.concatenate([[0], np.cumsum(counts)])
-            for k, col in cols.items():
-                values = col.read(lo, hi)[order]
-                for q in np.flatnonzero(counts):
-                    reordered[k].write(int(filled[q]), values[starts[q]:starts[q + 1]])
-            filled += counts
-    else:  # morton / slab sort all rows by a key: in memory, one column at a time (O(rows) memory)
-        p = partition(coords.read(0, rows), opts.parts, opts.method)
-        offsets, boxes = p.offsets, p.boxes
-        for k, col in cols.items():
-            reordered[k].write(0, col.read(0, rows)[p.order])
-        del p
-    stats = {}
-    for k, col in reordered.items():
-        target = sub.require_group("fields") if k.startswith("field/") else sub
-        key = k.split("/", 1)[1] if k.startswith("field/") else k
-        channels = int(np.prod(col.tail, dtype=np.int64)) if col.tail else 1
-        merged = None if k == "order" else RunningStats.empty(channels)
-        chunks = (min(max(1, rows), chunk_rows(col.row_bytes, opts.chunk_bytes)),) + col.tail
-        arr = target.create_array(key, shape=col.shape, chunks=chunks, dtype=col.dtype, attributes={},
-                                  **chunk_options())
-        step = chunks[0] * max(1, block_cells // chunks[0])  # whole chunks per write
-        for lo in range(0, rows, step):
-            hi = min(lo + step, rows)
-            values = col.read(lo, hi)
-            arr[lo:hi] = values
-            if merged is not None:
-                merged = merged.merge(RunningStats.of(values))
-        if merged is not None:
-            stats[key] = merged.to_attrs()
-    write_array(sub, "parts", offsets.astype(np.int64), opts.chunk_bytes)
-    write_array(sub, "part_boxes", boxes.astype(np.float32), opts.chunk_bytes)
-    return stats

@@ -1,8 +1,9 @@
 """Run ingest tasks with dask: the local scheduler by default, a ``dask.distributed`` cluster on request.
 
-One task per run (meshes) or per time block (grids). Tasks are independent and return small summaries
-(statistics, sizes); the coordinator merges them in a fixed order, so results do not depend on the
-number of workers or on completion order. ``workers == 1`` runs in this process (no pickling, no start-up
+A grid ingest is one task per time block; a mesh run is a small graph (scan tasks per stretch of cells,
+a partition task, a task per column, a task that publishes the run), so one huge run uses every worker.
+Tasks return small summaries (statistics, sizes); the coordinator merges them in a fixed order, so results
+do not depend on the number of workers or on completion order. ``workers == 1`` runs in this process (no pickling, no start-up
 cost); more workers use dask's process pool, since VTK reading and compression hold the GIL.
 
 Progress: the bar counts tasks, and tasks report the cells they have gone through (``count_cells``, after
@@ -69,40 +70,54 @@ def run_tasks(func: Callable, calls: Iterable[tuple], *, workers: int = 1, sched
 
     An exception in a task propagates (after the tasks already running finish or are cancelled).
     """
+    import dask
+
     calls = list(calls)
     if workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}")
-    if not calls:
+    yield from run_graphs([dask.delayed(func, pure=False)(*args) for args in calls], workers=workers,
+                          scheduler=scheduler, desc=desc, progress=progress)
+
+
+def run_graphs(finals: list, *, workers: int = 1, scheduler: str | None = None, desc: str = "ingest",
+               progress: bool = True, unit: str = "task") -> Iterator:
+    """Compute dask graphs (one ``Delayed`` per item: a run's last task, with the tasks it depends on) and
+    yield each item's result; the bar counts items. ``workers == 1``: item after item in this process.
+    An exception in a task propagates (after the tasks already running finish or are cancelled)."""
+    if workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
+    if not finals:
         return
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(calls), desc=desc, unit="task", disable=not progress, leave=progress)
+    bar = tqdm(total=len(finals), desc=desc, unit=unit, disable=not progress, leave=progress)
     try:
         if scheduler:
-            yield from _distributed(func, calls, scheduler, bar)
+            yield from _distributed(finals, scheduler, bar)
         else:
-            yield from _local(func, calls, workers, bar)
+            yield from _local(finals, workers, bar)
     finally:
         bar.close()
 
 
-def _local(func, calls, workers, bar):
+def _local(finals, workers, bar):
     import multiprocessing
 
     context = multiprocessing.get_context(_start_method())
     with _cell_counter(bar, context) as counter:
-        yield from _local_counted(func, calls, workers, bar, counter)
+        yield from _local_counted(finals, workers, bar, counter)
 
 
-def _local_counted(func, calls, workers, bar, counter):
+def _local_counted(finals, workers, bar, counter):
+    import dask
+
     if workers == 1:
         with one_core():
-            for args in calls:
-                out = func(*args)
+            for final in finals:
+                (out,) = dask.compute(final, scheduler="sync")
                 bar.update(1)
                 yield out
         return
-    import dask
     from dask.callbacks import Callback
 
     class _Progress(Callback):
@@ -110,10 +125,9 @@ def _local_counted(func, calls, workers, bar, counter):
             if key in keys:
                 bar.update(1)
 
-    tasks = [dask.delayed(func, pure=False)(*args) for args in calls]
-    keys = {t.key for t in tasks}
+    keys = {t.key for t in finals}
     with worker_pool(workers, counter) as pool, _Progress():
-        results = dask.compute(*tasks, scheduler="processes", pool=pool, chunksize=1)  # one run per batch
+        results = dask.compute(*finals, scheduler="processes", pool=pool, chunksize=1)  # one task per batch
     yield from results
 
 
@@ -194,7 +208,7 @@ def worker_pool(workers: int, counter=None):
                                initargs=(counter,))
 
 
-def _distributed(func, calls, address, bar):
+def _distributed(finals, address, bar):
     try:
         from distributed import Client, as_completed
     except ImportError:
@@ -205,7 +219,7 @@ def _distributed(func, calls, address, bar):
         raise RuntimeError(f"cannot reach the dask scheduler at {address!r} ({exc}); start one with "
                            f"`dask scheduler` and `dask worker ADDRESS`, or leave out --scheduler") from None
     try:
-        futures = [client.submit(func, *args, pure=False) for args in calls]
+        futures = client.compute(finals)
         for fut in as_completed(futures):
             out = fut.result()
             bar.update(1)
@@ -223,6 +237,21 @@ def reset_peak_memory() -> int:
     except OSError:
         pass
     return _status_bytes("VmRSS")
+
+
+def release_free_memory() -> None:
+    """Hand the heap that freed blocks left behind back to the OS (glibc ``malloc_trim``, as dask.distributed
+    workers do), so a worker that has run many tasks holds what is live, not the largest task's heap."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def peak_memory() -> int:

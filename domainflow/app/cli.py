@@ -117,7 +117,7 @@ def _ingest(args) -> int:
         locations = tuple(x for x in args.locations.split(",") if x)
         opts = MeshOptions(parts=args.parts, method=args.partition, reference=ref, locations=locations,
                            volume_points=args.volume_points, seed=args.seed, on_error=args.on_error,
-                           memory_limit=args.memory_limit, **common)
+                           memory_limit=args.memory_limit, task_bytes=args.task_bytes, **common)
         report = ingest_drivaerml(args.raw, args.store, opts)
     else:
         from domainflow.preprocess.errors import IngestError
@@ -190,6 +190,9 @@ def _add_ingest(sub):
     d.add_argument("--volume-points", type=int, default=None, help="cap volume cells per run (random subset)")
     d.add_argument("--memory-limit", type=_bytes, default=2 << 30,
                    help="memory per worker, e.g. 2GiB (default): sets the streaming block size")
+    d.add_argument("--task-bytes", type=_bytes, default=256 << 20,
+                   help="raw bytes per scan task, e.g. 256MiB (default): a larger file is read by several "
+                        "tasks, so one huge run uses every worker (the store is the same)")
     d.add_argument("--seed", type=int, default=0, help="seed of the split and the volume subsample")
     d.add_argument("--u-inf", type=float, default=DRIVAERML.u_inf,
                    help=f"free-stream speed, m/s (default {DRIVAERML.u_inf}, the DrivaerML paper's 140 km/h)")

@@ -213,20 +213,20 @@ def test_rerun_on_a_complete_store_is_a_no_op(raw, tmp_path):
 def test_resume_after_an_interrupted_ingest_gives_the_same_store(raw, store, tmp_path, monkeypatch):
     """Interrupt the third run half-way through writing it (as a kill would), then rerun."""
     path = tmp_path / "resumed.zarr"
-    real = ingest_mesh.stream_location
+    real = ingest_mesh.partition_location
     calls = []
 
-    def dying(*a, **k):  # stream_location(path, shown_as, loc, ...)
-        calls.append(a[2])
-        if len(calls) == 5:  # run_3's surface: written into scratch, then the process "dies"
+    def dying(*a, **k):  # partition_location(scans, loc, ...): once per location of a run
+        calls.append(a[1])
+        if len(calls) == 5:  # run_3's first location: written into scratch, then the process "dies"
             real(*a, **k)
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(ingest_mesh, "stream_location", dying)
+    monkeypatch.setattr(ingest_mesh, "partition_location", dying)
     with pytest.raises(KeyboardInterrupt):
         ingest_drivaerml(raw, path, **OPTS)
-    monkeypatch.setattr(ingest_mesh, "stream_location", real)
+    monkeypatch.setattr(ingest_mesh, "partition_location", real)
     root = zarr.open_group(path, mode="r")
     assert root.attrs["domainflow"]["complete"] is False
     assert sorted(root["runs"].group_keys()) == ["run_1", "run_2"]
@@ -242,18 +242,18 @@ def test_resume_redoes_a_published_run_whose_raw_files_changed(raw, tmp_path, mo
     not keep the stale run_1."""
     src = _copy_raw(raw, tmp_path)
     path = tmp_path / "changed.zarr"
-    real, calls = ingest_mesh.stream_location, []
+    real, calls = ingest_mesh.partition_location, []
 
     def dying(*a, **k):
-        calls.append(a[2])
+        calls.append(a[1])
         if len(calls) == 5:
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(ingest_mesh, "stream_location", dying)
+    monkeypatch.setattr(ingest_mesh, "partition_location", dying)
     with pytest.raises(KeyboardInterrupt):
         ingest_drivaerml(src, path, **OPTS)
-    monkeypatch.setattr(ingest_mesh, "stream_location", real)
+    monkeypatch.setattr(ingest_mesh, "partition_location", real)
     f = src / "run_1" / "boundary_1.vtp"
     mesh = pv.read(f)
     mesh.cell_data["pMeanTrim"] = np.asarray(mesh.cell_data["pMeanTrim"]) * 2
@@ -936,7 +936,11 @@ def test_task_arguments_hold_absolute_paths(small_raw, tmp_path, monkeypatch):
     shutil.copytree(small_raw, tmp_path / "raw")
     monkeypatch.chdir(tmp_path)
     seen = []
-    real_mesh, real_grid = ingest_mesh.run_tasks, ingest_grid.run_tasks
+    real_mesh, real_grid = ingest_mesh.run_graph, ingest_grid.run_tasks
+
+    def spy_mesh(run_dir, run_id, store, opts):  # a run's graph: every task gets these two paths
+        seen.append((str(run_dir), run_id, str(store)))
+        return real_mesh(run_dir, run_id, store, opts)
 
     def spy(real):
         def run(func, calls, **kw):
@@ -945,7 +949,7 @@ def test_task_arguments_hold_absolute_paths(small_raw, tmp_path, monkeypatch):
             return real(func, calls, **kw)
         return run
 
-    monkeypatch.setattr(ingest_mesh, "run_tasks", spy(real_mesh))
+    monkeypatch.setattr(ingest_mesh, "run_graph", spy_mesh)
     monkeypatch.setattr(ingest_grid, "run_tasks", spy(real_grid))
     ingest_drivaerml("raw", "mesh.zarr", locations=("surface",), **SMALL_OPTS)
     _grid_source(tmp_path / "src.zarr", np.ones((3, 4, 8), np.float32))

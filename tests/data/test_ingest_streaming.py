@@ -74,7 +74,12 @@ def assert_stores_match(streamed, oracle):
             assert x[1].shape == y[1].shape and np.array_equal(x[1], y[1], equal_nan=True), f"values of {key}"
 
 
-def test_streamed_store_equals_the_in_memory_one(raw, tmp_path, small_blocks):
+@pytest.mark.parametrize("blocks", ["small", "default"])
+def test_streamed_store_equals_the_in_memory_one(raw, tmp_path, request, blocks):
+    """Small blocks: the out-of-core RCB with several refinement rounds; default blocks: a run this small is
+    partitioned in memory (IN_MEMORY_PARTITION_BLOCKS), the rest still streams."""
+    if blocks == "small":
+        request.getfixturevalue("small_blocks")
     ingest_drivaerml(raw, tmp_path / "stream.zarr", **OPTS)
     ingest_drivaerml(raw, tmp_path / "vtk.zarr", reader="vtk", **OPTS)
     assert_stores_match(tmp_path / "stream.zarr", tmp_path / "vtk.zarr")
@@ -116,3 +121,57 @@ def test_progress_bar_counts_cells_across_workers(raw, tmp_path, capfd, small_bl
     total = sum(n for t in report.tasks for n in t["cells"].values())
     err = capfd.readouterr().err
     assert f"{total:,} cells" in err.split("\r")[-1] or f"{total:,} cells" in err.splitlines()[-1], err[-400:]
+
+
+@pytest.fixture
+def three_scans(monkeypatch):
+    """Every raw file read by three scan tasks (a real run needs --task-bytes of raw data per task)."""
+    monkeypatch.setattr(ingest_mesh, "scan_tasks_for", lambda size, task_bytes: 3)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("extra", [{}, dict(volume_points=700), dict(method="morton")])
+def test_a_run_scanned_by_several_tasks_gives_the_same_store(raw, tmp_path, small_blocks, three_scans, workers,
+                                                             extra):
+    """Stretches of cells scanned by separate tasks (in other processes with 2 workers), then one partition
+    task and a task per column: the same store as VTK reading the whole file."""
+    opts = {**OPTS, **extra}
+    report = ingest_drivaerml(raw, tmp_path / "stream.zarr", **{**opts, "workers": workers})
+    ingest_drivaerml(raw, tmp_path / "vtk.zarr", reader="vtk", **opts)
+    assert_stores_match(tmp_path / "stream.zarr", tmp_path / "vtk.zarr")
+    # start + surface (3 scans, partition, 7 columns) + volume (3 scans, partition, 5 columns)
+    assert [t["tasks"] for t in report.tasks] == [21, 21]
+    if workers == 2:  # one run's tasks ran in both worker processes
+        assert all(len(t["pids"]) == 2 for t in report.tasks), [t["pids"] for t in report.tasks]
+    scratch = tmp_path / "stream.zarr.ingest-tmp"
+    assert not scratch.exists() or not [p for p in scratch.rglob("*") if p.is_file()]
+
+
+def _nan_cells(path, cells):
+    mesh = pv.read(path)
+    p = np.array(mesh.cell_data["pMeanTrim"])
+    p[cells] = np.nan
+    mesh.cell_data["pMeanTrim"] = p
+    mesh.save(path)
+    return mesh.n_cells
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_bad_cells_in_a_later_stretch_are_named_by_their_cell_and_skip_drops_the_run(raw, tmp_path, small_blocks,
+                                                                                    three_scans, workers):
+    """NaN only in the third scan task's stretch: the error counts them over all stretches and names the
+    first one by its cell in the file; with --on-error skip the run is left out, the other run is written
+    and nothing stays in scratch."""
+    src = tmp_path / "raw"
+    shutil.copytree(raw, src)
+    n = _nan_cells(src / "run_2" / "boundary_2.vtp", [-9, -4])
+    with pytest.raises(ingest_mesh.IngestError, match=rf"boundary_2\.vtp.*pMeanTrim.*2 of {n} cells.*cell {n - 9}\)"):
+        ingest_drivaerml(src, tmp_path / "stop.zarr", **{**OPTS, "workers": workers})
+    scratch = tmp_path / "stop.zarr.ingest-tmp"
+    assert not (scratch / "columns").exists() or not list((scratch / "columns").iterdir())
+    report = ingest_drivaerml(src, tmp_path / "skip.zarr", **{**OPTS, "workers": workers, "on_error": "skip",
+                                                              "split": (1.0, 0.0, 0.0)})
+    assert report.written == ["run_1"] and list(report.skipped) == ["run_2"]
+    assert "cell " + str(n - 9) in report.skipped["run_2"]
+    scratch = tmp_path / "skip.zarr.ingest-tmp"
+    assert not scratch.exists() or not [p for p in scratch.rglob("*") if p.is_file()]
