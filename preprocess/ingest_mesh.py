@@ -151,7 +151,9 @@ def run_graph(run_dir: Path, run_id: str, store: Path, opts: MeshOptions):
     stage = dask.delayed(_stage, pure=False)
     files = _files(run_dir, run_id)
     block_cells = block_cells_for(opts.memory_limit)
-    start = stage(_start_run, run_id, opts, str(run_dir), run_id, str(store), opts)
+    # names fixed here, in the graph: a stage that a cluster reruns (its worker died) reuses them
+    token = uuid.uuid4().hex[:8]
+    start = stage(_start_run, run_id, opts, str(run_dir), run_id, str(store), token, opts)
     locations = []
     for loc in opts.locations:
         pieces = scan_tasks_for(_raw_size(files[loc]), opts.task_bytes)
@@ -159,11 +161,15 @@ def run_graph(run_dir: Path, run_id: str, store: Path, opts: MeshOptions):
         scans = [stage(_scan, run_id, opts, start, files[loc], loc, tag, i, pieces, block_cells, run_id, opts)
                  for i in range(pieces)]
         plan = stage(_partition, run_id, opts, start, scans, files[loc], loc, tag, block_cells, opts)
-        keys = ["coords", "order"] + (["normals", "areas"] if loc == "surface" else []) \
-            + [f"field/{s.name}" for s in FIELDS[loc]]
-        columns = [stage(_column, run_id, opts, plan, key, opts) for key in keys]
+        columns = [stage(_column, run_id, opts, plan, key, opts) for key in column_keys(loc)]
         locations.append((loc, tag, scans, plan, columns))
     return dask.delayed(_finish_run, pure=False)(run_id, str(store), opts, start, locations)
+
+
+def column_keys(loc: str) -> list[str]:
+    """The row columns a location's store group holds (``field/<name>`` for fields)."""
+    return ["coords", "order"] + (["normals", "areas"] if loc == "surface" else []) + \
+        [f"field/{s.name}" for s in FIELDS[loc]]
 
 
 def _raw_size(path: Path) -> int:
@@ -207,8 +213,9 @@ def _stage(fn, run_id: str, opts: MeshOptions, *args):
             "peak_rss": peak, "start_rss": rss0}
 
 
-def _start_run(run_dir: str, run_id: str, store: str, opts: MeshOptions) -> dict:
-    """The run's files are there and its CSVs parse; a fresh scratch folder for the run group."""
+def _start_run(run_dir: str, run_id: str, store: str, token: str, opts: MeshOptions) -> dict:
+    """The run's files are there and its CSVs parse; the run group's scratch folder (``token`` names it, so a
+    rerun of this stage finds the group the later stages write into)."""
     run_dir = Path(run_dir)
     files = _files(run_dir, run_id)
     _check_present(run_dir, run_id, files, opts)
@@ -216,10 +223,10 @@ def _start_run(run_dir: str, run_id: str, store: str, opts: MeshOptions) -> dict
     writer = StoreWriter(store)
     columns = writer.scratch / "columns"
     columns.mkdir(parents=True, exist_ok=True)
-    folder = writer.new_run_folder(run_id)
+    folder = writer.new_run_folder(run_id, token)
     import zarr
 
-    zarr.open_group(folder, mode="w", zarr_format=3)
+    zarr.open_group(folder, mode="a", zarr_format=3)  # "a": a rerun keeps what later stages wrote
     return {"attrs": attrs, "folder": str(folder), "columns": str(columns)}
 
 
@@ -254,24 +261,42 @@ def _finish_run(run_id: str, store: str, opts: MeshOptions, start: dict, locatio
     if bad is not None:
         _drop_run_scratch(start, locations)
         return bad
+    try:
+        return _publish_run(run_id, store, start, locations, stages)
+    except (IngestError, OSError) as exc:
+        _drop_run_scratch(start, locations)
+        if opts.on_error == "skip":
+            return {"run": run_id, "error": str(exc)}
+        if isinstance(exc, RunError):
+            raise
+        raise RunError(run_id, str(exc)) from None
+
+
+def _publish_run(run_id: str, store: str, start: dict, locations: list, stages: list) -> dict:
     import zarr
 
     begun = start["out"]
+    group = zarr.open_group(begun["folder"], mode="r+")
     stats, cells, warnings, raw_bytes = {}, {}, [], 0
-    for loc, _, _, plan, columns in locations:
+    for loc, _, scans, plan, columns in locations:
         p = plan["out"]
         cells[loc], raw_bytes = p["rows"], raw_bytes + p["raw_bytes"]
         warnings += p["warnings"]
         for c in columns:
             stats.update({f"{loc}/{k}": v for k, v in c["out"].items()})
-        remove_files([p["perm"]])
-    group = zarr.open_group(begun["folder"], mode="r+")
+        for key in column_keys(loc):  # every column written, in full, before the run is published
+            path = f"{loc}/{key.replace('field/', 'fields/')}"
+            if path not in group or group[path].shape[0] != p["rows"]:
+                raise IngestError(f"{loc} column {key!r} of the run group is missing or short; the run is redone "
+                                  f"on the next ingest")
+        remove_files([p["perm"]] + [f for s in scans for f in s["out"]["files"].values()])
     group.attrs.update({**begun["attrs"], "cells": cells, "stats": stats, "complete": True})
     StoreWriter(store).publish_run(Path(begun["folder"]), run_id)
     return {"run": run_id, "stats": stats, "cells": cells, "raw_bytes": raw_bytes, "warnings": warnings,
             "seconds": sum(x["seconds"] for x in stages), "started": min(x["started"] for x in stages),
-            "pid": stages[0]["pid"], "pids": sorted({x["pid"] for x in stages}), "peak_rss": max(x["peak_rss"] for x in stages),
-            "start_rss": min(x["start_rss"] for x in stages), "tasks": len(stages)}
+            "pid": stages[0]["pid"], "pids": sorted({x["pid"] for x in stages}),
+            "peak_rss": max(x["peak_rss"] for x in stages), "start_rss": min(x["start_rss"] for x in stages),
+            "tasks": len(stages)}
 
 
 def _drop_run_scratch(start: dict, locations: list) -> None:
@@ -466,8 +491,9 @@ def _ingest_runs(writer: StoreWriter, raw: Path, store: Path, runs: dict, splits
             report.warnings += out["warnings"]
             summaries[out["run"]] = out
     except BaseException:
-        # no task of ours runs any more (the pool has shut down): the failed runs' column files go now,
-        # their half-built groups when the next ingest opens the store
+        # on this machine no task of ours runs any more (the pool has shut down; a cluster's futures are
+        # cancelled): the failed runs' column files go now, their half-built groups when the next ingest
+        # opens the store (which also removes anything a cancelled cluster task still wrote)
         shutil.rmtree(writer.scratch / "columns", ignore_errors=True)
         raise
     finally:

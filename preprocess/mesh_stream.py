@@ -14,7 +14,8 @@ keeps every worker busy.
    parts and order), and, per block, the permutation that sorts its rows into their parts.
 3. ``write_column`` (one task per column: coordinates, each field, ...): rows copied part by part into a
    reordered column file, then written into the store's array in whole chunks with statistics merged
-   block by block.
+   block by block. Every stage can run again (a cluster reruns the tasks of a lost worker): inputs are
+   removed only when the run is published.
 
 Peak memory per task is set by ``block_cells`` (the ingest derives it from ``--memory-limit``), not by the
 run. The in-memory path (``vtk_io.read_cells``, VTK's filters, ``partition()``) stays as the tests' oracle.
@@ -260,13 +261,13 @@ def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, s
 
 def write_column(plan: dict, key: str, opts) -> dict:
     """Stage 3: column ``key`` reordered into its parts and written into the store's array in whole chunks;
-    returns its statistics (none for ``order``). Removes the column's scan files."""
+    returns its statistics (none for ``order``)."""
     import zarr
 
     rows, block_cells = plan["rows"], plan["block_cells"]
     with contextlib.ExitStack() as stack:
         col = JoinedColumns.open(plan["columns"][key])
-        stack.callback(col.close, True)
+        stack.callback(col.close)  # the scan files stay until the run is published: a rerun reads them again
         reordered = ScratchArray(Path(plan["perm"]).with_name(Path(plan["perm"]).stem + f".sorted-"
                                                               f"{key.replace('/', '-')}"), rows, col.dtype, col.tail)
         stack.callback(reordered.close)
@@ -291,6 +292,7 @@ def write_column(plan: dict, key: str, opts) -> dict:
         merged = None if key == "order" else RunningStats.empty(channels)
         chunks = (min(max(1, rows), chunk_rows(reordered.row_bytes, opts.chunk_bytes)),) + col.tail
         arr = target.create_array(name, shape=reordered.shape, chunks=chunks, dtype=col.dtype, attributes={},
+                                  overwrite=True,  # a rerun (lost worker) writes it again
                                   **chunk_options())
         step = chunks[0] * max(1, block_cells // chunks[0])  # whole chunks per write
         for lo in range(0, rows, step):

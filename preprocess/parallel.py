@@ -220,10 +220,14 @@ def _distributed(finals, address, bar):
                            f"`dask scheduler` and `dask worker ADDRESS`, or leave out --scheduler") from None
     try:
         futures = client.compute(finals)
-        for fut in as_completed(futures):
-            out = fut.result()
-            bar.update(1)
-            yield out
+        try:
+            for fut in as_completed(futures):
+                out = fut.result()
+                bar.update(1)
+                yield out
+        except BaseException:
+            client.cancel(futures)  # no task of a failed ingest goes on writing after it has returned
+            raise
     finally:
         client.close()
 

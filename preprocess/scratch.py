@@ -77,7 +77,15 @@ class JoinedColumns:
     @classmethod
     def open(cls, files) -> "JoinedColumns":
         """From ``(path, dtype, tail)`` entries, in row order."""
-        return cls([ScratchArray.open(path, dtype, tuple(tail)) for path, dtype, tail in files])
+        parts = []
+        try:
+            for path, dtype, tail in files:
+                parts.append(ScratchArray.open(path, dtype, tuple(tail)))
+        except BaseException:
+            for p in parts:
+                p.close(remove=False)
+            raise
+        return cls(parts)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -249,9 +249,9 @@ class StoreWriter:
                 out[name] = attrs
         return out
 
-    def new_run_folder(self, run_id: str) -> Path:
-        """A fresh scratch folder for a task to build run ``run_id`` in."""
-        folder = self.scratch / "runs" / f"{run_id}.{uuid.uuid4().hex[:8]}"
+    def new_run_folder(self, run_id: str, token: str | None = None) -> Path:
+        """A fresh scratch folder for a task to build run ``run_id`` in (``token`` names it; default new)."""
+        folder = self.scratch / "runs" / f"{run_id}.{token or uuid.uuid4().hex[:8]}"
         folder.parent.mkdir(parents=True, exist_ok=True)
         return folder
 

@@ -175,3 +175,25 @@ def test_bad_cells_in_a_later_stretch_are_named_by_their_cell_and_skip_drops_the
     assert "cell " + str(n - 9) in report.skipped["run_2"]
     scratch = tmp_path / "skip.zarr.ingest-tmp"
     assert not scratch.exists() or not [p for p in scratch.rglob("*") if p.is_file()]
+
+
+def test_stages_can_run_again_as_a_cluster_reruns_a_lost_workers_tasks(raw, tmp_path, small_blocks, three_scans,
+                                                                       monkeypatch):
+    """dask.distributed reruns the tasks of a worker that died, from the same inputs: every column task
+    here runs twice and the start task twice (the same run folder: its name is fixed in the graph), and the
+    store is still the in-memory one, with nothing left in scratch."""
+    real_column, real_start = ingest_mesh._column, ingest_mesh._start_run
+
+    def twice(real):
+        def run(*a):
+            real(*a)
+            return real(*a)
+        return run
+
+    monkeypatch.setattr(ingest_mesh, "_column", twice(real_column))
+    monkeypatch.setattr(ingest_mesh, "_start_run", twice(real_start))
+    ingest_drivaerml(raw, tmp_path / "stream.zarr", **OPTS)
+    ingest_drivaerml(raw, tmp_path / "vtk.zarr", reader="vtk", **OPTS)
+    assert_stores_match(tmp_path / "stream.zarr", tmp_path / "vtk.zarr")
+    scratch = tmp_path / "stream.zarr.ingest-tmp"
+    assert not scratch.exists() or not [p for p in scratch.rglob("*") if p.is_file()]
