@@ -99,6 +99,9 @@ def _rank_entry(fn: Callable, *args):
         path = Path(folder) / f"rank{record['rank']}.json"
         path.with_suffix(".tmp").write_text(json.dumps(record))
         os.replace(path.with_suffix(".tmp"), path)
+        # zarr reads still in flight on its event loop (a prefetch) are dropped at exit, and asyncio would log
+        # "Task was destroyed but it is pending!" under the one-line message; the error is recorded already
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
         sys.exit(1)
     except Exception:
         # a bug, not a user error: its traceback is what "its output above says why" points at, so print it
