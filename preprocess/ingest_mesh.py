@@ -192,6 +192,15 @@ def _failed(value) -> dict | None:
     return None
 
 
+def _run_failed(exc: Exception, run_id: str, opts: MeshOptions) -> dict:
+    """A run's IngestError/OSError: its failure record under ``--on-error skip``, else raised as its RunError."""
+    if opts.on_error == "skip":
+        return {"run": run_id, "error": str(exc)}
+    if isinstance(exc, RunError):
+        raise exc
+    raise RunError(run_id, str(exc)) from None
+
+
 def _stage(fn, run_id: str, opts: MeshOptions, *args):
     """Run one stage of a run's graph: passes an upstream failure on, turns an IngestError/OSError into
     the run's RunError (or, with ``--on-error skip``, into a failure record), times the stage."""
@@ -202,11 +211,7 @@ def _stage(fn, run_id: str, opts: MeshOptions, *args):
     try:
         out = fn(*args)
     except (IngestError, OSError) as exc:
-        if opts.on_error == "skip":
-            return {"run": run_id, "error": str(exc)}
-        if isinstance(exc, RunError):
-            raise
-        raise RunError(run_id, str(exc)) from None
+        return _run_failed(exc, run_id, opts)
     peak = peak_memory()
     release_free_memory()  # the next stage in this worker starts from what is live, not from this one's heap
     return {"out": out, "seconds": time.perf_counter() - t0, "started": started, "pid": os.getpid(),
@@ -265,11 +270,7 @@ def _finish_run(run_id: str, store: str, opts: MeshOptions, start: dict, locatio
         return _publish_run(run_id, store, start, locations, stages)
     except (IngestError, OSError) as exc:
         _drop_run_scratch(start, locations)
-        if opts.on_error == "skip":
-            return {"run": run_id, "error": str(exc)}
-        if isinstance(exc, RunError):
-            raise
-        raise RunError(run_id, str(exc)) from None
+        return _run_failed(exc, run_id, opts)
 
 
 def _publish_run(run_id: str, store: str, start: dict, locations: list, stages: list) -> dict:
@@ -333,11 +334,7 @@ def ingest_run(run_dir: str, run_id: str, store: str, opts: MeshOptions) -> dict
     try:
         summary = _ingest_run(Path(run_dir), run_id, StoreWriter(store), opts)
     except (IngestError, OSError) as exc:
-        if opts.on_error == "skip":
-            return {"run": run_id, "error": str(exc)}
-        if isinstance(exc, RunError):
-            raise
-        raise RunError(run_id, str(exc)) from None
+        return _run_failed(exc, run_id, opts)
     summary["seconds"] = time.perf_counter() - t0
     summary["started"], summary["pid"] = started, os.getpid()
     summary["peak_rss"], summary["start_rss"] = peak_memory(), rss0

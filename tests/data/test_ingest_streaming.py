@@ -197,3 +197,23 @@ def test_stages_can_run_again_as_a_cluster_reruns_a_lost_workers_tasks(raw, tmp_
     assert_stores_match(tmp_path / "stream.zarr", tmp_path / "vtk.zarr")
     scratch = tmp_path / "stream.zarr.ingest-tmp"
     assert not scratch.exists() or not [p for p in scratch.rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize("on_error", ["stop", "skip"])
+def test_a_column_task_that_wrote_nothing_is_never_published(raw, tmp_path, monkeypatch, on_error):
+    """A column stage that returned without writing its array (a lost write): the publish task finds the
+    column missing and the run fails by name, or is skipped; it is never published without it."""
+    real = ingest_mesh._column
+
+    def lost(plan, key, opts):
+        return {} if key == "field/Cf" else real(plan, key, opts)
+
+    monkeypatch.setattr(ingest_mesh, "_column", lost)
+    opts = {**OPTS, "on_error": on_error, "split": (1.0, 0.0, 0.0)}
+    if on_error == "stop":
+        with pytest.raises(ingest_mesh.RunError, match=r"run_1: surface column 'field/Cf'.*missing"):
+            ingest_drivaerml(raw, tmp_path / "s.zarr", **opts)
+        return
+    with pytest.raises(ingest_mesh.IngestError, match="no train run was ingested"):
+        ingest_drivaerml(raw, tmp_path / "s.zarr", **opts)
+    assert not (tmp_path / "s.zarr" / "runs" / "run_1").exists()
