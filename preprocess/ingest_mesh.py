@@ -285,12 +285,13 @@ def _publish_run(run_id: str, store: str, start: dict, locations: list, stages: 
         warnings += p["warnings"]
         for c in columns:
             stats.update({f"{loc}/{k}": v for k, v in c["out"].items()})
-        for key in column_keys(loc):  # every column written, in full, before the run is published
+        for key in column_keys(loc) + ["part_boxes"]:  # every column written, in full, before it is published
             path = f"{loc}/{key.replace('field/', 'fields/')}"
-            if path not in group or group[path].shape[0] != p["rows"]:
+            if path not in group or group[path].shape[0] != (len(p["offsets"]) - 1 if key == "part_boxes" else p["rows"]):
                 raise IngestError(f"{loc} column {key!r} of the run group is missing or short; the run is redone "
                                   f"on the next ingest")
-        remove_files([p["perm"]] + [f for s in scans for f in s["out"]["files"].values()])
+        remove_files([p[k] for k in ("group_of", "perm", "inner") if p[k]] +
+                     [f for s in scans for f in s["out"]["files"].values()])
     group.attrs.update({**begun["attrs"], "cells": cells, "stats": stats, "complete": True})
     StoreWriter(store).publish_run(Path(begun["folder"]), run_id)
     return {"run": run_id, "stats": stats, "cells": cells, "raw_bytes": raw_bytes, "warnings": warnings,

@@ -9,12 +9,16 @@ keeps every worker busy.
    ``--volume-points K`` keeps the same K cells as the in-memory path (one seeded draw) and skips blocks
    holding none of them.
 2. ``partition_location`` (one task): the checks over all stretches (the first bad cell is named), then the
-   exact RCB partition from the coordinate column: ``partition()`` in memory when the location has at most
-   ``IN_MEMORY_PARTITION_BLOCKS`` blocks of rows, else out of core (``partition.rcb_streaming``: the same
-   parts and order), and, per block, the permutation that sorts its rows into their parts.
-3. ``write_column`` (one task per column: coordinates, each field, ...): rows copied part by part into a
-   reordered column file, then written into the store's array in whole chunks with statistics merged
-   block by block. Every stage can run again (a cluster reruns the tasks of a lost worker): inputs are
+   partition from the coordinate column: ``partition()`` in memory when the location has at most
+   ``IN_MEMORY_PARTITION_BLOCKS`` blocks of rows, else out of core with the same parts and order
+   (``partition.rcb_streaming``; morton/slab: ``partition.key_order_streaming``, a sample sort). It leaves
+   each row's group (its part; for morton/slab out of core a bucket of about half a block), per block the
+   permutation that sorts its rows by group, and for morton/slab the permutation that sorts each run of
+   whole groups by key.
+3. ``write_column`` (one task per column: coordinates, each field, ...): rows copied group by group into a
+   reordered column file (morton/slab: then sorted by key a window at a time, in place), then written into
+   the store's array in whole chunks with statistics merged block by block (the coordinates task also
+   finds the part boxes when the sample sort could not). Every stage can run again (a cluster reruns the tasks of a lost worker): inputs are
    removed only when the run is published.
 
 Peak memory per task is set by ``block_cells`` (the ingest derives it from ``--memory-limit``), not by the
@@ -31,7 +35,7 @@ import numpy as np
 from .errors import IngestError
 from .mesh_geometry import cell_centres, polygon_normals_areas
 from .parallel import count_cells
-from .partition import partition, rcb_streaming
+from .partition import group_perm, group_rows, key_order_streaming, partition, rcb_streaming
 from .scratch import JoinedColumns, ScratchArray
 from .stats import RunningStats
 from .store_writer import chunk_options, chunk_rows, write_array
@@ -219,40 +223,46 @@ def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, s
         with contextlib.ExitStack() as stack:
             coords = JoinedColumns.open(columns["coords"])
             stack.callback(coords.close)
-            if opts.method == "rcb":
-                part_of = ScratchArray(scratch / f"{tag}.part", rows, np.uint32)
-                stack.callback(part_of.close)
-                if rows <= IN_MEMORY_PARTITION_BLOCKS * block_cells:  # fits the budget: the in-memory RCB
-                    p = partition(coords.read(0, rows), opts.parts, "rcb")
-                    offsets, boxes = p.offsets, p.boxes
-                    part = np.empty(rows, np.uint32)
-                    part[p.order] = np.repeat(np.arange(opts.parts, dtype=np.uint32), np.diff(offsets))
-                    part_of.write(0, part)
-                    del p, part
-                else:
-                    offsets, boxes = rcb_streaming(coords, opts.parts, block_cells, part_of)
-                perm = ScratchArray(scratch / f"{tag}.perm", rows, np.uint32)
-                stack.callback(perm.close, False)
-                counts = []
-                for lo, hi in coords.blocks(block_cells):
-                    part = part_of.read(lo, hi)
-                    small = part.astype(np.uint16) if opts.parts <= 1 << 16 else part  # radix-sorted when small
-                    perm.write(lo, np.argsort(small, kind="stable"))  # within a part rows keep file order
-                    counts.append(np.bincount(part, minlength=opts.parts))
-                plan.update(perm=str(perm.path), counts=np.array(counts, dtype=np.int64).reshape(-1, opts.parts))
-            else:  # morton / slab sort all rows by a key: in memory (O(rows) memory)
+
+            def scratch_array(name, dtype):
+                arr = ScratchArray(scratch / f"{tag}.{name}", rows, dtype)
+                stack.callback(arr.close, name not in ("group_of", "perm", "inner"))  # these the columns need
+                plan[name] = str(arr.path)
+                return arr
+
+            group_of, perm = scratch_array("group_of", np.uint32), scratch_array("perm", np.uint32)
+            plan["inner"], windows = None, None  # rcb: rows keep file order within a part; else sorted by key
+            if rows <= IN_MEMORY_PARTITION_BLOCKS * block_cells:  # fits the budget: partition() in memory
                 p = partition(coords.read(0, rows), opts.parts, opts.method)
-                offsets, boxes = p.offsets, p.boxes
-                order = ScratchArray(scratch / f"{tag}.perm", rows, np.int64)
-                stack.callback(order.close, False)
-                order.write(0, p.order)
-                plan["perm"] = str(order.path)
-                del p
+                offsets, groups, boxes = p.offsets, p.offsets, p.boxes
+                part = np.empty(rows, np.uint32)
+                part[p.order] = np.repeat(np.arange(opts.parts, dtype=np.uint32), np.diff(offsets))
+                group_of.write(0, part)
+                for lo, hi in coords.blocks(block_cells):
+                    group_perm(part[lo:hi], perm, lo, opts.parts)
+                if opts.method != "rcb":  # one window: where each sorted row is once grouped by part
+                    grouped_at = np.empty(rows, np.int64)
+                    grouped_at[np.argsort(part, kind="stable")] = np.arange(rows)
+                    scratch_array("inner", np.uint32).write(0, grouped_at[p.order])
+                    windows = np.array([0, rows], np.int64)
+                del p, part
+            elif opts.method == "rcb":  # out of core: the same parts
+                offsets, boxes = rcb_streaming(coords, opts.parts, block_cells, group_of)
+                groups = offsets
+                for lo, hi in coords.blocks(block_cells):
+                    group_perm(group_of.read(lo, hi), perm, lo, opts.parts)
+            else:  # out of core: the same order, by a sample sort; the coords task finds the boxes
+                k = key_order_streaming(coords, opts.parts, opts.method, block_cells, scratch_array("keys", np.uint64),
+                                        group_of, perm, scratch_array("sorted-keys", np.uint64),
+                                        scratch_array("inner", np.uint32))
+                offsets, groups, windows, boxes = k.offsets, k.groups, k.windows, None
+            plan.update(groups=groups, windows=windows, boxes_from_coords=boxes is None)
         plan["offsets"] = offsets
         sub = zarr.open_group(plan["group"], mode="w", zarr_format=3)
         sub.create_group("fields")
         write_array(sub, "parts", offsets.astype(np.int64), opts.chunk_bytes)
-        write_array(sub, "part_boxes", boxes.astype(np.float32), opts.chunk_bytes)
+        if boxes is not None:
+            write_array(sub, "part_boxes", boxes.astype(np.float32), opts.chunk_bytes)
         return plan
     except BaseException:
         remove_files([f for files in columns.values() for f in files])
@@ -271,20 +281,15 @@ def write_column(plan: dict, key: str, opts) -> dict:
         reordered = ScratchArray(Path(plan["perm"]).with_name(Path(plan["perm"]).stem + f".sorted-"
                                                               f"{key.replace('/', '-')}"), rows, col.dtype, col.tail)
         stack.callback(reordered.close)
-        if plan["method"] == "rcb":
-            perm = ScratchArray.open(plan["perm"], np.uint32)
-            stack.callback(perm.close, False)
-            filled = np.asarray(plan["offsets"][:-1]).copy()  # next free row of each part
-            for (lo, hi), counts in zip(col.blocks(block_cells), plan["counts"]):
-                values = col.read(lo, hi)[perm.read(lo, hi)]
-                starts = np.concatenate([[0], np.cumsum(counts)])
-                for q in np.flatnonzero(counts):
-                    reordered.write(int(filled[q]), values[starts[q]:starts[q + 1]])
-                filled += counts
-        else:
-            order = ScratchArray.open(plan["perm"], np.int64)
-            stack.callback(order.close, False)
-            reordered.write(0, col.read(0, rows)[order.read(0, rows)])
+        group_of, perm = ScratchArray.open(plan["group_of"], np.uint32), ScratchArray.open(plan["perm"], np.uint32)
+        stack.callback(group_of.close, False)
+        stack.callback(perm.close, False)
+        group_rows(col, group_of, perm, plan["groups"], reordered, block_cells)  # parts (or buckets) together
+        if plan["inner"]:  # morton/slab: sorted by key within runs of whole groups, in place
+            inner = ScratchArray.open(plan["inner"], np.uint32)
+            stack.callback(inner.close, False)
+            for a, b in zip(plan["windows"][:-1], plan["windows"][1:]):
+                reordered.write(int(a), reordered.read(int(a), int(b))[inner.read(int(a), int(b))])
         sub = zarr.open_group(plan["group"], mode="r+")
         target = sub["fields"] if key.startswith("field/") else sub
         name = key.split("/", 1)[1] if key.startswith("field/") else key
@@ -295,13 +300,40 @@ def write_column(plan: dict, key: str, opts) -> dict:
                                   overwrite=True,  # a rerun (lost worker) writes it again
                                   **chunk_options())
         step = chunks[0] * max(1, block_cells // chunks[0])  # whole chunks per write
+        boxes = _PartBoxes(plan["offsets"], col.tail) if key == "coords" and plan["boxes_from_coords"] else None
         for lo in range(0, rows, step):
             hi = min(lo + step, rows)
             values = reordered.read(lo, hi)
             arr[lo:hi] = values
             if merged is not None:
                 merged = merged.merge(RunningStats.of(values))
+            if boxes is not None:
+                boxes.add(lo, values)
+        if boxes is not None:
+            write_array(sub, "part_boxes", boxes.boxes(), opts.chunk_bytes, overwrite=True)  # a rerun too
         return {name: merged.to_attrs()} if merged is not None else {}
+
+
+class _PartBoxes:
+    """Bounding boxes of the parts of reordered rows seen a block at a time (``partition.part_boxes``)."""
+
+    def __init__(self, offsets: np.ndarray, tail: tuple):
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        parts, d = len(offsets) - 1, tail[0]
+        self.lo, self.hi = np.full((parts, d), np.inf, np.float32), np.full((parts, d), -np.inf, np.float32)
+
+    def add(self, lo: int, values: np.ndarray) -> None:
+        part = np.searchsorted(self.offsets, np.arange(lo, lo + len(values)), side="right") - 1
+        starts = np.flatnonzero(np.r_[True, part[1:] != part[:-1]])  # rows of a part are contiguous
+        ids = part[starts]
+        self.lo[ids] = np.minimum(self.lo[ids], np.minimum.reduceat(values, starts, axis=0))
+        self.hi[ids] = np.maximum(self.hi[ids], np.maximum.reduceat(values, starts, axis=0))
+
+    def boxes(self) -> np.ndarray:
+        out = np.full((len(self.lo), 2, self.lo.shape[1]), np.nan, np.float32)
+        full = np.diff(self.offsets) > 0
+        out[full, 0], out[full, 1] = self.lo[full], self.hi[full]
+        return out
 
 
 def remove_files(files) -> None:

@@ -14,7 +14,11 @@ Methods:
 - ``slab``: sort along one axis (the longest extent unless given) and cut into P equal row counts.
 
 All methods are deterministic: ties are broken by the original row index. Within an RCB part rows keep
-their original (file) order.
+their original (file) order; within a morton/slab part they are in key order.
+
+Out of core (a run larger than memory, coordinates on disk): ``rcb_streaming`` finds every median exactly by
+histogram passes; ``key_order_streaming`` sorts by the morton/slab key as a sample sort (buckets of about
+half a block, each sorted in memory). Both give exactly ``partition()``'s parts and order.
 """
 
 from __future__ import annotations
@@ -107,12 +111,13 @@ def _bisect(cols: list, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return idx[take], idx[~take]
 
 
-def morton_codes(pts: np.ndarray, bits: int = 21) -> np.ndarray:
-    """Z-order codes of points quantised to ``bits`` bits per axis within their bounding box."""
+def morton_codes(pts: np.ndarray, bits: int = 21, box: tuple | None = None) -> np.ndarray:
+    """Z-order codes of points quantised to ``bits`` bits per axis within their bounding box (``box``:
+    (lo, hi) of all points, when ``pts`` is one block of them)."""
     n, d = pts.shape
     if n == 0:
         return np.zeros(0, dtype=np.uint64)
-    lo, hi = pts.min(axis=0), pts.max(axis=0)
+    lo, hi = (pts.min(axis=0), pts.max(axis=0)) if box is None else box
     scale = np.where(hi > lo, (2 ** bits - 1) / np.where(hi > lo, hi - lo, 1), 0)
     q = ((pts - lo) * scale).astype(np.uint64)
     code = np.zeros(n, dtype=np.uint64)
@@ -325,3 +330,115 @@ def _assign(coords, src, dst, nodes, axis, cut, ties, block_rows):
         count += np.bincount(child, minlength=2 * nodes)
         _update_min_max(lo_box, hi_box, child, x)
     return count, lo_box, hi_box
+
+
+# ------------------------------------------------------------------------------------------------
+# out of core: the morton and slab orders (every row sorted by a key) as a sample sort
+# ------------------------------------------------------------------------------------------------
+_SAMPLES_PER_BUCKET = 32
+_ROW_BITS = 40         # rows of one location < 2**40
+
+
+def sort_keys(x: np.ndarray, method: str, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """uint64 keys of a block of points whose ascending order (ties by row) is ``partition()``'s order for
+    ``method`` ("morton" or "slab"); ``lo``/``hi``: the bounding box of all points, in their dtype."""
+    if method == "morton":
+        return morton_codes(x.astype(np.float64), box=(lo.astype(np.float64), hi.astype(np.float64)))
+    ax = int(np.argmax(hi - lo))  # np.ptp in the points' dtype, as in memory
+    v = x[:, ax].astype(np.float64) + 0.0  # exact; -0.0 becomes 0.0 (they tie in memory too)
+    u = v.view(np.uint64)
+    return np.where(u >> np.uint64(63), ~u, u | np.uint64(1 << 63))  # float order as unsigned order
+
+
+@dataclass(frozen=True)
+class KeyOrder:
+    """Where a sample sort put the rows: ``groups`` (B+1) offsets of the buckets in grouped order (rows of a
+    bucket in file order); ``windows``: offsets of runs of whole buckets within which the ``inner``
+    permutation (window-local) sorts the grouped rows; ``offsets``: the P+1 parts of the sorted rows."""
+
+    offsets: np.ndarray
+    groups: np.ndarray
+    windows: np.ndarray
+
+
+def key_order_streaming(coords, parts: int, method: str, block_rows: int, keys, group_of, perm, grouped,
+                        inner) -> KeyOrder:
+    """The order ``partition(coords, parts, method)`` makes for "morton"/"slab", found in bounded memory.
+
+    ``coords``: a row array on disk (``read``, ``blocks``, ``n``); ``keys``/``grouped`` (uint64),
+    ``group_of``/``perm``/``inner`` (uint32): writable scratch row arrays this fills. A seeded sample of
+    the keys gives about 2 rows / block_rows bucket splitters (a splitter is a (key, row) pair, so equal keys
+    split too); every row goes to its bucket, buckets are grouped in file order, then each window of whole
+    buckets (about a block) is sorted in memory. The splitters change only bucket sizes, never the order:
+    it is exactly the stable sort of the keys."""
+    check_parts(parts)
+    n = coords.n
+    (lo,), (hi,) = _boxes(coords, None, 1, block_rows)
+    buckets = max(1, -(-2 * n // max(1, block_rows)))
+    per_block = max(1, -(-_SAMPLES_PER_BUCKET * buckets * block_rows // max(1, n)))
+    rng = np.random.default_rng(0)  # any sample gives the same order; this one is repeatable
+    sample_keys, sample_rows = [], []
+    for a, b in coords.blocks(block_rows):
+        k = sort_keys(coords.read(a, b), method, lo, hi)
+        keys.write(a, k)
+        pick = np.sort(rng.choice(b - a, min(b - a, per_block), replace=False))
+        sample_keys.append(k[pick])
+        sample_rows.append(pick + a)
+    sk = np.concatenate(sample_keys) if n else np.zeros(0, np.uint64)
+    sr = np.concatenate(sample_rows).astype(np.int64) if n else np.zeros(0, np.int64)
+    o = np.lexsort((sr, sk))
+    at = (np.arange(1, buckets) * len(sk)) // buckets
+    split_keys, split_rows = sk[o][at], sr[o][at]
+    first_of_key = np.r_[True, split_keys[1:] != split_keys[:-1]] if len(at) else np.zeros(0, bool)
+    key_group = np.cumsum(first_of_key)
+    split_comp = (key_group << _ROW_BITS) + split_rows  # (key group, row) as one sorted int64
+    counts = np.zeros(buckets, np.int64)
+    for a, b in keys.blocks(block_rows):
+        k = keys.read(a, b)
+        g = np.searchsorted(split_keys, k, "left")  # splitters with a smaller key
+        tie = np.flatnonzero(g < len(split_keys))
+        tie = tie[split_keys[g[tie]] == k[tie]]
+        if len(tie):  # equal keys: the splitters of that key whose row is at most this row come before
+            rows = np.arange(a, b, dtype=np.int64)[tie]
+            g[tie] = np.searchsorted(split_comp, (key_group[g[tie]] << _ROW_BITS) + rows, "right")
+        group_of.write(a, g.astype(np.uint32))
+        counts += group_perm(g, perm, a, buckets)
+    groups = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    group_rows(keys, group_of, perm, groups, grouped, block_rows)
+    windows = whole_group_windows(groups, block_rows)
+    for a, b in zip(windows[:-1], windows[1:]):
+        inner.write(int(a), np.argsort(grouped.read(int(a), int(b)), kind="stable").astype(np.uint32))
+    offsets = np.array([q * n // parts for q in range(parts + 1)], dtype=np.int64)
+    return KeyOrder(offsets=offsets, groups=groups, windows=windows)
+
+
+def group_perm(group: np.ndarray, perm, lo: int, groups: int) -> np.ndarray:
+    """Write the permutation that sorts one block's rows (starting at row ``lo``) by group, rows of a group
+    in file order, into ``perm``; returns the block's count per group."""
+    small = group.astype(np.uint16) if groups <= 1 << 16 else group  # radix-sorted when small
+    perm.write(lo, np.argsort(small, kind="stable"))
+    return np.bincount(group, minlength=groups)
+
+
+def group_rows(col, group_of, perm, groups: np.ndarray, out, block_rows: int) -> None:
+    """Copy ``col`` into ``out`` with the rows of each group together (group g at ``groups[g]``), in file
+    order within a group, a block at a time (``perm`` from ``group_perm``)."""
+    filled = np.asarray(groups[:-1], dtype=np.int64).copy()  # next free row of each group
+    for a, b in col.blocks(block_rows):
+        counts = np.bincount(group_of.read(a, b), minlength=len(filled))
+        values = col.read(a, b)[perm.read(a, b)]
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        for q in np.flatnonzero(counts):
+            out.write(int(filled[q]), values[starts[q]:starts[q + 1]])
+        filled += counts
+
+
+def whole_group_windows(groups: np.ndarray, block_rows: int) -> np.ndarray:
+    """Offsets of consecutive runs of whole groups of at most ``block_rows`` rows (a larger group alone)."""
+    cuts = [0]
+    for g in range(len(groups) - 1):
+        if groups[g + 1] - cuts[-1] > block_rows and groups[g] > cuts[-1]:
+            cuts.append(int(groups[g]))
+    if cuts[-1] != groups[-1]:
+        cuts.append(int(groups[-1]))
+    return np.asarray(cuts, dtype=np.int64)

@@ -55,13 +55,14 @@ def chunk_rows(row_bytes: int, target: int = TARGET_CHUNK_BYTES) -> int:
     return max(1, int(target) // max(1, int(row_bytes)))
 
 
-def write_array(group, name: str, values: np.ndarray, target: int = TARGET_CHUNK_BYTES, attrs: dict | None = None):
+def write_array(group, name: str, values: np.ndarray, target: int = TARGET_CHUNK_BYTES, attrs: dict | None = None,
+                overwrite: bool = False):
     """Create ``group[name]`` holding ``values``, chunked along rows into ~``target``-byte chunks."""
     values = np.ascontiguousarray(values)
     row_bytes = values.dtype.itemsize * int(np.prod(values.shape[1:], dtype=np.int64))
     chunks = (min(max(1, len(values)), chunk_rows(row_bytes, target)),) + tuple(values.shape[1:])
     arr = group.create_array(name, shape=values.shape, chunks=chunks, dtype=values.dtype,
-                             attributes=attrs or {}, **chunk_options())
+                             attributes=attrs or {}, overwrite=overwrite, **chunk_options())
     if values.size:
         arr[...] = values
     return arr

@@ -88,11 +88,19 @@ def test_streamed_store_equals_the_in_memory_one(raw, tmp_path, request, blocks)
 
 
 @pytest.mark.parametrize("extra", [dict(volume_points=700), dict(method="morton"), dict(method="slab", parts=4)])
-def test_streamed_subsample_and_sorted_methods_equal_the_in_memory_ones(raw, tmp_path, small_blocks, extra):
+def test_streamed_subsample_and_sorted_methods_equal_the_in_memory_ones(raw, tmp_path, small_blocks, monkeypatch,
+                                                                       extra):
+    """Blocks of 211 rows: morton and slab sort every location out of core (a sample sort in buckets)."""
+    from domainflow.preprocess import mesh_stream
+
+    sorts = []
+    real = mesh_stream.key_order_streaming
+    monkeypatch.setattr(mesh_stream, "key_order_streaming", lambda *a, **k: sorts.append(a[2]) or real(*a, **k))
     opts = {**OPTS, **extra}
     ingest_drivaerml(raw, tmp_path / "stream.zarr", **opts)
     ingest_drivaerml(raw, tmp_path / "vtk.zarr", reader="vtk", **opts)
     assert_stores_match(tmp_path / "stream.zarr", tmp_path / "vtk.zarr")
+    assert sorts == ([] if "method" not in extra else [extra["method"]] * 4)  # 2 runs x 2 locations
 
 
 def test_streaming_reads_part_pieces_without_a_joined_copy(raw, tmp_path, monkeypatch):
