@@ -30,8 +30,8 @@ from .reference import DRIVAERML, Reference
 from .report import IngestReport
 from .splits import check_fractions, read_split_file, split_runs
 from .stats import RunningStats, merge_all
-from .mesh_stream import (block_cells_for, partition_location, remove_files, scan_cells, scan_tasks_for,
-                          write_column)
+from .mesh_stream import (block_cells_for, merge_subtrees, partition_location, partition_subtree, remove_files,
+                          scan_cells, scan_tasks_for, write_column)
 from .store_writer import StoreWriter, write_array
 from .vtk_io import (cell_centres, check_finite, locate, pieces_of, read_cells, read_csv_row,
                      surface_geometry, whole_file)
@@ -160,10 +160,24 @@ def run_graph(run_dir: Path, run_id: str, store: Path, opts: MeshOptions):
         tag = f"{run_id}-{loc}-{uuid.uuid4().hex[:8]}"
         scans = [stage(_scan, run_id, opts, start, files[loc], loc, tag, i, pieces, block_cells, run_id, opts)
                  for i in range(pieces)]
-        plan = stage(_partition, run_id, opts, start, scans, files[loc], loc, tag, block_cells, opts)
-        columns = [stage(_column, run_id, opts, plan, key, opts) for key in column_keys(loc)]
-        locations.append((loc, tag, scans, plan, columns))
+        depth = split_depth(pieces, opts)
+        plan = stage(_partition, run_id, opts, start, scans, files[loc], loc, tag, block_cells, depth, opts)
+        planned = [plan]
+        if depth:  # the RCB's subtrees as tasks of their own (when the partition task finds it out of core)
+            subtrees = [stage(_subtree, run_id, opts, plan, j, opts) for j in range(1 << depth)]
+            planned += subtrees + [stage(_merge, run_id, opts, start, plan, subtrees, tag, opts)]
+        columns = [stage(_column, run_id, opts, planned[-1], key, opts) for key in column_keys(loc)]
+        locations.append((loc, tag, scans, planned, columns))
     return dask.delayed(_finish_run, pure=False)(run_id, str(store), opts, start, locations)
+
+
+def split_depth(pieces: int, opts: MeshOptions) -> int:
+    """Levels of the RCB the partition task does itself before its 2**depth subtrees go to their own tasks:
+    none on one worker or for a location read by one scan task; else enough subtrees for the workers."""
+    workers = 8 if opts.scheduler else opts.workers
+    if opts.method != "rcb" or pieces < 2 or workers < 2:
+        return 0
+    return max(0, min(opts.parts.bit_length() - 2, (workers - 1).bit_length()))  # each subtree >= 2 parts
 
 
 def column_keys(loc: str) -> list[str]:
@@ -248,10 +262,18 @@ def _scan(start: dict, path: Path, loc: str, tag: str, piece: int, pieces: int, 
                       pieces, _CP_CHECK if loc == "surface" else None, block_cells)
 
 
-def _partition(start: dict, scans: list, path: Path, loc: str, tag: str, block_cells: int,
+def _partition(start: dict, scans: list, path: Path, loc: str, tag: str, block_cells: int, depth: int,
                opts: MeshOptions) -> dict:
     return partition_location([s["out"] for s in scans], loc, path, opts, Path(start["out"]["folder"]),
-                              Path(start["out"]["columns"]), tag, block_cells)
+                              Path(start["out"]["columns"]), tag, block_cells, depth)
+
+
+def _subtree(plan: dict, j: int, opts: MeshOptions) -> dict | None:
+    return partition_subtree(plan["out"], j, opts)
+
+
+def _merge(start: dict, plan: dict, subtrees: list, tag: str, opts: MeshOptions) -> dict:
+    return merge_subtrees(plan["out"], [s["out"] for s in subtrees], Path(start["out"]["columns"]), tag, opts)
 
 
 def _column(plan: dict, key: str, opts: MeshOptions) -> dict:
@@ -261,7 +283,7 @@ def _column(plan: dict, key: str, opts: MeshOptions) -> dict:
 def _finish_run(run_id: str, store: str, opts: MeshOptions, start: dict, locations: list) -> dict:
     """The run's last task: publish its group (attrs, cells, statistics) in one rename, or, when a stage
     failed (``--on-error skip``), drop what the run left in scratch and return the failure."""
-    stages = [start] + [x for _, _, scans, plan, columns in locations for x in scans + [plan] + columns]
+    stages = [start] + [x for _, _, scans, planned, columns in locations for x in scans + planned + columns]
     bad = _failed(stages)
     if bad is not None:
         _drop_run_scratch(start, locations)
@@ -279,8 +301,8 @@ def _publish_run(run_id: str, store: str, start: dict, locations: list, stages: 
     begun = start["out"]
     group = zarr.open_group(begun["folder"], mode="r+")
     stats, cells, warnings, raw_bytes = {}, {}, [], 0
-    for loc, _, scans, plan, columns in locations:
-        p = plan["out"]
+    for loc, _, scans, planned, columns in locations:
+        p = planned[-1]["out"]
         cells[loc], raw_bytes = p["rows"], raw_bytes + p["raw_bytes"]
         warnings += p["warnings"]
         for c in columns:
@@ -290,7 +312,7 @@ def _publish_run(run_id: str, store: str, start: dict, locations: list, stages: 
             if path not in group or group[path].shape[0] != (len(p["offsets"]) - 1 if key == "part_boxes" else p["rows"]):
                 raise IngestError(f"{loc} column {key!r} of the run group is missing or short; the run is redone "
                                   f"on the next ingest")
-        remove_files([p[k] for k in ("group_of", "perm", "inner") if p[k]] +
+        remove_files([p[k] for k in ("group_of", "perm", "inner") if p[k]] + p.get("scratch", []) +
                      [f for s in scans for f in s["out"]["files"].values()])
     group.attrs.update({**begun["attrs"], "cells": cells, "stats": stats, "complete": True})
     StoreWriter(store).publish_run(Path(begun["folder"]), run_id)

@@ -36,7 +36,7 @@ from .errors import IngestError
 from .mesh_geometry import cell_centres, polygon_normals_areas
 from .parallel import count_cells
 from .partition import group_perm, group_rows, key_order_streaming, partition, rcb_streaming
-from .scratch import JoinedColumns, ScratchArray
+from .scratch import JoinedColumns, RowRange, ScratchArray
 from .stats import RunningStats
 from .store_writer import chunk_options, chunk_rows, write_array
 from .vtk_xml import VtkXmlFile
@@ -194,10 +194,12 @@ def scan_cells(path: Path, shown_as: Path, loc: str, specs, opts, run_id: str, s
 
 
 def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, scratch: Path, tag: str,
-                       block_cells: int) -> dict:
+                       block_cells: int, split_depth: int = 0) -> dict:
     """Stage 2: the checks over every scanned stretch (in the in-memory path's order), then the partition
     of all rows and the per-block sorting permutation; creates the location's group with its ``parts`` and
-    ``part_boxes``; returns the plan the ``write_column`` tasks follow (and any warning)."""
+    ``part_boxes``; returns the plan the ``write_column`` tasks follow (and any warning). RCB out of core with
+    ``split_depth`` D > 0: only the first D levels here, the rows of each of the 2**D subtrees grouped for
+    ``partition_subtree`` tasks (in parallel) and ``merge_subtrees``, which then completes the plan."""
     import zarr
 
     first = scans[0]
@@ -224,9 +226,9 @@ def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, s
             coords = JoinedColumns.open(columns["coords"])
             stack.callback(coords.close)
 
-            def scratch_array(name, dtype):
-                arr = ScratchArray(scratch / f"{tag}.{name}", rows, dtype)
-                stack.callback(arr.close, name not in ("group_of", "perm", "inner"))  # these the columns need
+            def scratch_array(name, dtype, tail=(), keep=True):
+                arr = ScratchArray(scratch / f"{tag}.{name}", rows, dtype, tail)
+                stack.callback(arr.close, not keep)  # kept: later stages read them
                 plan[name] = str(arr.path)
                 return arr
 
@@ -247,26 +249,105 @@ def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, s
                     windows = np.array([0, rows], np.int64)
                 del p, part
             elif opts.method == "rcb":  # out of core: the same parts
-                offsets, boxes = rcb_streaming(coords, opts.parts, block_cells, group_of)
+                nodes = 1 << split_depth if 0 < split_depth < opts.parts.bit_length() - 1 else opts.parts
+                offsets, boxes = rcb_streaming(coords, nodes, block_cells, group_of)
                 groups = offsets
                 for lo, hi in coords.blocks(block_cells):
-                    group_perm(group_of.read(lo, hi), perm, lo, opts.parts)
+                    group_perm(group_of.read(lo, hi), perm, lo, nodes)
+                if nodes < opts.parts:  # the subtrees' rows together, for their own tasks
+                    grouped = scratch_array("subtree-coords", coords.dtype, coords.tail)
+                    group_rows(coords, group_of, perm, offsets, grouped, block_cells)
+                    scratch_array("subtree-parts", np.uint32)
+                    plan.update(subtrees=offsets, subtree_parts=opts.parts // nodes)
+                    offsets = boxes = None  # merge_subtrees writes them
             else:  # out of core: the same order, by a sample sort; the coords task finds the boxes
-                k = key_order_streaming(coords, opts.parts, opts.method, block_cells, scratch_array("keys", np.uint64),
-                                        group_of, perm, scratch_array("sorted-keys", np.uint64),
+                k = key_order_streaming(coords, opts.parts, opts.method, block_cells,
+                                        scratch_array("keys", np.uint64, keep=False), group_of, perm,
+                                        scratch_array("sorted-keys", np.uint64, keep=False),
                                         scratch_array("inner", np.uint32))
                 offsets, groups, windows, boxes = k.offsets, k.groups, k.windows, None
-            plan.update(groups=groups, windows=windows, boxes_from_coords=boxes is None)
-        plan["offsets"] = offsets
+            plan.update(groups=groups, windows=windows, boxes_from_coords=boxes is None and "subtrees" not in plan)
         sub = zarr.open_group(plan["group"], mode="w", zarr_format=3)
         sub.create_group("fields")
-        write_array(sub, "parts", offsets.astype(np.int64), opts.chunk_bytes)
-        if boxes is not None:
-            write_array(sub, "part_boxes", boxes.astype(np.float32), opts.chunk_bytes)
+        if "subtrees" not in plan:
+            _write_parts(plan, offsets, boxes, opts)
         return plan
     except BaseException:
         remove_files([f for files in columns.values() for f in files])
         raise
+
+
+def _write_parts(plan: dict, offsets: np.ndarray, boxes, opts) -> None:
+    import zarr
+
+    plan["offsets"] = offsets
+    sub = zarr.open_group(plan["group"], mode="r+")
+    write_array(sub, "parts", offsets.astype(np.int64), opts.chunk_bytes, overwrite=True)
+    if boxes is not None:
+        write_array(sub, "part_boxes", boxes.astype(np.float32), opts.chunk_bytes, overwrite=True)
+
+
+def partition_subtree(plan: dict, j: int, opts) -> dict | None:
+    """Stage 2b (one task per subtree, when the partition task split the RCB): subtree j's rows, together in
+    the grouped coordinates in file order, partitioned into its parts exactly as the whole RCB would (in
+    memory when small); their local parts go to the subtree's rows of ``subtree-parts``."""
+    if "subtrees" not in plan:
+        return None
+    lo, hi = int(plan["subtrees"][j]), int(plan["subtrees"][j + 1])
+    block_cells, parts = plan["block_cells"], plan["subtree_parts"]
+    coords = ScratchArray.open(plan["subtree-coords"], np.float32, (3,))
+    ids = ScratchArray.open(plan["subtree-parts"], np.uint32)
+    try:
+        mine, mine_ids = RowRange(coords, lo, hi), RowRange(ids, lo, hi)
+        if hi - lo <= IN_MEMORY_PARTITION_BLOCKS * block_cells:
+            p = partition(mine.read(0, hi - lo), parts, "rcb")
+            local = np.empty(hi - lo, np.uint32)
+            local[p.order] = np.repeat(np.arange(parts, dtype=np.uint32), np.diff(p.offsets))
+            mine_ids.write(0, local)
+            return {"counts": np.diff(p.offsets), "boxes": p.boxes}
+        offsets, boxes = rcb_streaming(mine, parts, block_cells, mine_ids)
+        return {"counts": np.diff(offsets), "boxes": boxes}
+    finally:
+        coords.close(remove=False)
+        ids.close(remove=False)
+
+
+def merge_subtrees(plan: dict, subtrees: list, scratch: Path, tag: str, opts) -> dict:
+    """Stage 2c: every row's part in file order from its subtree and its part within it (rows of a subtree
+    keep file order in the grouped columns), the per-block permutation by part, the part offsets and boxes.
+    Without a split the plan is already complete."""
+    if "subtrees" not in plan:
+        return plan
+    rows, block_cells, nodes = plan["rows"], plan["block_cells"], len(plan["subtrees"]) - 1
+    k = plan["subtree_parts"]
+    offsets = np.concatenate([[0], np.cumsum(np.concatenate([s["counts"] for s in subtrees]))]).astype(np.int64)
+    boxes = np.concatenate([s["boxes"] for s in subtrees])
+    out = dict(plan, groups=offsets, scratch=[plan["group_of"], plan["perm"], plan["subtree-coords"],
+                                               plan["subtree-parts"]])
+    with contextlib.ExitStack() as stack:
+        opened = []
+        for name, dtype in (("group_of", np.uint32), ("perm", np.uint32), ("subtree-parts", np.uint32)):
+            opened.append(ScratchArray.open(plan[name], dtype))
+            stack.callback(opened[-1].close, False)
+        node_of, node_perm, local = opened
+        final = {}
+        for name in ("part_of", "part_perm"):
+            final[name] = ScratchArray(scratch / f"{tag}.{name}", rows, np.uint32)
+            stack.callback(final[name].close, False)
+        filled = np.asarray(plan["subtrees"][:-1], dtype=np.int64).copy()
+        for lo, hi in node_of.blocks(block_cells):
+            node = node_of.read(lo, hi)
+            counts = np.bincount(node, minlength=nodes)
+            by_node = np.concatenate([local.read(int(filled[j]), int(filled[j] + counts[j])) + np.uint32(j * k)
+                                      for j in np.flatnonzero(counts)])
+            part = np.empty(hi - lo, np.uint32)
+            part[node_perm.read(lo, hi)] = by_node  # back to file order
+            final["part_of"].write(lo, part)
+            group_perm(part, final["part_perm"], lo, opts.parts)
+            filled += counts
+    out.update(group_of=str(final["part_of"].path), perm=str(final["part_perm"].path))
+    _write_parts(out, offsets, boxes, opts)
+    return out
 
 
 def write_column(plan: dict, key: str, opts) -> dict:

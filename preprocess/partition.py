@@ -210,11 +210,18 @@ def _update_min_max(lo, hi, group: np.ndarray, values: np.ndarray) -> None:
     hi[ids] = np.maximum(hi[ids], np.maximum.reduceat(v, starts, axis=0))
 
 
-def _bin(v, lo, width):
-    """Histogram bin of values ``v`` in a range starting at ``lo`` of ``width`` (the same in every pass)."""
-    with np.errstate(invalid="ignore", divide="ignore"):
-        b = np.floor((v.astype(np.float64) - lo) / width * _BINS)
-    return np.clip(np.nan_to_num(b, nan=0.0), 0, _BINS - 1).astype(np.int64)
+def _bin(v, lo, scale):
+    """Histogram bin of values ``v`` in a range starting at ``lo``, ``scale`` = bins / width (0 for an empty
+    width): the same in every pass and monotone in v."""
+    b = (v.astype(np.float64) - lo) * scale
+    np.floor(b, out=b)
+    np.clip(b, 0, _BINS - 1, out=b)
+    return b.astype(np.int64)
+
+
+def _scale(width):
+    with np.errstate(divide="ignore"):
+        return np.where(width > 0, _BINS / width, 0.0)
 
 
 def _medians(coords, src, nodes, axis, half, count, lo_box, hi_box, block_rows):
@@ -226,7 +233,7 @@ def _medians(coords, src, nodes, axis, half, count, lo_box, hi_box, block_rows):
     cut = np.zeros(nodes, dtype=np.float64)
     below = np.zeros(nodes, dtype=np.int64)          # values known to lie below the current range
     less = np.zeros(nodes, dtype=np.int64)           # values strictly below the cut, once it is known
-    chain = [[] for _ in range(nodes)]                # (lo, width, bin) rounds that narrowed each node's range
+    chain = [[] for _ in range(nodes)]                # (lo, scale, bin) rounds that narrowed each node's range
     first = np.array([lo_box[j, axis[j]] for j in range(nodes)], dtype=np.float64)
     last = np.array([hi_box[j, axis[j]] for j in range(nodes)], dtype=np.float64)
     done = ~active | (first == last)
@@ -235,12 +242,15 @@ def _medians(coords, src, nodes, axis, half, count, lo_box, hi_box, block_rows):
     while not done.all():
         # a histogram round over the nodes whose bin is still too full to gather
         rng_lo, rng_w = first.copy(), last - first
+        rng_s = _scale(rng_w)
         # gather the values of nodes whose range is narrow enough, up to _GATHER values over all nodes
         # together (at deep levels every node is small; gathering them all would hold the whole column)
         cand = np.flatnonzero(~done & (inside <= _GATHER))
         gather = np.zeros(nodes, dtype=bool)
         gather[cand[np.cumsum(inside[cand]) <= _GATHER]] = True
         hist_nodes = ~done & ~gather
+        # min/max of a node's values in range: only after a first round (all equal at the start: first == last)
+        narrowed = hist_nodes & np.array([len(c) > 0 for c in chain], dtype=bool)
         hist = np.zeros((nodes, _BINS), dtype=np.int64)
         vmin, vmax = np.full(nodes, np.inf), np.full(nodes, -np.inf)
         vals = [[] for _ in range(nodes)]
@@ -250,9 +260,12 @@ def _medians(coords, src, nodes, axis, half, count, lo_box, hi_box, block_rows):
             member = _members(v, node, chain, ~done)
             if hist_nodes.any():
                 m = member & hist_nodes[node]
-                b = _bin(v[m], rng_lo[node[m]], rng_w[node[m]])
-                hist += np.bincount(node[m] * _BINS + b, minlength=nodes * _BINS).reshape(nodes, _BINS)
-                _update_min_max(vmin, vmax, node[m], v[m])
+                nm, vm = node[m], v[m]
+                hist += np.bincount(nm * _BINS + _bin(vm, rng_lo[nm], rng_s[nm]),
+                                    minlength=nodes * _BINS).reshape(nodes, _BINS)
+                if narrowed.any():
+                    keep = narrowed[nm]
+                    _update_min_max(vmin, vmax, nm[keep], vm[keep])
             if gather.any():
                 m = member & gather[node]
                 for j, values in _by_group(node[m], v[m], nodes):
@@ -264,7 +277,7 @@ def _medians(coords, src, nodes, axis, half, count, lo_box, hi_box, block_rows):
             less[j] = below[j] + int(np.count_nonzero(v < v.dtype.type(cut[j])))
             done[j] = True
         for j in np.flatnonzero(hist_nodes):
-            if vmin[j] == vmax[j]:  # every value left in range is the same: that is the cut
+            if narrowed[j] and vmin[j] == vmax[j]:  # every value left in range is the same: that is the cut
                 cut[j] = vmin[j]
                 less[j] = below[j]
                 done[j] = True
@@ -273,7 +286,7 @@ def _medians(coords, src, nodes, axis, half, count, lo_box, hi_box, block_rows):
             b = int(np.searchsorted(c, k[j] - below[j], side="right"))
             below[j] += int(c[b - 1]) if b else 0
             inside[j] = int(hist[j, b])
-            chain[j].append((rng_lo[j], rng_w[j], b))
+            chain[j].append((rng_lo[j], rng_s[j], b))
             a_lo = rng_lo[j] + rng_w[j] * b / _BINS
             a_hi = rng_lo[j] + rng_w[j] * (b + 1) / _BINS
             first[j], last[j] = a_lo, a_hi
@@ -294,10 +307,10 @@ def _members(v, node, chain, open_nodes) -> np.ndarray:
     depth = max((len(c) for c in chain), default=0)
     for r in range(depth):
         lo = np.array([c[r][0] if len(c) > r else 0.0 for c in chain])
-        w = np.array([c[r][1] if len(c) > r else 0.0 for c in chain])
+        scale = np.array([c[r][1] if len(c) > r else 0.0 for c in chain])
         want = np.array([c[r][2] if len(c) > r else -1 for c in chain])
         has = want[node] >= 0
-        m &= ~has | (_bin(v, lo[node], w[node]) == want[node])
+        m &= ~has | (_bin(v, lo[node], scale[node]) == want[node])
     return m
 
 

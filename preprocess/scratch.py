@@ -113,3 +113,25 @@ class JoinedColumns:
     def close(self, remove: bool = False) -> None:
         for p in self.parts:
             p.close(remove)
+
+
+class RowRange:
+    """Rows ``[lo, hi)`` of a scratch array, read and written as an array of their own (a subtree's rows)."""
+
+    def __init__(self, base, lo: int, hi: int):
+        self.base, self.lo, self.n = base, int(lo), int(hi) - int(lo)
+        self.dtype, self.tail = base.dtype, base.tail
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.n,) + self.tail
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        return self.base.read(self.lo + lo, self.lo + hi)
+
+    def write(self, lo: int, values: np.ndarray) -> None:
+        self.base.write(self.lo + lo, values)
+
+    def blocks(self, rows: int):
+        for lo in range(0, self.n, max(1, rows)):
+            yield lo, min(lo + rows, self.n)

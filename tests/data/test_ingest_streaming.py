@@ -139,16 +139,28 @@ def three_scans(monkeypatch):
 
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("extra", [{}, dict(volume_points=700), dict(method="morton")])
-def test_a_run_scanned_by_several_tasks_gives_the_same_store(raw, tmp_path, small_blocks, three_scans, workers,
-                                                             extra):
+def test_a_run_scanned_by_several_tasks_gives_the_same_store(raw, tmp_path, small_blocks, three_scans, monkeypatch,
+                                                             workers, extra):
     """Stretches of cells scanned by separate tasks (in other processes with 2 workers), then one partition
-    task and a task per column: the same store as VTK reading the whole file."""
+    task (RCB on 2 workers: its first level only, then a task per subtree and a merge task; on 1 worker
+    here forced to 2 levels and 4 subtrees) and a task per column: the same store as VTK reading the
+    whole file."""
     opts = {**OPTS, **extra}
+    rcb = "method" not in extra
+    split = []
+    if workers == 1:
+        monkeypatch.setattr(ingest_mesh, "split_depth", lambda pieces, o: 2 if o.method == "rcb" else 0)
+        real = ingest_mesh.partition_subtree
+        monkeypatch.setattr(ingest_mesh, "partition_subtree", lambda *a: split.append(real(*a)) or split[-1])
     report = ingest_drivaerml(raw, tmp_path / "stream.zarr", **{**opts, "workers": workers})
     ingest_drivaerml(raw, tmp_path / "vtk.zarr", reader="vtk", **opts)
     assert_stores_match(tmp_path / "stream.zarr", tmp_path / "vtk.zarr")
-    # start + surface (3 scans, partition, 7 columns) + volume (3 scans, partition, 5 columns)
-    assert [t["tasks"] for t in report.tasks] == [21, 21]
+    # start + surface (3 scans, partition, 7 columns) + volume (3 scans, partition, 5 columns) + RCB subtrees
+    subtree_tasks = 0 if not rcb else 2 * (2 + 1) if workers == 2 else 2 * (4 + 1)
+    assert [t["tasks"] for t in report.tasks] == [21 + subtree_tasks] * 2
+    if workers == 1 and rcb:  # 4 subtrees of each location out of core (the 700 kept volume rows: in memory)
+        done = [s for s in split if s is not None]
+        assert len(split) == 16 and len(done) == (8 if "volume_points" in extra else 16)
     if workers == 2:  # one run's tasks ran in both worker processes
         assert all(len(t["pids"]) == 2 for t in report.tasks), [t["pids"] for t in report.tasks]
     scratch = tmp_path / "stream.zarr.ingest-tmp"
@@ -185,12 +197,12 @@ def test_bad_cells_in_a_later_stretch_are_named_by_their_cell_and_skip_drops_the
     assert not scratch.exists() or not [p for p in scratch.rglob("*") if p.is_file()]
 
 
+@pytest.mark.parametrize("method", ["rcb", "morton"])
 def test_stages_can_run_again_as_a_cluster_reruns_a_lost_workers_tasks(raw, tmp_path, small_blocks, three_scans,
-                                                                       monkeypatch):
+                                                                       monkeypatch, method):
     """dask.distributed reruns the tasks of a worker that died, from the same inputs: every column task
-    here runs twice and the start task twice (the same run folder: its name is fixed in the graph), and the
-    store is still the in-memory one, with nothing left in scratch."""
-    real_column, real_start = ingest_mesh._column, ingest_mesh._start_run
+    here runs twice, the start task twice (the same run folder: its name is fixed in the graph), and the RCB's
+    subtree and merge tasks twice; the store is still the in-memory one, with nothing left in scratch."""
 
     def twice(real):
         def run(*a):
@@ -198,10 +210,11 @@ def test_stages_can_run_again_as_a_cluster_reruns_a_lost_workers_tasks(raw, tmp_
             return real(*a)
         return run
 
-    monkeypatch.setattr(ingest_mesh, "_column", twice(real_column))
-    monkeypatch.setattr(ingest_mesh, "_start_run", twice(real_start))
-    ingest_drivaerml(raw, tmp_path / "stream.zarr", **OPTS)
-    ingest_drivaerml(raw, tmp_path / "vtk.zarr", reader="vtk", **OPTS)
+    for name in ("_column", "_start_run", "_subtree", "_merge"):
+        monkeypatch.setattr(ingest_mesh, name, twice(getattr(ingest_mesh, name)))
+    monkeypatch.setattr(ingest_mesh, "split_depth", lambda pieces, o: 2 if o.method == "rcb" else 0)
+    ingest_drivaerml(raw, tmp_path / "stream.zarr", **OPTS, method=method)
+    ingest_drivaerml(raw, tmp_path / "vtk.zarr", reader="vtk", **OPTS, method=method)
     assert_stores_match(tmp_path / "stream.zarr", tmp_path / "vtk.zarr")
     scratch = tmp_path / "stream.zarr.ingest-tmp"
     assert not scratch.exists() or not [p for p in scratch.rglob("*") if p.is_file()]
