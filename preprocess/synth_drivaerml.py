@@ -34,7 +34,9 @@ belt line (Greenhouse_Tapering). The nose is an ellipsoidal cap of length Front_
 a flat vertical face at x = L. Meshing: rings of n_theta points (equal arc length), spaced by equal
 meridian arc length, closed by triangle fans at the nose and base centre, each quad split into two
 triangles with mirror-symmetric diagonals. The ring counts depend only on ``cells``, so the points move
-smoothly with the parameters.
+smoothly with the parameters. The surface is made and written a block of rings at a time (``SurfaceMesh``,
+``write_surface``: the .vtp and .stl streamed, forces summed block by block), so an 8.8M-cell surface needs
+no more memory than a small one; the in-memory ``simulate_surface`` joins the same blocks.
 
 Surface flow model (all vectorised):
 - Attached flow: potential flow about the equivalent ellipsoid (half-axes L/2, W/2, (H - ride)/2) has the
@@ -59,7 +61,7 @@ the run's frontal area and mid-wheelbase point; force_mom_constref uses A_REF_CO
 
 Volume flow model: a uniform hexahedral box grid around the car (cells whose centre lies inside the
 body are removed; the ground is the box floor), built and written slab by slab (``BoxGrid``,
-``vtu_writer``) so a 50M-cell volume needs no more memory than a small one; values do not depend on the
+``vtk_xml_writer``) so a 50M-cell volume needs no more memory than a small one; values do not depend on the
 block size. Potential flow of a Rankine-like body: line sources of
 strength U dS/dx along the body axis (S = cross-section area, continued behind the base by a wake
 displacement body decaying over 1.5 m), with core radii so the field is regular, plus their ground
@@ -321,46 +323,78 @@ def _template_for(n_theta: int):
     return _ring_template(n_theta, float(hw[0] / hh[0]))
 
 
-def build_surface(body: Body, cells: int) -> tuple[np.ndarray, np.ndarray]:
-    """Closed triangulated surface of ``body``: points (P, 3) float64 and triangles (T, 3) int64 whose
-    winding gives outward normals."""
-    counts = mesh_counts(cells)
-    nt = counts.n_theta
-    Y, Z = _template_for(nt)
-    xf = body.length * np.linspace(0.0, 1.0, 20001) ** 2
-    arc = body.meridian_length(xf)
-    x = np.interp(np.linspace(0.0, arc[-1], counts.n_body + 1), arc, xf)
-    x[0], x[-1] = 0.0, body.length
-    side = body.rings(x[1:], Y, Z)  # (n_body, nt, 3), last ring = base edge
-    zc_base = body.profile(np.array([body.length]))[0][0]
-    edge = side[-1]
-    sigma = 1.0 - np.arange(1, counts.n_base) / counts.n_base
-    base = np.empty((len(sigma), nt, 3))
-    base[..., 0] = body.length
-    base[..., 1] = sigma[:, None] * edge[None, :, 1]
-    base[..., 2] = zc_base + sigma[:, None] * (edge[None, :, 2] - zc_base)
-    rings = np.concatenate([side, base], axis=0)  # (R, nt, 3)
-    nose_pole = np.array([[0.0, 0.0, body.profile(np.array([0.0]))[0][0]]])
-    base_pole = np.array([[body.length, 0.0, zc_base]])
-    points = np.concatenate([nose_pole, rings.reshape(-1, 3), base_pole])
-    return points, _triangles(len(rings), nt)
+SURFACE_BLOCK_CELLS = 1 << 18  # triangles per streamed surface block (about 60 MiB of work arrays)
 
 
-def _triangles(n_rings: int, nt: int) -> np.ndarray:
-    """Connectivity for a nose pole (point 0), n_rings rings of nt points and a base pole (last point)."""
-    ring = lambda r: 1 + r * nt + np.arange(nt)  # noqa: E731
-    j1 = (np.arange(nt) + 1) % nt
-    right = np.arange(nt) < nt // 2  # cells on the +y side
-    last = 1 + n_rings * nt
-    tris = [np.stack([np.zeros(nt, np.int64), ring(0)[j1], ring(0)], axis=1)]
-    for r in range(n_rings - 1):
-        a, b, c, d = ring(r), ring(r)[j1], ring(r + 1)[j1], ring(r + 1)
-        t1 = np.where(right[:, None], np.stack([a, b, c], 1), np.stack([a, b, d], 1))
-        t2 = np.where(right[:, None], np.stack([a, c, d], 1), np.stack([b, c, d], 1))
-        tris.append(np.stack([t1, t2], axis=1).reshape(-1, 3))
-    r = ring(n_rings - 1)
-    tris.append(np.stack([r, r[j1], np.full(nt, last, np.int64)], axis=1))
-    return np.concatenate(tris).astype(np.int64)
+class SurfaceMesh:
+    """The closed triangulated surface of ``body`` (winding gives outward normals), made a block of rings at a
+    time. Points: the nose pole (id 0), ``n_rings`` rings of ``n_theta`` points (ring r at ids
+    1 + r * n_theta ...), the base pole (last id); triangles: the nose fan, two per quad between consecutive
+    rings (mirror-symmetric diagonals), the base fan. The blocks depend only on ``cells``, never on memory,
+    so every value (and the forces summed block by block) is the same however the surface is consumed."""
+
+    def __init__(self, body: Body, cells: int):
+        counts = mesh_counts(cells)
+        self.body, self.nt = body, counts.n_theta
+        self.Y, self.Z = _template_for(self.nt)
+        xf = body.length * np.linspace(0.0, 1.0, 20001) ** 2
+        arc = body.meridian_length(xf)
+        x = np.interp(np.linspace(0.0, arc[-1], counts.n_body + 1), arc, xf)
+        x[0], x[-1] = 0.0, body.length
+        self.stations = x[1:]  # of the side rings; the last is the base edge
+        self.n_body, self.n_base = counts.n_body, counts.n_base
+        self.n_rings = counts.n_body + counts.n_base - 1
+        self.n_points = 2 + self.n_rings * self.nt
+        self.n_cells = counts.triangles
+        self.zc_base = body.profile(np.array([body.length]))[0][0]
+        self.nose_z = body.profile(np.array([0.0]))[0][0]
+        self.rings_per_block = max(1, SURFACE_BLOCK_CELLS // (2 * self.nt))
+
+    def blocks(self):
+        """Per block of rings [r0, r1): (points (float32) first listed here, triangles (T, 3) int64 global ids,
+        float32 points of the ids [start, start + len) the triangles use, start)."""
+        nt, j = self.nt, np.arange(self.nt)
+        j1 = (j + 1) % nt
+        right = j < nt // 2  # cells on the +y side
+        prev, edge = None, None
+        for r0 in range(0, self.n_rings, self.rings_per_block):
+            r1 = min(r0 + self.rings_per_block, self.n_rings)
+            rings = []
+            if r0 < self.n_body:
+                rings.append(self.body.rings(self.stations[r0:min(r1, self.n_body)], self.Y, self.Z))
+                if r1 >= self.n_body:
+                    edge = rings[-1][-1]
+            if r1 > self.n_body:
+                sigma = 1.0 - np.arange(max(r0, self.n_body) - self.n_body + 1, r1 - self.n_body + 1) / self.n_base
+                base = np.empty((len(sigma), nt, 3))
+                base[..., 0] = self.body.length
+                base[..., 1] = sigma[:, None] * edge[None, :, 1]
+                base[..., 2] = self.zc_base + sigma[:, None] * (edge[None, :, 2] - self.zc_base)
+                rings.append(base)
+            pts = np.concatenate(rings).reshape(-1, 3)
+            if r0 == 0:
+                pts = np.concatenate([[[0.0, 0.0, self.nose_z]], pts])
+            if r1 == self.n_rings:
+                pts = np.concatenate([pts, [[self.body.length, 0.0, self.zc_base]]])
+            pts = pts.astype(np.float32)
+            tris = []
+            if r0 == 0:
+                tris.append(np.stack([np.zeros(nt, np.int64), 1 + j1, 1 + j], axis=1))
+            gaps = np.arange(max(r0 - 1, 0), r1 - 1)  # quads between ring r and r + 1
+            if len(gaps):
+                lo = (1 + gaps * nt)[:, None]
+                a, b, c, d = lo + j, lo + j1, lo + nt + j1, lo + nt + j
+                side = right[None, :, None]
+                t1 = np.where(side, np.stack([a, b, c], -1), np.stack([a, b, d], -1))
+                t2 = np.where(side, np.stack([a, c, d], -1), np.stack([b, c, d], -1))
+                tris.append(np.stack([t1, t2], axis=2).reshape(-1, 3))
+            if r1 == self.n_rings:
+                last = 1 + (self.n_rings - 1) * nt
+                tris.append(np.stack([last + j, last + j1, np.full(nt, self.n_points - 1, np.int64)], axis=1))
+            window = pts if prev is None else np.concatenate([prev, pts])
+            start = 0 if r0 == 0 else 1 + (r0 - 1) * nt
+            prev = pts[-nt:] if r1 < self.n_rings else None  # ring r1 - 1: the next block's first quads use it
+            yield pts, np.concatenate(tris).astype(np.int64), window, start
 
 
 def triangle_geometry(points: np.ndarray, tris: np.ndarray):
@@ -452,32 +486,71 @@ CENTRE_CONST = Body(nominal_parameters()).centre  # constant moment point of for
 
 @dataclass
 class SurfaceCase:
-    """One run's surface: mesh (float32 points as written), float32 fields, coefficients."""
+    """One run's surface: mesh (float32 points as written), float32 fields, coefficients; the arrays are None
+    when the surface was streamed to its files (``write_surface``)."""
 
     body: Body
-    points: np.ndarray
-    tris: np.ndarray
-    fields: dict
+    points: np.ndarray | None
+    tris: np.ndarray | None
+    fields: dict | None
     forces: dict
     forces_constref: dict
     frontal_area: float
     flow: FlowModel
 
 
-def simulate_surface(params: dict[str, float], cells: int, reference: Reference = DRIVAERML) -> SurfaceCase:
-    """Geometry, fields and force coefficients of one parameter set (no files)."""
-    body = Body(params)
-    points, tris = build_surface(body, cells)
-    points = points.astype(np.float32)
-    centres, normals, areas = triangle_geometry(points, tris)
-    fields = {k: v.astype(np.float32) for k, v in surface_fields(body, centres, normals, reference).items()}
-    force, moment = integrate(centres, normals, areas, fields["pMeanTrim"], fields["wallShearStressMeanTrim"],
-                              reference, body.centre)
+@dataclass
+class SurfaceBlock:
+    """A block of the surface: its new float32 points, triangles (global ids), the float32 points of ids
+    [start, start + len(window)) they use, unit normals, float32 fields, force and moment (about
+    ``body.centre``) from the float32 values as written."""
+
+    points: np.ndarray
+    tris: np.ndarray
+    window: np.ndarray
+    start: int
+    normals: np.ndarray
+    fields: dict
+    force: np.ndarray
+    moment: np.ndarray
+
+
+def surface_blocks(body: Body, cells: int, reference: Reference = DRIVAERML):
+    """The surface of ``body`` block by block (``SurfaceBlock``s)."""
+    for pts, tris, window, start in SurfaceMesh(body, cells).blocks():
+        centres, normals, areas = triangle_geometry(window, tris - start)
+        fields = {k: v.astype(np.float32) for k, v in surface_fields(body, centres, normals, reference).items()}
+        force, moment = integrate(centres, normals, areas, fields["pMeanTrim"], fields["wallShearStressMeanTrim"],
+                                  reference, body.centre)
+        yield SurfaceBlock(pts, tris, window, start, normals, fields, force, moment)
+
+
+def _case(body: Body, force, moment, reference: Reference, arrays=(None, None, None)) -> SurfaceCase:
     area = body.frontal_area()
     own = coefficients(force, moment, body, reference, area, body.centre)
     const = coefficients(force, moment + _moment_shift(force, body.centre, CENTRE_CONST), body, reference,
                          A_REF_CONST, CENTRE_CONST)
-    return SurfaceCase(body, points, tris, fields, own, const, area, FlowModel.of(body))
+    return SurfaceCase(body, *arrays, own, const, area, FlowModel.of(body))
+
+
+def simulate_surface(params: dict[str, float], cells: int, reference: Reference = DRIVAERML) -> SurfaceCase:
+    """Geometry, fields and force coefficients of one parameter set, in memory (no files): the blocks
+    ``write_surface`` streams, joined."""
+    body = Body(params)
+    blocks = list(surface_blocks(body, cells, reference))
+    points = np.concatenate([b.points for b in blocks])
+    tris = np.concatenate([b.tris for b in blocks])
+    fields = {k: np.concatenate([b.fields[k] for b in blocks]) for k in blocks[0].fields}
+    force, moment = _summed(blocks)
+    return _case(body, force, moment, reference, (points, tris, fields))
+
+
+def _summed(blocks) -> tuple[np.ndarray, np.ndarray]:
+    """Force and moment over blocks, added in block order (the streamed and the in-memory surface alike)."""
+    force = moment = np.zeros(3)
+    for b in blocks:
+        force, moment = force + b.force, moment + b.moment
+    return force, moment
 
 
 # -- volume flow ------------------------------------------------------------------------------------
@@ -679,14 +752,46 @@ def _write_csv(path: Path, row: dict[str, float]) -> None:
         tmp.write_text(",".join(row) + "\n" + ",".join(f"{float(v):.10g}" for v in row.values()) + "\n")
 
 
-def _surface_mesh(case: SurfaceCase):
-    import pyvista as pv
+_SURFACE_FIELDS = ("pMeanTrim", "CpMeanTrim", "pPrime2MeanTrim", "wallShearStressMeanTrim")
+_STL_TRIANGLE = np.dtype([("normal", "<f4", (3,)), ("corners", "<f4", (3, 3)), ("attribute", "<u2")])
 
-    faces = np.concatenate([np.full((len(case.tris), 1), 3, np.int64), case.tris], axis=1).ravel()
-    mesh = pv.PolyData(case.points, faces=faces)
-    for k, v in case.fields.items():
-        mesh.cell_data[k] = v
-    return mesh
+
+def write_surface(folder: Path, run: int, body: Body, cells: int, reference: Reference) -> SurfaceCase:
+    """``boundary_<run>.vtp`` (binary appended, zlib, as VTK writes it) and ``drivaer_<run>.stl`` (binary STL)
+    streamed block by block; returns the run's coefficients (a case without arrays)."""
+    from .vtk_xml_writer import VtkXmlWriter
+
+    mesh = SurfaceMesh(body, cells)
+    writer = VtkXmlWriter(folder / f"boundary_{run}.vtp", kind="PolyData")
+    for name in _SURFACE_FIELDS:
+        writer.declare("CellData", name, "f4", 3 if name == "wallShearStressMeanTrim" else 1)
+    writer.declare("Points", "Points", "f4", 3)
+    writer.declare("Polys", "connectivity", "i8")
+    writer.declare("Polys", "offsets", "i8")
+    done, forces = 0, []
+    try:
+        with _atomic(folder / f"drivaer_{run}.stl") as tmp, open(tmp, "wb") as stl:
+            stl.write(b"domainflow synth drivaerml surface".ljust(80, b" "))
+            stl.write(np.uint32(mesh.n_cells).tobytes())
+            for block in surface_blocks(body, cells, reference):
+                writer.append("Points", "Points", block.points)
+                writer.append("Polys", "connectivity", block.tris.ravel())
+                writer.append("Polys", "offsets", 3 * (done + 1 + np.arange(len(block.tris), dtype=np.int64)))
+                for name in _SURFACE_FIELDS:
+                    writer.append("CellData", name, block.fields[name])
+                facets = np.zeros(len(block.tris), _STL_TRIANGLE)
+                facets["normal"] = block.normals
+                facets["corners"] = block.window[block.tris - block.start]
+                stl.write(facets.tobytes())
+                done += len(block.tris)
+                forces.append(block)
+                block.points = block.tris = block.window = block.normals = block.fields = None  # keep the sums only
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close(mesh.n_points, done)
+    force, moment = _summed(forces)
+    return _case(body, force, moment, reference)
 
 
 def _tmp_name(path: Path) -> Path:
@@ -701,10 +806,10 @@ def _write_volume(path: Path, case: SurfaceCase, cells: int, pieces: int, refere
     """Stream the volume mesh and its fields into ``path`` (binary VTK XML, zlib), block by block; with
     pieces > 1 as consecutive byte pieces ``.NN.part`` (what ``cat`` joins back), replacing any stale
     whole file or pieces of an earlier synth."""
-    from .vtu_writer import VtuWriter
+    from .vtk_xml_writer import VtkXmlWriter
 
     grid = BoxGrid(case.body, cells)
-    writer = VtuWriter(path, pieces)
+    writer = VtkXmlWriter(path, pieces)
     for name in _VOLUME_FIELDS:
         writer.declare("CellData", name, "f4", 3 if name == "UMeanTrim" else 1)
     writer.declare("Points", "Points", "f4", 3)
@@ -737,21 +842,35 @@ def _write_volume(path: Path, case: SurfaceCase, cells: int, pieces: int, refere
     writer.close(n_points, n_cells)
 
 
-def write_run(folder: Path, run: int, case: SurfaceCase, volume_cells: int, volume_pieces: int,
+def write_run(folder: Path, run: int, params: dict[str, float], cells: int, volume_cells: int, volume_pieces: int,
               reference: Reference) -> None:
-    """All files of one run into ``folder`` (each written to a temporary name, then renamed)."""
+    """All files of one run into ``folder``, each streamed (the surface first: the volume's wake uses its
+    drag) and published under its name only when complete."""
     folder.mkdir(parents=True, exist_ok=True)
-    surface = _surface_mesh(case)
-    with _atomic(folder / f"boundary_{run}.vtp") as tmp:
-        surface.save(tmp, binary=True)
-    with _atomic(folder / f"drivaer_{run}.stl") as tmp:
-        bare = surface.copy()
-        bare.clear_data()
-        bare.save(tmp, binary=True)
+    _drop_dead_writers_scratch(folder)
+    case = write_surface(folder, run, Body(params), cells, reference)
     _write_csv(folder / f"force_mom_{run}.csv", {k: case.forces[k] for k in FORCE_COLUMNS})
     _write_csv(folder / f"force_mom_constref_{run}.csv", {k: case.forces_constref[k] for k in FORCE_COLUMNS})
     _write_csv(folder / f"geo_parameters_{run}.csv", case.body.params)
     _write_volume(folder / f"volume_{run}.vtu", case, volume_cells, volume_pieces, reference)
+
+
+def _drop_dead_writers_scratch(folder: Path) -> None:
+    """Remove the ``.tmp-<pid>-*`` files a killed synth left (its pid no longer runs)."""
+    for f in folder.glob(".tmp-*"):
+        pid = f.name.split("-")[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            f.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _count(name: str, value, low: int, high: int | None = None) -> int:
@@ -790,8 +909,7 @@ def synth_drivaerml(out, runs: int = 4, cells: int = 5000, seed: int = 0, volume
         ids = tqdm(ids, desc="synth drivaerml", unit="run")
     folders = []
     for i in ids:
-        case = simulate_surface(sample_parameters(seed, i), cells, reference)
         folder = out / f"run_{i}"
-        write_run(folder, i, case, volume_cells, volume_pieces, reference)
+        write_run(folder, i, sample_parameters(seed, i), cells, volume_cells, volume_pieces, reference)
         folders.append(folder)
     return sorted(folders, key=lambda p: int(p.name[4:]))

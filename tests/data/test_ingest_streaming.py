@@ -24,7 +24,9 @@ OPTS = dict(parts=8, progress=False, split=(0.5, 0.25, 0.25))
 def raw(tmp_path_factory):
     out = tmp_path_factory.mktemp("stream_raw")
     synth_drivaerml(out, runs=2, cells=3000, seed=5, volume_cells=2600, volume_pieces=3)
-    # run_2's surface re-saved by VTK as appended raw, uncompressed: a second encoding end to end
+    # synth streams appended, zlib-compressed files; run_1's surface re-saved by VTK inline (base64, zlib)
+    # and run_2's as appended raw, uncompressed: three encodings end to end
+    pv.read(out / "run_1" / "boundary_1.vtp").save(out / "run_1" / "boundary_1.vtp", binary=True)
     f = out / "run_2" / "boundary_2.vtp"
     w = vtk.vtkXMLPolyDataWriter()
     w.SetInputData(pv.read(f))

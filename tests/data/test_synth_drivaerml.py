@@ -285,3 +285,37 @@ def test_streamed_volume_file_equals_vtk_written_grid(tmp_path, monkeypatch):
     for k in want.cell_data:
         np.testing.assert_array_equal(got.cell_data[k], want.cell_data[k], err_msg=k)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v.vtu"]  # no scratch left behind
+
+
+@pytest.mark.parametrize("block", [1 << 18, 500, 97])
+def test_streamed_surface_files_hold_the_in_memory_surface(tmp_path, monkeypatch, block):
+    """The surface written block by block (.vtp and binary .stl) reads back in VTK as the in-memory surface:
+    the same points, triangles and float32 fields, whatever the block; forces to summation rounding."""
+    ref = S.simulate_surface(S.sample_parameters(0, 3), 6000)
+    monkeypatch.setattr(S, "SURFACE_BLOCK_CELLS", block)
+    case = S.write_surface(tmp_path, 3, S.Body(S.sample_parameters(0, 3)), 6000, DRIVAERML)
+    mesh = pv.read(tmp_path / "boundary_3.vtp")
+    assert mesh.n_cells == len(ref.tris) and mesh.n_points == len(ref.points)
+    np.testing.assert_array_equal(mesh.points, ref.points)
+    np.testing.assert_array_equal(mesh.faces.reshape(-1, 4)[:, 1:], ref.tris)
+    for k, v in ref.fields.items():
+        np.testing.assert_array_equal(mesh.cell_data[k], v, err_msg=k)
+    stl = pv.read(tmp_path / "drivaer_3.stl")
+    np.testing.assert_array_equal(stl.points[stl.faces.reshape(-1, 4)[:, 1:]], ref.points[ref.tris])
+    for k, v in ref.forces.items():
+        assert case.forces[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["boundary_3.vtp", "drivaer_3.stl"]
+
+
+def test_a_killed_synths_scratch_is_removed_by_the_next(tmp_path):
+    """.tmp-<pid>-* files of a synth that no longer runs go when the run is written again."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    folder = tmp_path / "run_1"
+    folder.mkdir()
+    stale = folder / f".tmp-{int(dead.stdout)}-volume_1.vtu.0.blob"
+    stale.write_bytes(b"x")
+    synth_drivaerml(tmp_path, runs=1, cells=300, volume_cells=300)
+    assert not stale.exists() and not list(folder.glob(".tmp-*"))

@@ -1,4 +1,4 @@
-"""The streaming .vtu writer: what it writes reads back in VTK itself (pyvista.read) and in the streaming
+"""The streaming .vtu/.vtp writer: what it writes reads back in VTK itself (pyvista.read) and in the streaming
 reader, whole or as .NN.part pieces; stale pieces go; a failed write leaves nothing; row counts are checked."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 pv = pytest.importorskip("pyvista")
 
 from domainflow.preprocess.vtk_xml import VtkXmlFile  # noqa: E402
-from domainflow.preprocess.vtu_writer import BLOCK_BYTES, VtuWriter  # noqa: E402
+from domainflow.preprocess.vtk_xml_writer import BLOCK_BYTES, VtkXmlWriter  # noqa: E402
 
 
 def _grid():
@@ -22,7 +22,7 @@ def _grid():
 
 
 def _write(path, g, pieces=1, block=997):
-    w = VtuWriter(path, pieces)
+    w = VtkXmlWriter(path, pieces)
     w.declare("CellData", "a", "f4")
     w.declare("CellData", "v", "f8", 3)
     w.declare("PointData", "t", "i4")
@@ -82,16 +82,49 @@ def test_pieces_join_to_the_file_and_replace_stale_ones(tmp_path):
 
 def test_failed_write_leaves_nothing_and_counts_are_checked(tmp_path):
     g = _grid()
-    w = VtuWriter(tmp_path / "x.vtu")
+    w = VtkXmlWriter(tmp_path / "x.vtu")
     w.declare("CellData", "a", "f4")
     with pytest.raises(ValueError, match="shape"):
         w.append("CellData", "a", g.cell_data["v"])
     w.abort()
-    w = VtuWriter(tmp_path / "x.vtu")
+    w = VtkXmlWriter(tmp_path / "x.vtu")
     w.declare("CellData", "a", "f4")
     w.append("CellData", "a", g.cell_data["a"][:10])
     with pytest.raises(ValueError, match="CellData/a got 10 rows, expected 11"):
         w.close(0, 11)
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="section"):
-        VtuWriter(tmp_path / "x.vtu").declare("Cell", "a", "f4")
+        VtkXmlWriter(tmp_path / "x.vtu").declare("Cell", "a", "f4")
+
+
+def test_polydata_reads_back_in_vtk_and_the_streaming_reader(tmp_path):
+    """Triangles and a quad as PolyData (.vtp): VTK reads the same points, polygons and cell arrays."""
+    g = pv.Sphere(theta_resolution=40, phi_resolution=30)
+    rng = np.random.default_rng(1)
+    g.cell_data["p"] = rng.random(g.n_cells).astype(np.float32)
+    g.cell_data["tau"] = rng.random((g.n_cells, 3)).astype(np.float32)
+    conn, offsets = g.faces.reshape(-1, 4)[:, 1:].ravel(), 3 * np.arange(1, g.n_cells + 1)
+    w = VtkXmlWriter(tmp_path / "s.vtp", kind="PolyData")
+    for name, comps in (("p", 1), ("tau", 3)):
+        w.declare("CellData", name, "f4", comps)
+    w.declare("Points", "Points", "f4", 3)
+    w.declare("Polys", "connectivity", "i8")
+    w.declare("Polys", "offsets", "i8")
+    for lo in range(0, g.n_cells, 333):
+        hi = min(lo + 333, g.n_cells)
+        w.append("CellData", "p", g.cell_data["p"][lo:hi])
+        w.append("CellData", "tau", g.cell_data["tau"][lo:hi])
+        w.append("Polys", "connectivity", conn[3 * lo:3 * hi])
+        w.append("Polys", "offsets", offsets[lo:hi])
+    w.append("Points", "Points", g.points.astype(np.float32))
+    w.close(g.n_points, g.n_cells)
+    got = pv.read(tmp_path / "s.vtp")
+    assert isinstance(got, pv.PolyData) and got.n_cells == g.n_cells
+    np.testing.assert_array_equal(got.points, g.points)
+    np.testing.assert_array_equal(got.faces, g.faces)
+    for k in ("p", "tau"):
+        np.testing.assert_array_equal(got.cell_data[k], g.cell_data[k])
+    with VtkXmlFile(tmp_path / "s.vtp") as f:
+        np.testing.assert_array_equal(f.read("cell", "tau", 10, 500), g.cell_data["tau"][10:500])
+    with pytest.raises(ValueError, match="section"):
+        VtkXmlWriter(tmp_path / "t.vtp", kind="PolyData").declare("Cells", "types", "u1")

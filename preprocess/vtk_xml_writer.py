@@ -1,7 +1,8 @@
-"""A streaming writer of VTK XML UnstructuredGrid files (``.vtu``): arrays arrive block by block and leave
-compressed, so a 150M-cell volume is written with only a block in memory.
+"""A streaming writer of VTK XML UnstructuredGrid (``.vtu``) and PolyData (``.vtp``) files: arrays arrive
+block by block and leave compressed, so a 150M-cell volume (or a 9M-cell surface) is written with only a
+block in memory.
 
-VTK's writer needs the whole grid in memory (several times the file's size). This one writes the format
+VTK's writer needs the whole mesh in memory (several times the file's size). This one writes the format
 VTK itself writes with ``SetDataModeToAppended`` and ``EncodeAppendedDataOff``: a ``UInt64`` header,
 ``vtkZLibDataCompressor`` blocks of 32 KiB, all arrays in one raw ``AppendedData`` section. Each array's
 compressed blocks go to a scratch file next to the target as they come; ``close`` then knows every offset
@@ -21,7 +22,8 @@ BLOCK_BYTES = 32768  # uncompressed bytes per compressed block: VTK's default
 COPY_BYTES = 8 << 20  # bytes moved at a time while assembling the file
 _VTK_TYPES = {"i1": "Int8", "u1": "UInt8", "i2": "Int16", "u2": "UInt16", "i4": "Int32", "u4": "UInt32",
               "i8": "Int64", "u8": "UInt64", "f4": "Float32", "f8": "Float64"}
-_SECTIONS = ("PointData", "CellData", "Points", "Cells")
+_SECTIONS = {"UnstructuredGrid": ("PointData", "CellData", "Points", "Cells"),
+             "PolyData": ("PointData", "CellData", "Points", "Polys")}
 
 
 class _Blob:
@@ -72,21 +74,25 @@ class _Blob:
         self.path.unlink(missing_ok=True)
 
 
-class VtuWriter:
-    """``VtuWriter(path, pieces)``; ``declare`` every array, ``append`` their blocks in row order (arrays
-    independently), then ``close(n_points, n_cells)``. ``pieces`` > 1 writes ``path.NN.part`` byte pieces
-    (what ``cat`` joins back into ``path``) instead of ``path``; stale pieces or a stale whole file go."""
+class VtkXmlWriter:
+    """``VtkXmlWriter(path, pieces, kind=...)``; ``declare`` every array, ``append`` their blocks in row order
+    (arrays independently), then ``close(n_points, n_cells)``. ``kind`` "UnstructuredGrid" (cells:
+    ``Cells`` connectivity, offsets, types) or "PolyData" (polygons: ``Polys`` connectivity, offsets).
+    ``pieces`` > 1 writes ``path.NN.part`` byte pieces (what ``cat`` joins back into ``path``) instead of
+    ``path``; stale pieces or a stale whole file go."""
 
-    def __init__(self, path, pieces: int = 1, level: int = 1):
-        self.path, self.pieces, self.level = Path(path), int(pieces), int(level)
+    def __init__(self, path, pieces: int = 1, level: int = 1, kind: str = "UnstructuredGrid"):
+        if kind not in _SECTIONS:
+            raise ValueError(f"kind must be one of {sorted(_SECTIONS)}, got {kind!r}")
+        self.path, self.pieces, self.level, self.kind = Path(path), int(pieces), int(level), kind
         self._blobs: dict[tuple[str, str], _Blob] = {}
         self._tag = f".tmp-{os.getpid()}-{self.path.name}"
 
     def declare(self, section: str, name: str, dtype, components: int = 1) -> None:
-        """One array: ``section`` is ``PointData``, ``CellData``, ``Points`` (name ``Points``) or ``Cells``
-        (``connectivity``, ``offsets``, ``types``)."""
-        if section not in _SECTIONS:
-            raise ValueError(f"section must be one of {_SECTIONS}, got {section!r}")
+        """One array: ``section`` is ``PointData``, ``CellData``, ``Points`` (name ``Points``), ``Cells``
+        (``connectivity``, ``offsets``, ``types``) or, for PolyData, ``Polys`` (``connectivity``, ``offsets``)."""
+        if section not in _SECTIONS[self.kind]:
+            raise ValueError(f"section must be one of {_SECTIONS[self.kind]}, got {section!r}")
         if np.dtype(dtype).str[1:] not in _VTK_TYPES:
             raise ValueError(f"{name}: dtype {np.dtype(dtype)} has no VTK type")
         scratch = self.path.with_name(f"{self._tag}.{len(self._blobs)}.blob")
@@ -134,14 +140,14 @@ class VtuWriter:
     def _check(self, n_points: int, n_cells: int) -> None:
         for (section, name), blob in self._blobs.items():
             want = {"PointData": n_points, "Points": n_points, "CellData": n_cells}.get(section)
-            if section == "Cells":
+            if section in ("Cells", "Polys"):
                 want = None if name == "connectivity" else n_cells
             if want is not None and blob.rows != want:
                 raise ValueError(f"{self.path.name}: {section}/{name} got {blob.rows} rows, expected {want}")
 
     def _xml(self, headers, n_points: int, n_cells: int) -> tuple[bytes, list]:
         order, lines, offset = [], [], 0
-        for section in _SECTIONS:
+        for section in _SECTIONS[self.kind]:
             lines.append(f"      <{section}>")
             for (sec, name), blob in self._blobs.items():
                 if sec != section:
@@ -152,10 +158,12 @@ class VtuWriter:
                 order.append((sec, name))
                 offset += len(headers[sec, name]) + sum(blob.sizes)
             lines.append(f"      </{section}>")
-        head = ('<?xml version="1.0"?>\n<VTKFile type="UnstructuredGrid" version="1.0" byte_order="LittleEndian" '
-                'header_type="UInt64" compressor="vtkZLibDataCompressor">\n  <UnstructuredGrid>\n'
-                f'    <Piece NumberOfPoints="{n_points}" NumberOfCells="{n_cells}">\n')
-        body = "\n".join(lines) + '\n    </Piece>\n  </UnstructuredGrid>\n  <AppendedData encoding="raw">\n   _'
+        counts = (f'NumberOfCells="{n_cells}"' if self.kind == "UnstructuredGrid" else
+                  f'NumberOfVerts="0" NumberOfLines="0" NumberOfStrips="0" NumberOfPolys="{n_cells}"')
+        head = (f'<?xml version="1.0"?>\n<VTKFile type="{self.kind}" version="1.0" byte_order="LittleEndian" '
+                f'header_type="UInt64" compressor="vtkZLibDataCompressor">\n  <{self.kind}>\n'
+                f'    <Piece NumberOfPoints="{n_points}" {counts}>\n')
+        body = "\n".join(lines) + f'\n    </Piece>\n  </{self.kind}>\n  <AppendedData encoding="raw">\n   _'
         return (head + body).encode(), order
 
     def _targets(self) -> list[Path]:
