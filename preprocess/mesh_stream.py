@@ -10,7 +10,7 @@ keeps every worker busy.
    holding none of them.
 2. ``partition_location`` (one task): the checks over all stretches (the first bad cell is named), then the
    partition from the coordinate column: ``partition()`` in memory when the location has at most
-   ``IN_MEMORY_PARTITION_BLOCKS`` blocks of rows, else out of core with the same parts and order
+   ``IN_MEMORY_BLOCKS`` blocks of rows, else out of core with the same parts and order
    (``partition.rcb_streaming``; morton/slab: ``partition.key_order_streaming``, a sample sort). It leaves
    each row's group (its part; for morton/slab out of core a bucket of about half a block), per block the
    permutation that sorts its rows by group, and for morton/slab the permutation that sorts each run of
@@ -43,10 +43,11 @@ from .vtk_xml import VtkXmlFile
 
 BYTES_PER_CELL = 2048  # working bytes per cell of a block (all columns, the gathered points, temporaries)
 _POINT_GAP = 4096      # point ids further apart than this are read as separate stretches
-# a location of at most this many blocks of rows is partitioned in memory (``partition()``: about 80 B per
-# row, within one block's working set of BYTES_PER_CELL per cell); larger ones out of core. Both give the
-# same parts and order (tests/data/test_partition.py), so the choice changes only time and memory.
-IN_MEMORY_PARTITION_BLOCKS = 8
+# a location of at most this many blocks of rows is partitioned, and its columns reordered, in memory
+# (``partition()``: about 80 B per row, a column at most ~40 B per row, within one block's working set of
+# BYTES_PER_CELL per cell); larger ones out of core. Both give the same parts, order and columns
+# (tests/data/test_partition.py, test_ingest_streaming.py), so the choice changes only time and memory.
+IN_MEMORY_BLOCKS = 8
 
 
 def block_cells_for(memory_limit: int) -> int:
@@ -234,7 +235,7 @@ def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, s
 
             group_of, perm = scratch_array("group_of", np.uint32), scratch_array("perm", np.uint32)
             plan["inner"], windows = None, None  # rcb: rows keep file order within a part; else sorted by key
-            if rows <= IN_MEMORY_PARTITION_BLOCKS * block_cells:  # fits the budget: partition() in memory
+            if rows <= IN_MEMORY_BLOCKS * block_cells:  # fits the budget: partition() in memory
                 p = partition(coords.read(0, rows), opts.parts, opts.method)
                 offsets, groups, boxes = p.offsets, p.offsets, p.boxes
                 part = np.empty(rows, np.uint32)
@@ -299,7 +300,7 @@ def partition_subtree(plan: dict, j: int, opts) -> dict | None:
     ids = ScratchArray.open(plan["subtree-parts"], np.uint32)
     try:
         mine, mine_ids = RowRange(coords, lo, hi), RowRange(ids, lo, hi)
-        if hi - lo <= IN_MEMORY_PARTITION_BLOCKS * block_cells:
+        if hi - lo <= IN_MEMORY_BLOCKS * block_cells:
             p = partition(mine.read(0, hi - lo), parts, "rcb")
             local = np.empty(hi - lo, np.uint32)
             local[p.order] = np.repeat(np.arange(parts, dtype=np.uint32), np.diff(p.offsets))
@@ -359,33 +360,46 @@ def write_column(plan: dict, key: str, opts) -> dict:
     with contextlib.ExitStack() as stack:
         col = JoinedColumns.open(plan["columns"][key])
         stack.callback(col.close)  # the scan files stay until the run is published: a rerun reads them again
-        reordered = ScratchArray(Path(plan["perm"]).with_name(Path(plan["perm"]).stem + f".sorted-"
-                                                              f"{key.replace('/', '-')}"), rows, col.dtype, col.tail)
-        stack.callback(reordered.close)
         group_of, perm = ScratchArray.open(plan["group_of"], np.uint32), ScratchArray.open(plan["perm"], np.uint32)
         stack.callback(group_of.close, False)
         stack.callback(perm.close, False)
-        group_rows(col, group_of, perm, plan["groups"], reordered, block_cells)  # parts (or buckets) together
-        if plan["inner"]:  # morton/slab: sorted by key within runs of whole groups, in place
-            inner = ScratchArray.open(plan["inner"], np.uint32)
+        inner = ScratchArray.open(plan["inner"], np.uint32) if plan["inner"] else None
+        if inner is not None:
             stack.callback(inner.close, False)
-            for a, b in zip(plan["windows"][:-1], plan["windows"][1:]):
+        windows = list(zip(plan["windows"][:-1], plan["windows"][1:])) if inner is not None else []
+        if rows <= IN_MEMORY_BLOCKS * block_cells:  # small: reordered in memory, no scratch copy
+            groups = group_of.read(0, rows)
+            reordered = col.read(0, rows)[np.argsort(groups.astype(np.uint16) if len(plan["groups"]) - 1 <= 1 << 16
+                                                     else groups, kind="stable")]  # groups, file order within
+            for a, b in windows:
+                reordered[a:b] = reordered[a:b][inner.read(int(a), int(b))]
+        else:  # parts (or buckets) together a block at a time, then sorted by key within windows, in place
+            reordered = ScratchArray(Path(plan["perm"]).with_name(Path(plan["perm"]).stem + f".sorted-"
+                                                                  f"{key.replace('/', '-')}"), rows, col.dtype,
+                                     col.tail)
+            stack.callback(reordered.close)
+            group_rows(col, group_of, perm, plan["groups"], reordered, block_cells)
+            for a, b in windows:
                 reordered.write(int(a), reordered.read(int(a), int(b))[inner.read(int(a), int(b))])
         sub = zarr.open_group(plan["group"], mode="r+")
         target = sub["fields"] if key.startswith("field/") else sub
         name = key.split("/", 1)[1] if key.startswith("field/") else key
         channels = int(np.prod(col.tail, dtype=np.int64)) if col.tail else 1
         merged = None if key == "order" else RunningStats.empty(channels)
-        chunks = (min(max(1, rows), chunk_rows(reordered.row_bytes, opts.chunk_bytes)),) + col.tail
-        arr = target.create_array(name, shape=reordered.shape, chunks=chunks, dtype=col.dtype, attributes={},
+        chunks = (min(max(1, rows), chunk_rows(col.row_bytes, opts.chunk_bytes)),) + col.tail
+        arr = target.create_array(name, shape=col.shape, chunks=chunks, dtype=col.dtype, attributes={},
                                   overwrite=True,  # a rerun (lost worker) writes it again
                                   **chunk_options())
         step = chunks[0] * max(1, block_cells // chunks[0])  # whole chunks per write
         boxes = _PartBoxes(plan["offsets"], col.tail) if key == "coords" and plan["boxes_from_coords"] else None
+        in_memory = isinstance(reordered, np.ndarray)
+        if in_memory and rows:
+            arr[...] = reordered  # one write; the statistics still go a step at a time (the same numbers)
         for lo in range(0, rows, step):
             hi = min(lo + step, rows)
-            values = reordered.read(lo, hi)
-            arr[lo:hi] = values
+            values = reordered[lo:hi] if in_memory else reordered.read(lo, hi)
+            if not in_memory:
+                arr[lo:hi] = values
             if merged is not None:
                 merged = merged.merge(RunningStats.of(values))
             if boxes is not None:

@@ -79,7 +79,7 @@ def assert_stores_match(streamed, oracle):
 @pytest.mark.parametrize("blocks", ["small", "default"])
 def test_streamed_store_equals_the_in_memory_one(raw, tmp_path, request, blocks):
     """Small blocks: the out-of-core RCB with several refinement rounds; default blocks: a run this small is
-    partitioned in memory (IN_MEMORY_PARTITION_BLOCKS), the rest still streams."""
+    partitioned in memory (IN_MEMORY_BLOCKS), the rest still streams."""
     if blocks == "small":
         request.getfixturevalue("small_blocks")
     ingest_drivaerml(raw, tmp_path / "stream.zarr", **OPTS)
