@@ -85,15 +85,20 @@ def polygon_normals_areas(sizes: np.ndarray, conn: np.ndarray, points: np.ndarra
     """(n, 3) unit normals and (n,) areas of polygons by Newell's method (float64)."""
     normals = np.empty((len(sizes), 3), dtype=np.float64)
     areas = np.empty(len(sizes), dtype=np.float64)
-    points = np.asarray(points, dtype=np.float64)
+    xyz = [np.ascontiguousarray(points[:, a], dtype=np.float64) for a in range(3)]  # gathered corner by corner
     for k, idx, pos in group_by_size(sizes):
         if k < 3:
             raise ValueError(f"a polygon with {k} points")
-        p = points[conn[pos] - first]
-        q = np.roll(p, -1, axis=1)
-        n = np.stack([((p[..., 1] - q[..., 1]) * (p[..., 2] + q[..., 2])).sum(axis=1),
-                      ((p[..., 2] - q[..., 2]) * (p[..., 0] + q[..., 0])).sum(axis=1),
-                      ((p[..., 0] - q[..., 0]) * (p[..., 1] + q[..., 1])).sum(axis=1)], axis=1)
+        ids = conn[pos] - first
+        corner = [[c[ids[:, i]] for c in xyz] for i in range(k)]  # corner i: its x, y, z columns
+        n = np.empty((len(idx), 3))
+        for a, (b, c) in enumerate(((1, 2), (2, 0), (0, 1))):  # n_a = sum_i (p_i - p_i+1)_b (p_i + p_i+1)_c
+            total = None
+            for i in range(k):
+                p, q = corner[i], corner[(i + 1) % k]
+                term = (p[b] - q[b]) * (p[c] + q[c])
+                total = term if total is None else total + term  # in corner order, as sum(axis=1) adds
+            n[:, a] = total
         length = np.linalg.norm(n, axis=1)
         areas[idx] = 0.5 * length
         with np.errstate(invalid="ignore", divide="ignore"):

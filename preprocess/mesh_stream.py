@@ -381,15 +381,15 @@ def write_column(plan: dict, key: str, opts) -> dict:
             group_rows(col, group_of, perm, plan["groups"], reordered, block_cells)
             for a, b in windows:
                 reordered.write(int(a), reordered.read(int(a), int(b))[inner.read(int(a), int(b))])
-        sub = zarr.open_group(plan["group"], mode="r+")
-        target = sub["fields"] if key.startswith("field/") else sub
         name = key.split("/", 1)[1] if key.startswith("field/") else key
         channels = int(np.prod(col.tail, dtype=np.int64)) if col.tail else 1
         merged = None if key == "order" else RunningStats.empty(channels)
         chunks = (min(max(1, rows), chunk_rows(col.row_bytes, opts.chunk_bytes)),) + col.tail
-        arr = target.create_array(name, shape=col.shape, chunks=chunks, dtype=col.dtype, attributes={},
-                                  overwrite=True,  # a rerun (lost worker) writes it again
-                                  **chunk_options())
+        # created by its path inside the location's group (opening the groups first costs two more reads)
+        arr = zarr.create_array(str(Path(plan["group"]) / key.replace("field/", "fields/")), shape=col.shape,
+                                chunks=chunks, dtype=col.dtype, attributes={}, zarr_format=3,
+                                overwrite=True,  # a rerun (lost worker) writes it again
+                                **chunk_options())
         step = chunks[0] * max(1, block_cells // chunks[0])  # whole chunks per write
         boxes = _PartBoxes(plan["offsets"], col.tail) if key == "coords" and plan["boxes_from_coords"] else None
         in_memory = isinstance(reordered, np.ndarray)
@@ -405,7 +405,8 @@ def write_column(plan: dict, key: str, opts) -> dict:
             if boxes is not None:
                 boxes.add(lo, values)
         if boxes is not None:
-            write_array(sub, "part_boxes", boxes.boxes(), opts.chunk_bytes, overwrite=True)  # a rerun too
+            write_array(zarr.open_group(plan["group"], mode="r+"), "part_boxes", boxes.boxes(), opts.chunk_bytes,
+                        overwrite=True)  # a rerun too
         return {name: merged.to_attrs()} if merged is not None else {}
 
 

@@ -19,12 +19,12 @@ import base64
 import binascii
 import os
 import re
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from . import zlib_codec
 from .errors import IngestError
 from .vtk_io import _XML_TAIL, check_pieces_complete, pieces_of
 
@@ -415,7 +415,7 @@ class VtkXmlFile:
                 flat = self._binary(a, lo, hi)
         except IngestError:
             raise
-        except (ValueError, zlib.error, binascii.Error, EOFError, OSError) as exc:
+        except (ValueError, *zlib_codec.errors, binascii.Error, EOFError, OSError) as exc:
             raise IngestError(f"{self.path}: DataArray {a.name!r} cannot be decoded ({type(exc).__name__}: "
                               f"{str(exc)[:160]}): a corrupt or truncated file") from None
         flat = flat.astype(a.dtype.newbyteorder("="), copy=False)
@@ -585,7 +585,7 @@ class _Base64:
 
 def _decompressor(name: str, path: Path):
     if name == "vtkZLibDataCompressor":
-        return lambda raw, n: zlib.decompress(raw)
+        return lambda raw, n: zlib_codec.decompress(raw)
     if name == "vtkLZMADataCompressor":
         import lzma
 

@@ -13,10 +13,11 @@ published atomically (piece 00 last, so an interrupted write reads as incomplete
 from __future__ import annotations
 
 import os
-import zlib
 from pathlib import Path
 
 import numpy as np
+
+from . import zlib_codec
 
 BLOCK_BYTES = 32768  # uncompressed bytes per compressed block: VTK's default
 COPY_BYTES = 8 << 20  # bytes moved at a time while assembling the file
@@ -54,7 +55,7 @@ class _Blob:
         del self._pending[:full]
 
     def _emit(self, raw) -> None:
-        packed = zlib.compress(raw, self.level)
+        packed = zlib_codec.compress(raw, self.level)
         self._file.write(packed)
         self.sizes.append(len(packed))
 
