@@ -164,8 +164,8 @@ def main() -> None:
         print(f"{'synth':<8}{n:>11}{r['seconds']:>8.1f}{1e6 * r['seconds'] / n:>9.2f}{r['peak_rss'] / MiB:>10.0f}")
     surfaces = []
     for n in sorted(args.surface_cells):  # the surface: synth ring block by ring block, then its ingest
-        raw, synth = make_raw(work, 200, n)
-        r = run_one(raw, work / f"store_surface_{n}.zarr", "stream", args.memory_limit, loc="surface")
+        surface_raw, synth = make_raw(work, 200, n)
+        r = run_one(surface_raw, work / f"store_surface_{n}.zarr", "stream", args.memory_limit, loc="surface")
         r.update(requested_cells=n, synth_seconds=synth["seconds"], synth_peak_rss=synth["peak_rss"],
                  above_imports=r["peak_rss"] - base, us_per_cell=1e6 * r["task_seconds"] / r["cells"])
         surfaces.append(r)

@@ -4,10 +4,11 @@ Per run, a small dask graph (``run_graph``): a start task (files present, CSVs r
 tasks, one per ``--task-bytes`` of raw data, that stream the needed cell arrays of the surface (and volume,
 its ``.part`` pieces read as one stream) block by block (``mesh_stream``): cell centres, normals and areas,
 non-dimensionalised fields, NaN/Inf counted; a partition task (checks over all stretches, P spatially
-compact contiguous parts); a task per column that writes it into the run's group in scratch; and a last
-task that moves the run into ``runs/<id>`` in one rename. One huge run thus uses every worker. Memory per
-worker is set by ``--memory-limit``, not by the run's size. ``reader="vtk"`` keeps the earlier in-memory
-path (VTK reads the whole file), the tests' oracle. The coordinator then merges the train runs' statistics (in run order, so
+compact contiguous parts; on several workers an RCB's subtrees and a merge as tasks of their own); a task
+per column that writes it into the run's group in scratch; and a last task that moves the run into
+``runs/<id>`` in one rename. One huge run thus uses every worker. Memory per worker is set by
+``--memory-limit``, not by the run's size. ``reader="vtk"`` keeps the earlier in-memory path (VTK reads the
+whole file), the tests' oracle. The coordinator then merges the train runs' statistics (in run order, so
 1 or N workers give identical stores), records splits, fields and references, and marks the store
 complete last. A rerun resumes: published runs are kept, the rest are redone.
 """

@@ -14,12 +14,16 @@ keeps every worker busy.
    (``partition.rcb_streaming``; morton/slab: ``partition.key_order_streaming``, a sample sort). It leaves
    each row's group (its part; for morton/slab out of core a bucket of about half a block), per block the
    permutation that sorts its rows by group, and for morton/slab the permutation that sorts each run of
-   whole groups by key.
+   whole groups by key. On several workers an out-of-core RCB stops after its first levels: then
+   ``partition_subtree`` (one task per subtree, in parallel) partitions each subtree's rows and
+   ``merge_subtrees`` puts every row's part back in file order.
 3. ``write_column`` (one task per column: coordinates, each field, ...): rows copied group by group into a
-   reordered column file (morton/slab: then sorted by key a window at a time, in place), then written into
-   the store's array in whole chunks with statistics merged block by block (the coordinates task also
-   finds the part boxes when the sample sort could not). Every stage can run again (a cluster reruns the tasks of a lost worker): inputs are
-   removed only when the run is published.
+   reordered column file (morton/slab: then sorted by key a window at a time, in place; a small location
+   all in memory), then written into the store's array in whole chunks with statistics merged block by
+   block (the coordinates task also finds the part boxes after a sample sort).
+
+Every stage can run again (a cluster reruns the tasks of a lost worker): inputs are removed only when the
+run is published.
 
 Peak memory per task is set by ``block_cells`` (the ingest derives it from ``--memory-limit``), not by the
 run. The in-memory path (``vtk_io.read_cells``, VTK's filters, ``partition()``) stays as the tests' oracle.

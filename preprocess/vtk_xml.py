@@ -231,7 +231,7 @@ class VtkXmlFile:
                                                                        else "u4"))
         self.compressor = vtk.attrs.get("compressor") or None
         self._app_encoding = app_encoding
-        self._block_tables: dict[tuple[int, str], tuple] = {}  # per compressed array: its block table
+        self._block_tables: dict[tuple[int, str], _BlockTable] = {}  # per compressed array
         body = vtk.find(self.kind)
         pieces = [p for p in (body.children if body else []) if p.name == "Piece"]
         if not pieces:
@@ -465,31 +465,32 @@ class VtkXmlFile:
             self._check_rows(a, total_rows, hi)
             data = stream.body(hs, lo * row, (hi - lo) * row, together=True)
         else:
-            bsize, usizes, coff, header_bytes = self._block_table(a, stream)
-            nbytes = int(usizes.sum())
-            total_rows = nbytes // row if row else 0
+            table = self._block_table(a, stream)
+            total_rows = table.nbytes // row if row else 0
             hi = total_rows if hi is None else hi
             self._check_rows(a, total_rows, hi)
             b0, b1 = lo * row, hi * row
             if b1 <= b0:
                 return np.zeros(0, a.dtype)
+            bsize = table.bsize
             k0, k1 = b0 // bsize, (b1 - 1) // bsize
+            coff = table.offsets(stream, k0, k1)  # compressed offsets of blocks k0 .. k1 + 1
             decomp = _decompressor(self.compressor, self.path)
             together = None
             if a.encoding == "raw":  # the blocks lie back to back: one read for all of them
-                together = stream.body(header_bytes, int(coff[k0]), int(coff[k1 + 1] - coff[k0]), together=True)
+                together = stream.body(table.header_bytes, int(coff[0]), int(coff[-1] - coff[0]), together=True)
             parts = []
             for k in range(k0, k1 + 1):
-                size = int(coff[k + 1] - coff[k])
+                at, size = int(coff[k - k0]), int(coff[k - k0 + 1] - coff[k - k0])
                 if together is None:
-                    raw = stream.body(header_bytes, int(coff[k]), size, together=False)
+                    raw = stream.body(table.header_bytes, at, size, together=False)
                 else:
-                    at = int(coff[k] - coff[k0])
-                    raw = together[at:at + size]
-                block = decomp(raw, int(usizes[k]))
-                if len(block) != usizes[k]:
+                    raw = together[at - int(coff[0]):at - int(coff[0]) + size]
+                want = table.usize(k)
+                block = decomp(raw, want)
+                if len(block) != want:
                     raise IngestError(f"{self.path}: DataArray {a.name!r}: block {k} decompresses to {len(block)} "
-                                      f"bytes, its header says {usizes[k]}: a corrupt file")
+                                      f"bytes, its header says {want}: a corrupt file")
                 s = b0 - k * bsize if k == k0 else 0
                 e = b1 - k * bsize if k == k1 else len(block)
                 parts.append(block[s:e])
@@ -499,20 +500,10 @@ class VtkXmlFile:
                               f"a corrupt or truncated file")
         return np.frombuffer(bytearray(data), a.dtype)  # writable, like VTK's arrays
 
-    def _block_table(self, a: ArrayInfo, stream) -> tuple:
-        """(block size, uncompressed size of each block, compressed offsets (nblocks + 1,), header bytes) of
-        a compressed array, parsed once (its header grows with the array: 8 bytes per 32 KiB block)."""
+    def _block_table(self, a: ArrayInfo, stream) -> "_BlockTable":
         key = (a.start, a.encoding)
         if key not in self._block_tables:
-            hs = self.header.itemsize
-            nblocks = int(np.frombuffer(stream.head(hs), self.header)[0])
-            head = np.frombuffer(stream.head(hs * (3 + nblocks)), self.header).astype(np.int64)
-            bsize, last = int(head[1]), int(head[2])
-            usizes = np.full(nblocks, bsize, dtype=np.int64)
-            if nblocks and last:
-                usizes[-1] = last
-            coff = np.concatenate([[0], np.cumsum(head[3:])])
-            self._block_tables[key] = (bsize, usizes, coff, hs * (3 + nblocks))
+            self._block_tables[key] = _BlockTable(stream, self.header, self.path)
         return self._block_tables[key]
 
     def _check_rows(self, a: ArrayInfo, total_rows: int, hi: int) -> None:
@@ -523,6 +514,47 @@ class VtkXmlFile:
             raise IngestError(f"{self.path}: DataArray {a.name!r} has {total_rows} rows, {hi} asked for")
 
 
+class _BlockTable:
+    """Where the blocks of a compressed array lie. Its header (block count, block size, size of a partial last
+    block, then every block's compressed size) grows with the array, 8 bytes per 32 KiB block, so it stays
+    on disk: read once in slices to keep the offset of every ``STRIDE``-th block, then re-read around the
+    blocks a read needs."""
+
+    STRIDE = 1024
+    CHUNK = 1 << 16  # header entries read at a time
+
+    def __init__(self, stream, header: np.dtype, path: Path):
+        self.hs, self.header = header.itemsize, header
+        nblocks, bsize, last = (int(v) for v in np.frombuffer(stream.head(3 * self.hs), header))
+        if nblocks and bsize <= 0:
+            raise IngestError(f"{path}: a compressed DataArray with block size {bsize}: a corrupt file")
+        self.nblocks, self.bsize, self.last = nblocks, bsize, last
+        self.header_bytes = self.hs * (3 + nblocks)
+        self.nbytes = bsize * nblocks - (bsize - last if nblocks and last else 0)
+        coarse, total = [0], 0
+        for c0 in range(0, nblocks, self.CHUNK):  # CHUNK is a multiple of STRIDE
+            sizes = self._sizes(stream, c0, min(c0 + self.CHUNK, nblocks))
+            ends = total + np.cumsum(sizes)
+            coarse += ends[self.STRIDE - 1::self.STRIDE].tolist()
+            total = int(ends[-1])
+        self.coarse = np.asarray(coarse[:nblocks // self.STRIDE + 1], dtype=np.int64)
+
+    def _sizes(self, stream, k0: int, k1: int) -> np.ndarray:
+        raw = stream.header(self.hs * (3 + k0), self.hs * (k1 - k0))
+        return np.frombuffer(raw, self.header).astype(np.int64)
+
+    def usize(self, k: int) -> int:
+        """Uncompressed bytes of block k."""
+        return self.last if k == self.nblocks - 1 and self.last else self.bsize
+
+    def offsets(self, stream, k0: int, k1: int) -> np.ndarray:
+        """Compressed offsets of blocks k0 .. k1 + 1 (k1 - k0 + 2 values, the last one the end of block k1)."""
+        c = k0 // self.STRIDE
+        sizes = self._sizes(stream, c * self.STRIDE, k1 + 1)
+        ends = np.concatenate([[0], np.cumsum(sizes)]) + self.coarse[c]
+        return ends[k0 - c * self.STRIDE:]
+
+
 class _Raw:
     """Appended raw bytes from ``start``."""
 
@@ -531,6 +563,13 @@ class _Raw:
 
     def head(self, n: int) -> bytes:
         b = self.src.read(self.start, n)
+        if len(b) < n:
+            raise IngestError(f"{self.src.path}: corrupt or truncated VTK file: it ends inside a DataArray header")
+        return b
+
+    def header(self, at: int, n: int) -> bytes:
+        """Bytes [at, at + n) of the array's header."""
+        b = self.src.read(self.start + at, n)
         if len(b) < n:
             raise IngestError(f"{self.src.path}: corrupt or truncated VTK file: it ends inside a DataArray header")
         return b
@@ -558,6 +597,14 @@ class _Base64:
     def head(self, n: int) -> bytes:
         chars = 4 * ((n + 2) // 3)
         return base64.b64decode(self._chars(self.start, chars))[:n]
+
+    def header(self, at: int, n: int) -> bytes:
+        """Bytes [at, at + n) of a header encoded on its own (compressed data), decoding only their groups."""
+        g0, g1 = at // 3, (at + n + 2) // 3
+        dec = base64.b64decode(self._chars(self.start + 4 * g0, 4 * (g1 - g0)))
+        if len(dec) < at - 3 * g0 + n:
+            raise IngestError(f"{self.path}: corrupt or truncated VTK file: it ends inside a DataArray header")
+        return dec[at - 3 * g0:at - 3 * g0 + n]
 
     def body(self, header_bytes: int, offset: int, n: int, together: bool) -> bytes:
         if n <= 0:
