@@ -154,22 +154,24 @@ def run_graph(run_dir: Path, run_id: str, store: Path, opts: MeshOptions):
     block_cells = block_cells_for(opts.memory_limit)
     # names fixed here, in the graph: a stage that a cluster reruns (its worker died) reuses them
     token = uuid.uuid4().hex[:8]
-    start = stage(_start_run, run_id, opts, str(run_dir), run_id, str(store), token, opts)
+    # the options as one graph node: dask would otherwise walk the dataclass in every task's arguments
+    o = dask.delayed(opts, name=f"options-{run_id}-{token}", traverse=False)
+    start = stage(_start_run, run_id, o, str(run_dir), run_id, str(store), token, o)
     locations = []
     for loc in opts.locations:
         pieces = scan_tasks_for(_raw_size(files[loc]), opts.task_bytes)
         tag = f"{run_id}-{loc}-{uuid.uuid4().hex[:8]}"
-        scans = [stage(_scan, run_id, opts, start, files[loc], loc, tag, i, pieces, block_cells, run_id, opts)
+        scans = [stage(_scan, run_id, o, start, files[loc], loc, tag, i, pieces, block_cells, run_id, o)
                  for i in range(pieces)]
         depth = split_depth(pieces, opts)
-        plan = stage(_partition, run_id, opts, start, scans, files[loc], loc, tag, block_cells, depth, opts)
+        plan = stage(_partition, run_id, o, start, scans, files[loc], loc, tag, block_cells, depth, o)
         planned = [plan]
         if depth:  # the RCB's subtrees as tasks of their own (when the partition task finds it out of core)
-            subtrees = [stage(_subtree, run_id, opts, plan, j, opts) for j in range(1 << depth)]
-            planned += subtrees + [stage(_merge, run_id, opts, start, plan, subtrees, tag, opts)]
-        columns = [stage(_column, run_id, opts, planned[-1], key, opts) for key in column_keys(loc)]
+            subtrees = [stage(_subtree, run_id, o, plan, j, o) for j in range(1 << depth)]
+            planned += subtrees + [stage(_merge, run_id, o, start, plan, subtrees, tag, o)]
+        columns = [stage(_column, run_id, o, planned[-1], key, o) for key in column_keys(loc)]
         locations.append((loc, tag, scans, planned, columns))
-    return dask.delayed(_finish_run, pure=False)(run_id, str(store), opts, start, locations)
+    return dask.delayed(_finish_run, pure=False)(run_id, str(store), o, start, locations)
 
 
 def split_depth(pieces: int, opts: MeshOptions) -> int:
