@@ -237,16 +237,15 @@ def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, s
                 plan[name] = str(arr.path)
                 return arr
 
-            group_of, perm = scratch_array("group_of", np.uint32), scratch_array("perm", np.uint32)
-            plan["inner"], windows = None, None  # rcb: rows keep file order within a part; else sorted by key
-            if rows <= IN_MEMORY_BLOCKS * block_cells:  # fits the budget: partition() in memory
+            group_of = scratch_array("group_of", np.uint32)
+            plan["perm"], plan["inner"], windows = None, None, None  # inner: morton/slab sort within groups
+            if rows <= IN_MEMORY_BLOCKS * block_cells:  # fits the budget: partition() in memory (the column
+                # tasks then sort each column by group_of in memory: no per-block permutation)
                 p = partition(coords.read(0, rows), opts.parts, opts.method)
                 offsets, groups, boxes = p.offsets, p.offsets, p.boxes
                 part = np.empty(rows, np.uint32)
                 part[p.order] = np.repeat(np.arange(opts.parts, dtype=np.uint32), np.diff(offsets))
                 group_of.write(0, part)
-                for lo, hi in coords.blocks(block_cells):
-                    group_perm(part[lo:hi], perm, lo, opts.parts)
                 if opts.method != "rcb":  # one window: where each sorted row is once grouped by part
                     grouped_at = np.empty(rows, np.int64)
                     grouped_at[np.argsort(part, kind="stable")] = np.arange(rows)
@@ -254,6 +253,7 @@ def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, s
                     windows = np.array([0, rows], np.int64)
                 del p, part
             elif opts.method == "rcb":  # out of core: the same parts
+                perm = scratch_array("perm", np.uint32)
                 nodes = 1 << split_depth if 0 < split_depth < opts.parts.bit_length() - 1 else opts.parts
                 offsets, boxes = rcb_streaming(coords, nodes, block_cells, group_of)
                 groups = offsets
@@ -266,6 +266,7 @@ def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, s
                     plan.update(subtrees=offsets, subtree_parts=opts.parts // nodes)
                     offsets = boxes = None  # merge_subtrees writes them
             else:  # out of core: the same order, by a sample sort; the coords task finds the boxes
+                perm = scratch_array("perm", np.uint32)
                 k = key_order_streaming(coords, opts.parts, opts.method, block_cells,
                                         scratch_array("keys", np.uint64, keep=False), group_of, perm,
                                         scratch_array("sorted-keys", np.uint64, keep=False),
@@ -364,9 +365,8 @@ def write_column(plan: dict, key: str, opts) -> dict:
     with contextlib.ExitStack() as stack:
         col = JoinedColumns.open(plan["columns"][key])
         stack.callback(col.close)  # the scan files stay until the run is published: a rerun reads them again
-        group_of, perm = ScratchArray.open(plan["group_of"], np.uint32), ScratchArray.open(plan["perm"], np.uint32)
+        group_of = ScratchArray.open(plan["group_of"], np.uint32)
         stack.callback(group_of.close, False)
-        stack.callback(perm.close, False)
         inner = ScratchArray.open(plan["inner"], np.uint32) if plan["inner"] else None
         if inner is not None:
             stack.callback(inner.close, False)
@@ -378,8 +378,10 @@ def write_column(plan: dict, key: str, opts) -> dict:
             for a, b in windows:
                 reordered[a:b] = reordered[a:b][inner.read(int(a), int(b))]
         else:  # parts (or buckets) together a block at a time, then sorted by key within windows, in place
-            reordered = ScratchArray(Path(plan["perm"]).with_name(Path(plan["perm"]).stem + f".sorted-"
-                                                                  f"{key.replace('/', '-')}"), rows, col.dtype,
+            perm = ScratchArray.open(plan["perm"], np.uint32)
+            stack.callback(perm.close, False)
+            at = Path(plan["group_of"])
+            reordered = ScratchArray(at.with_name(at.stem + f".sorted-{key.replace('/', '-')}"), rows, col.dtype,
                                      col.tail)
             stack.callback(reordered.close)
             group_rows(col, group_of, perm, plan["groups"], reordered, block_cells)

@@ -9,6 +9,12 @@ from pathlib import Path
 import numpy as np
 
 
+def row_blocks(n: int, rows: int):
+    """(lo, hi) ranges of at most ``rows`` rows covering ``n`` rows."""
+    for lo in range(0, n, max(1, rows)):
+        yield lo, min(lo + rows, n)
+
+
 class ScratchArray:
     """An (n, *tail) array of ``dtype`` in the file ``path`` (created empty of size n rows)."""
 
@@ -53,8 +59,7 @@ class ScratchArray:
 
     def blocks(self, rows: int):
         """(lo, hi) row ranges of at most ``rows`` rows covering the array."""
-        for lo in range(0, self.n, max(1, rows)):
-            yield lo, min(lo + rows, self.n)
+        return row_blocks(self.n, rows)
 
     def close(self, remove: bool = True) -> None:
         if self._fd is not None:
@@ -107,8 +112,7 @@ class JoinedColumns:
 
     def blocks(self, rows: int):
         """(lo, hi) row ranges of at most ``rows`` rows covering all stretches together."""
-        for lo in range(0, self.n, max(1, rows)):
-            yield lo, min(lo + rows, self.n)
+        return row_blocks(self.n, rows)
 
     def close(self, remove: bool = False) -> None:
         for p in self.parts:
@@ -133,5 +137,4 @@ class RowRange:
         self.base.write(self.lo + lo, values)
 
     def blocks(self, rows: int):
-        for lo in range(0, self.n, max(1, rows)):
-            yield lo, min(lo + rows, self.n)
+        return row_blocks(self.n, rows)
