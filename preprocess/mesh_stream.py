@@ -237,23 +237,15 @@ def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, s
                 plan[name] = str(arr.path)
                 return arr
 
-            group_of = scratch_array("group_of", np.uint32)
-            plan["perm"], plan["inner"], windows = None, None, None  # inner: morton/slab sort within groups
-            if rows <= IN_MEMORY_BLOCKS * block_cells:  # fits the budget: partition() in memory (the column
-                # tasks then sort each column by group_of in memory: no per-block permutation)
+            plan["group_of"], plan["perm"], plan["inner"], windows = None, None, None, None
+            if rows <= IN_MEMORY_BLOCKS * block_cells:  # fits the budget: partition() in memory, and each
+                # column task takes its rows in the partition's order in memory (one permutation for all)
                 p = partition(coords.read(0, rows), opts.parts, opts.method)
                 offsets, groups, boxes = p.offsets, p.offsets, p.boxes
-                part = np.empty(rows, np.uint32)
-                part[p.order] = np.repeat(np.arange(opts.parts, dtype=np.uint32), np.diff(offsets))
-                group_of.write(0, part)
-                if opts.method != "rcb":  # one window: where each sorted row is once grouped by part
-                    grouped_at = np.empty(rows, np.int64)
-                    grouped_at[np.argsort(part, kind="stable")] = np.arange(rows)
-                    scratch_array("inner", np.uint32).write(0, grouped_at[p.order])
-                    windows = np.array([0, rows], np.int64)
-                del p, part
+                scratch_array("take", np.uint32).write(0, p.order.astype(np.uint32))
+                del p
             elif opts.method == "rcb":  # out of core: the same parts
-                perm = scratch_array("perm", np.uint32)
+                group_of, perm = scratch_array("group_of", np.uint32), scratch_array("perm", np.uint32)
                 nodes = 1 << split_depth if 0 < split_depth < opts.parts.bit_length() - 1 else opts.parts
                 offsets, boxes = rcb_streaming(coords, nodes, block_cells, group_of)
                 groups = offsets
@@ -265,8 +257,9 @@ def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, s
                     scratch_array("subtree-parts", np.uint32)
                     plan.update(subtrees=offsets, subtree_parts=opts.parts // nodes)
                     offsets = boxes = None  # merge_subtrees writes them
-            else:  # out of core: the same order, by a sample sort; the coords task finds the boxes
-                perm = scratch_array("perm", np.uint32)
+            else:  # out of core: the same order, by a sample sort (inner: the sort within its windows); the
+                # coords task finds the boxes
+                group_of, perm = scratch_array("group_of", np.uint32), scratch_array("perm", np.uint32)
                 k = key_order_streaming(coords, opts.parts, opts.method, block_cells,
                                         scratch_array("keys", np.uint64, keep=False), group_of, perm,
                                         scratch_array("sorted-keys", np.uint64, keep=False),
@@ -365,19 +358,17 @@ def write_column(plan: dict, key: str, opts) -> dict:
     with contextlib.ExitStack() as stack:
         col = JoinedColumns.open(plan["columns"][key])
         stack.callback(col.close)  # the scan files stay until the run is published: a rerun reads them again
-        group_of = ScratchArray.open(plan["group_of"], np.uint32)
-        stack.callback(group_of.close, False)
-        inner = ScratchArray.open(plan["inner"], np.uint32) if plan["inner"] else None
-        if inner is not None:
-            stack.callback(inner.close, False)
-        windows = list(zip(plan["windows"][:-1], plan["windows"][1:])) if inner is not None else []
-        if rows <= IN_MEMORY_BLOCKS * block_cells:  # small: reordered in memory, no scratch copy
-            groups = group_of.read(0, rows)
-            reordered = col.read(0, rows)[np.argsort(groups.astype(np.uint16) if len(plan["groups"]) - 1 <= 1 << 16
-                                                     else groups, kind="stable")]  # groups, file order within
-            for a, b in windows:
-                reordered[a:b] = reordered[a:b][inner.read(int(a), int(b))]
+        if plan.get("take"):  # small: reordered in memory by the partition's order, no scratch copy
+            take = ScratchArray.open(plan["take"], np.uint32)
+            stack.callback(take.close, False)
+            reordered = col.read(0, rows)[take.read(0, rows)]
         else:  # parts (or buckets) together a block at a time, then sorted by key within windows, in place
+            group_of = ScratchArray.open(plan["group_of"], np.uint32)
+            stack.callback(group_of.close, False)
+            inner = ScratchArray.open(plan["inner"], np.uint32) if plan["inner"] else None
+            if inner is not None:
+                stack.callback(inner.close, False)
+            windows = list(zip(plan["windows"][:-1], plan["windows"][1:])) if inner is not None else []
             perm = ScratchArray.open(plan["perm"], np.uint32)
             stack.callback(perm.close, False)
             at = Path(plan["group_of"])
@@ -487,6 +478,8 @@ def _points_of(f: VtkXmlFile, conn: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     if span <= 8 * len(conn):  # ids in a compact range (the usual numbering): a mask, no sort
         mask = np.zeros(span, dtype=bool)
         mask[conn - first] = True
+        if mask.all():  # every point of the range used (a block of a compactly numbered mesh): one stretch
+            return f.points(first, first + span), conn - first
         used = np.flatnonzero(mask) + first
         local = (np.cumsum(mask) - 1)[conn - first]
     else:
