@@ -40,7 +40,7 @@ from .errors import IngestError
 from .mesh_geometry import cell_centres, polygon_normals_areas
 from .parallel import count_cells
 from .partition import group_perm, group_rows, key_order_streaming, partition, rcb_streaming
-from .scratch import JoinedColumns, RowRange, ScratchArray
+from .scratch import CellIds, JoinedColumns, RowRange, ScratchArray
 from .stats import RunningStats
 from .store_writer import chunk_options, chunk_rows, write_array
 from .vtk_xml import VtkXmlFile
@@ -132,7 +132,10 @@ def scan_cells(path: Path, shown_as: Path, loc: str, specs, opts, run_id: str, s
 
         geometry = ["coords"] + (["normals", "areas"] if loc == "surface" else [])
         column("coords", np.float32, (3,))
-        column("order", np.int64)
+        if keep is not None:
+            column("order", np.int64)  # the kept cells' ids
+        else:
+            files["order"] = None  # all cells in file order: their ids need no file (CellIds)
         if loc == "surface":
             column("normals", np.float32, (3,))
             column("areas", np.float32)
@@ -186,8 +189,8 @@ def scan_cells(path: Path, shown_as: Path, loc: str, specs, opts, run_id: str, s
                     cp[1] += float(np.dot(ours, ours))
             if pick is not None:
                 block = {k: v[pick] for k, v in block.items()}
-            for k, v in block.items():
-                cols[k].write(out, v)
+            for k, col in cols.items():
+                col.write(out, block[k])
             out += len(block["order"])
             count_cells(c1 - c0)
         on_error.pop_all()
@@ -356,7 +359,8 @@ def write_column(plan: dict, key: str, opts) -> dict:
 
     rows, block_cells = plan["rows"], plan["block_cells"]
     with contextlib.ExitStack() as stack:
-        col = JoinedColumns.open(plan["columns"][key])
+        files = plan["columns"][key]
+        col = CellIds(rows) if files[0] is None else JoinedColumns.open(files)
         stack.callback(col.close)  # the scan files stay until the run is published: a rerun reads them again
         if plan.get("take"):  # small: reordered in memory by the partition's order, no scratch copy
             take = ScratchArray.open(plan["take"], np.uint32)
@@ -430,9 +434,10 @@ class _PartBoxes:
 
 
 def remove_files(files) -> None:
-    """Delete scratch column files (``(path, dtype, tail)`` entries or paths), ignoring missing ones."""
+    """Delete scratch column files (``(path, dtype, tail)`` entries or paths; None: no file), ignoring missing ones."""
     for f in files:
-        Path(f[0] if isinstance(f, (tuple, list)) else f).unlink(missing_ok=True)
+        if f is not None:
+            Path(f[0] if isinstance(f, (tuple, list)) else f).unlink(missing_ok=True)
 
 
 def _check_mesh(f: VtkXmlFile, loc: str, name) -> str:

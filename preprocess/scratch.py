@@ -119,6 +119,28 @@ class JoinedColumns:
             p.close(remove)
 
 
+class CellIds:
+    """The column of cell ids 0..n-1 read like a scratch array (a location kept whole needs no file for it)."""
+
+    dtype, tail, row_bytes = np.dtype(np.int64), (), 8
+
+    def __init__(self, n: int):
+        self.n = int(n)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.n,)
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        return np.arange(lo, hi, dtype=np.int64)
+
+    def blocks(self, rows: int):
+        return row_blocks(self.n, rows)
+
+    def close(self, remove: bool = False) -> None:
+        pass
+
+
 class RowRange:
     """Rows ``[lo, hi)`` of a scratch array, read and written as an array of their own (a subtree's rows)."""
 
