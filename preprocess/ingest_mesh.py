@@ -169,7 +169,7 @@ def run_graph(run_dir: Path, run_id: str, store: Path, opts: MeshOptions):
         if depth:  # the RCB's subtrees as tasks of their own (when the partition task finds it out of core)
             subtrees = [stage(_subtree, run_id, o, plan, j, o) for j in range(1 << depth)]
             planned += subtrees + [stage(_merge, run_id, o, start, plan, subtrees, tag, o)]
-        columns = [stage(_column, run_id, o, planned[-1], key, o) for key in column_keys(loc)]
+        columns = [stage(_column, run_id, o, planned[-1], key, loc, o) for key in column_keys(loc)]
         locations.append((loc, tag, scans, planned, columns))
     return dask.delayed(_finish_run, pure=False)(run_id, str(store), o, start, locations)
 
@@ -266,7 +266,7 @@ def _files(run_dir: Path, run_id: str) -> dict[str, Path]:
 def _scan(start: dict, path: Path, loc: str, tag: str, piece: int, pieces: int, block_cells: int,
           run_id: str, opts: MeshOptions) -> dict:
     return scan_cells(path, path, loc, FIELDS[loc], opts, run_id, Path(start["out"]["columns"]), tag, piece,
-                      pieces, _CP_CHECK if loc == "surface" else None, block_cells)
+                      pieces, block_cells)
 
 
 def _partition(start: dict, scans: list, path: Path, loc: str, tag: str, block_cells: int, depth: int,
@@ -283,8 +283,10 @@ def _merge(start: dict, plan: dict, subtrees: list, tag: str, opts: MeshOptions)
     return merge_subtrees(plan["out"], [s["out"] for s in subtrees], Path(start["out"]["columns"]), tag, opts)
 
 
-def _column(plan: dict, key: str, opts: MeshOptions) -> dict:
-    return write_column(plan["out"], key, opts)
+def _column(plan: dict, key: str, loc: str, opts: MeshOptions) -> dict:
+    field = next((s for s in FIELDS[loc] if key == f"field/{s.name}"), None)
+    return write_column(plan["out"], key, opts, field, _CP_CHECK if loc == "surface" and field is not None
+                        and field.name == "Cp" else None)
 
 
 def _finish_run(run_id: str, store: str, opts: MeshOptions, start: dict, locations: list) -> dict:
@@ -313,7 +315,8 @@ def _publish_run(run_id: str, store: str, start: dict, locations: list, stages: 
         cells[loc], raw_bytes = p["rows"], raw_bytes + p["raw_bytes"]
         warnings += p["warnings"]
         for c in columns:
-            stats.update({f"{loc}/{k}": v for k, v in c["out"].items()})
+            stats.update({f"{loc}/{k}": v for k, v in c["out"]["stats"].items()})
+            warnings += c["out"]["warnings"]
         for key in column_keys(loc) + ["part_boxes"]:  # every column written, in full, before it is published
             try:  # opened by its path: one metadata read
                 rows = zarr.open_array(str(Path(begun["folder"]) / loc / key.replace("field/", "fields/")),

@@ -3,13 +3,13 @@ memory: the ingest's default path, in three stages that run as separate dask tas
 keeps every worker busy.
 
 1. ``scan_cells`` (one task per stretch of cells; a file larger than ``--task-bytes`` gets several):
-   blocks of cells: read that stretch of the connectivity, the points it refers to and the needed cell
-   arrays (``vtk_xml``), compute centres (and surface normals and areas, ``mesh_geometry``), make the
-   fields dimensionless, check them, and append every row to column files on scratch disk.
-   ``--volume-points K`` keeps the same K cells as the in-memory path (one seeded draw) and skips blocks
-   holding none of them.
-2. ``partition_location`` (one task): the checks over all stretches (the first bad cell is named), then the
-   partition from the coordinate column: ``partition()`` in memory when the location has at most
+   blocks of cells: read that stretch of the connectivity and the points it refers to (``vtk_xml``),
+   compute centres (and surface normals and areas, ``mesh_geometry``), check them, and append every row
+   to column files on scratch disk. The fields are not read here (their column tasks read them).
+   ``--volume-points K`` keeps the same K cells as the in-memory path (one seeded draw), skips blocks
+   holding none of them and writes the kept cells' ids.
+2. ``partition_location`` (one task): the geometry checks over all stretches (the first bad cell is
+   named), then the partition from the coordinate column: ``partition()`` in memory when the location has at most
    ``IN_MEMORY_BLOCKS`` blocks of rows, else out of core with the same parts and order
    (``partition.rcb_streaming``; morton/slab: ``partition.key_order_streaming``, a sample sort). It leaves
    each row's group (its part; for morton/slab out of core a bucket of about half a block), per block the
@@ -17,9 +17,10 @@ keeps every worker busy.
    whole groups by key. On several workers an out-of-core RCB stops after its first levels: then
    ``partition_subtree`` (one task per subtree, in parallel) partitions each subtree's rows and
    ``merge_subtrees`` puts every row's part back in file order.
-3. ``write_column`` (one task per column: coordinates, each field, ...): rows copied group by group into a
-   reordered column file (morton/slab: then sorted by key a window at a time, in place; a small location
-   all in memory), then written into the store's array in whole chunks with statistics merged block by
+3. ``write_column`` (one task per column: coordinates, each field, ...; a field read from the raw file
+   here, made dimensionless and checked, ``FieldColumn``, so no field passes through scratch disk): rows
+   copied group by group into a reordered column file (morton/slab: then sorted by key a window at a
+   time, in place; a small location all in memory), then written into the store's array in whole chunks with statistics merged block by
    block (the coordinates task also finds the part boxes after a sample sort).
 
 Every stage can run again (a cluster reruns the tasks of a lost worker): inputs are removed only when the
@@ -40,7 +41,7 @@ from .errors import IngestError
 from .mesh_geometry import cell_centres, polygon_normals_areas
 from .parallel import count_cells
 from .partition import group_perm, group_rows, key_order_streaming, partition, rcb_streaming
-from .scratch import CellIds, JoinedColumns, RowRange, ScratchArray
+from .scratch import CellIds, JoinedColumns, RowRange, ScratchArray, row_blocks
 from .stats import RunningStats
 from .store_writer import chunk_options, chunk_rows, write_array
 from .vtk_xml import VtkXmlFile
@@ -65,12 +66,14 @@ class _BadRows:
     def __init__(self, what: str):
         self.what, self.count, self.first, self.total = what, 0, None, 0
 
-    def add(self, values: np.ndarray, first_row: int) -> None:
+    def add(self, values: np.ndarray, first_row: int, ids: np.ndarray | None = None) -> None:
+        """Rows of cells ``first_row, first_row + 1, ...`` (or of the cells ``ids``)."""
         bad = ~np.isfinite(values)
         if bad.any():
             rows = bad.reshape(len(values), -1).any(axis=1)
             if self.first is None:
-                self.first = first_row + int(np.argmax(rows))
+                k = int(np.argmax(rows))
+                self.first = first_row + k if ids is None else int(ids[k])
             self.count += int(rows.sum())
         self.total += len(values)
 
@@ -105,9 +108,10 @@ def _kept_cells(n: int, loc: str, opts, run_id: str):
 
 
 def scan_cells(path: Path, shown_as: Path, loc: str, specs, opts, run_id: str, scratch: Path, tag: str,
-               piece: int, pieces: int, cp_check: str | None, block_cells: int) -> dict:
-    """Stage 1: cells ``[piece*n//pieces, (piece+1)*n//pieces)`` of ``loc`` into column files under
-    ``scratch`` (kept for the later stages); returns where they are and what the checks saw."""
+               piece: int, pieces: int, block_cells: int) -> dict:
+    """Stage 1: the geometry of cells ``[piece*n//pieces, (piece+1)*n//pieces)`` of ``loc`` into column
+    files under ``scratch`` (kept for the later stages); returns where they are and what the checks saw.
+    The fields' arrays are only checked to be there: each field's column task reads its array itself."""
     with VtkXmlFile(path) as f, contextlib.ExitStack() as on_error:
         name = shown_as
         section = _check_mesh(f, loc, name)
@@ -115,7 +119,6 @@ def scan_cells(path: Path, shown_as: Path, loc: str, specs, opts, run_id: str, s
         if n == 0:
             raise IngestError(f"{name}: VTK read no cells; the file is empty, truncated or not a mesh")
         _check_arrays(f, [s.source for s in specs], name)
-        check_cp = cp_check if cp_check and cp_check in f.array_names("cell") else None
         keep = _kept_cells(n, loc, opts, run_id)
         first, end = piece * n // pieces, (piece + 1) * n // pieces
         if keep is not None:
@@ -139,15 +142,8 @@ def scan_cells(path: Path, shown_as: Path, loc: str, specs, opts, run_id: str, s
         if loc == "surface":
             column("normals", np.float32, (3,))
             column("areas", np.float32)
-        for s in specs:
-            column(f"field/{s.name}", np.float32, (s.components,))
-        bad = {s.source: _BadRows(f"{name} array {s.source!r}") for s in specs}
-        bad_scaled = {s.source: _BadRows(f"{name} array {s.source!r} made dimensionless "
-                                         f"(scale {s.scale_offset(opts.reference)[0]:g})") for s in specs}
         bad_geo = {k: _BadRows(f"{name} {k}") for k in geometry}
         nonpositive = 0
-        cp = np.zeros(3)  # dot(theirs, ours), dot(ours, ours), all of theirs finite (1) or not (0)
-        cp[2] = 1.0
         out = 0
         for c0 in range(first, end, block_cells):
             c1 = min(c0 + block_cells, end)
@@ -168,25 +164,8 @@ def scan_cells(path: Path, shown_as: Path, loc: str, specs, opts, run_id: str, s
                 nonpositive += int((areas <= 0).sum())
             block = {k: v.astype(np.float32) for k, v in geo.items()}
             block["order"] = np.arange(c0, c1, dtype=np.int64)
-            for s in specs:
-                values = np.asarray(f.read("cell", s.source, c0, c1), dtype=np.float32).reshape(c1 - c0, -1)
-                if values.shape[1] != s.components:
-                    raise IngestError(f"{name}: array {s.source!r} has {values.shape[1]} components, "
-                                      f"expected {s.components}")
-                bad[s.source].add(values, c0)
-                scale, offset = s.scale_offset(opts.reference)
-                scaled = (values - np.float32(offset)) * np.float32(1.0 / scale)
-                bad_scaled[s.source].add(scaled, c0)
-                block[f"field/{s.name}"] = scaled
             for k in geometry:
                 bad_geo[k].add(block[k], c0)
-            if check_cp:
-                theirs = np.asarray(f.read("cell", check_cp, c0, c1), dtype=np.float64)
-                ours = block["field/Cp"][:, 0]
-                cp[2] *= float(np.isfinite(theirs).all())
-                if cp[2]:
-                    cp[0] += float(np.dot(theirs, ours))
-                    cp[1] += float(np.dot(ours, ours))
             if pick is not None:
                 block = {k: v[pick] for k, v in block.items()}
             for k, col in cols.items():
@@ -196,9 +175,8 @@ def scan_cells(path: Path, shown_as: Path, loc: str, specs, opts, run_id: str, s
         on_error.pop_all()
         for arr in cols.values():
             arr.close(remove=False)
-        return {"rows": rows, "files": files, "bad": bad, "bad_scaled": bad_scaled, "bad_geo": bad_geo,
-                "nonpositive": nonpositive, "cp": cp if check_cp else None, "raw_bytes": f.src.size,
-                "sources": [s.source for s in specs], "geometry": geometry}
+        return {"rows": rows, "files": files, "bad_geo": bad_geo, "nonpositive": nonpositive,
+                "raw_bytes": f.src.size, "geometry": geometry}
 
 
 def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, scratch: Path, tag: str,
@@ -217,19 +195,12 @@ def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, s
         if nonpositive:
             raise IngestError(f"{shown_as}: {nonpositive} surface cells have zero or negative area; the mesh is "
                               f"degenerate")
-        for src in first["sources"]:
-            _BadRows.merged([s["bad"][src] for s in scans]).check()
-            _BadRows.merged([s["bad_scaled"][src] for s in scans]).check()
         for k in first["geometry"]:
             _BadRows.merged([s["bad_geo"][k] for s in scans]).check()
-        warnings = []
-        if first["cp"] is not None:
-            cp = np.sum([s["cp"] for s in scans], axis=0)
-            if all(s["cp"][2] for s in scans) and cp[1] > 0:
-                _warn_cp(cp[0] / cp[1], shown_as, opts, warnings)
         rows = sum(s["rows"] for s in scans)
         plan = {"rows": rows, "columns": columns, "method": opts.method, "block_cells": block_cells,
-                "group": str(Path(group_dir) / loc), "warnings": warnings, "raw_bytes": first["raw_bytes"]}
+                "group": str(Path(group_dir) / loc), "source": str(shown_as), "warnings": [],
+                "raw_bytes": first["raw_bytes"]}
         with contextlib.ExitStack() as stack:
             coords = JoinedColumns.open(columns["coords"])
             stack.callback(coords.close)
@@ -352,15 +323,105 @@ def merge_subtrees(plan: dict, subtrees: list, scratch: Path, tag: str, opts) ->
     return out
 
 
-def write_column(plan: dict, key: str, opts) -> dict:
+class FieldColumn:
+    """A field's rows read from the raw file by its own column task, in cell order and each once: made
+    dimensionless and checked as they pass (NaN/Inf, before and after scaling; the surface's Cp against
+    the file's ``CpMeanTrim``), read like a scratch column. Kept cells of ``--volume-points`` only: their
+    ids come from the ``order`` column, and stretches of cells holding none are not read."""
+
+    def __init__(self, plan: dict, spec, opts, cp_check: str | None = None):
+        self.spec, self.opts, self.name = spec, opts, plan["source"]
+        self.n, self.block = plan["rows"], plan["block_cells"]
+        self.dtype, self.tail = np.dtype(np.float32), (spec.components,)
+        self.row_bytes = 4 * spec.components
+        self.scale, self.offset = spec.scale_offset(opts.reference)
+        self.bad = _BadRows(f"{self.name} array {spec.source!r}")
+        self.bad_scaled = _BadRows(f"{self.name} array {spec.source!r} made dimensionless (scale {self.scale:g})")
+        order = plan["columns"]["order"]
+        self.ids = None if order[0] is None else JoinedColumns.open(order)
+        self.f = VtkXmlFile(plan["source"])
+        self.cp_check = cp_check if cp_check and cp_check in self.f.array_names("cell") else None
+        self.cp = np.array([0.0, 0.0, 1.0])  # dot(theirs, ours), dot(ours, ours), all of theirs finite
+        self.next = 0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.n,) + self.tail
+
+    def blocks(self, rows: int):
+        return row_blocks(self.n, rows)
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        if lo != self.next:
+            raise RuntimeError(f"{self.name}: field rows read out of order ({lo}, expected {self.next})")
+        self.next = hi
+        ids = None if self.ids is None else self.ids.read(lo, hi)
+        c0, c1 = (lo, hi) if ids is None else (int(ids[0]), int(ids[-1]) + 1) if hi > lo else (0, 0)
+        out = []
+        for a in range(c0, c1, self.block):  # a block of cells at a time; with kept ids, only blocks holding some
+            b = min(a + self.block, c1)
+            pick = None
+            if ids is not None:
+                i, j = np.searchsorted(ids, [a, b])
+                if i == j:
+                    continue
+                pick = ids[i:j] - a
+            out.append(self._cells(a, b, pick))
+        if not out:
+            return np.zeros((0,) + self.tail, np.float32)
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def _cells(self, a: int, b: int, pick) -> np.ndarray:
+        s = self.spec
+        values = np.asarray(self.f.read("cell", s.source, a, b), dtype=np.float32).reshape(b - a, -1)
+        if values.shape[1] != s.components:
+            raise IngestError(f"{self.name}: array {s.source!r} has {values.shape[1]} components, expected "
+                              f"{s.components}")
+        ids = None
+        if pick is not None:  # only the kept cells are checked and stored
+            values, ids = values[pick], pick + a
+        self.bad.add(values, a, ids)
+        scaled = (values - np.float32(self.offset)) * np.float32(1.0 / self.scale)
+        self.bad_scaled.add(scaled, a, ids)
+        if self.cp_check:
+            theirs = np.asarray(self.f.read("cell", self.cp_check, a, b), dtype=np.float64)
+            self.cp[2] *= float(np.isfinite(theirs).all())
+            if self.cp[2]:
+                self.cp[0] += float(np.dot(theirs, scaled[:, 0]))
+                self.cp[1] += float(np.dot(scaled[:, 0], scaled[:, 0]))
+        return scaled
+
+    def finish(self) -> list[str]:
+        """After every row went through: the checks (an IngestError naming the first bad cell), then any
+        warning about the reference values."""
+        if self.next != self.n:
+            raise RuntimeError(f"{self.name}: {self.next} of {self.n} field rows read")
+        self.bad.check()
+        self.bad_scaled.check()
+        warnings = []
+        if self.cp_check and self.cp[2] and self.cp[1] > 0:
+            _warn_cp(self.cp[0] / self.cp[1], self.name, self.opts, warnings)
+        return warnings
+
+    def close(self, remove: bool = False) -> None:
+        self.f.close()
+        if self.ids is not None:
+            self.ids.close()
+
+
+def write_column(plan: dict, key: str, opts, field=None, cp_check: str | None = None) -> dict:
     """Stage 3: column ``key`` reordered into its parts and written into the store's array in whole chunks;
-    returns its statistics (none for ``order``)."""
+    returns its statistics (none for ``order``) and any warning. A field (``field``: its FieldSpec) is read
+    from the raw file here (``FieldColumn``), the geometry and kept cell ids from the scan's files."""
     import zarr
 
     rows, block_cells = plan["rows"], plan["block_cells"]
     with contextlib.ExitStack() as stack:
-        files = plan["columns"][key]
-        col = CellIds(rows) if files[0] is None else JoinedColumns.open(files)
+        if field is not None:
+            col = FieldColumn(plan, field, opts, cp_check)
+        else:
+            files = plan["columns"][key]
+            col = CellIds(rows) if files[0] is None else JoinedColumns.open(files)
         stack.callback(col.close)  # the scan files stay until the run is published: a rerun reads them again
         if plan.get("take"):  # small: reordered in memory by the partition's order, no scratch copy
             take = ScratchArray.open(plan["take"], np.uint32)
@@ -382,6 +443,7 @@ def write_column(plan: dict, key: str, opts) -> dict:
             group_rows(col, group_of, perm, plan["groups"], reordered, block_cells)
             for a, b in windows:
                 reordered.write(int(a), reordered.read(int(a), int(b))[inner.read(int(a), int(b))])
+        warnings = col.finish() if field is not None else []  # all rows read: checked before any is written
         name = key.split("/", 1)[1] if key.startswith("field/") else key
         channels = int(np.prod(col.tail, dtype=np.int64)) if col.tail else 1
         merged = None if key == "order" else RunningStats.empty(channels)
@@ -408,7 +470,7 @@ def write_column(plan: dict, key: str, opts) -> dict:
         if boxes is not None:
             write_array(zarr.open_group(plan["group"], mode="r+"), "part_boxes", boxes.boxes(), opts.chunk_bytes,
                         overwrite=True)  # a rerun too
-        return {name: merged.to_attrs()} if merged is not None else {}
+        return {"stats": {name: merged.to_attrs()} if merged is not None else {}, "warnings": warnings}
 
 
 class _PartBoxes:

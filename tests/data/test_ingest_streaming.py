@@ -228,8 +228,8 @@ def test_a_column_task_that_wrote_nothing_is_never_published(raw, tmp_path, monk
     column missing and the run fails by name, or is skipped; it is never published without it."""
     real = ingest_mesh._column
 
-    def lost(plan, key, opts):
-        return {} if key == "field/Cf" else real(plan, key, opts)
+    def lost(plan, key, loc, opts):
+        return {"stats": {}, "warnings": []} if key == "field/Cf" else real(plan, key, loc, opts)
 
     monkeypatch.setattr(ingest_mesh, "_column", lost)
     opts = {**OPTS, "on_error": on_error, "split": (1.0, 0.0, 0.0)}
@@ -240,3 +240,37 @@ def test_a_column_task_that_wrote_nothing_is_never_published(raw, tmp_path, monk
     with pytest.raises(ingest_mesh.IngestError, match="no train run was ingested"):
         ingest_drivaerml(raw, tmp_path / "s.zarr", **opts)
     assert not (tmp_path / "s.zarr" / "runs" / "run_1").exists()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_volume_points_checks_the_kept_cells_and_names_them_by_their_cell(raw, tmp_path, small_blocks, workers):
+    """With --volume-points each field's column task reads only the kept cells from the raw file: NaN in a
+    kept cell fails the run naming that cell of the file; NaN only in dropped cells is never read, and
+    the store (which holds none of them) equals the one from the clean file."""
+    from domainflow.preprocess.ingest_mesh import MeshOptions
+    from domainflow.preprocess.mesh_stream import _kept_cells
+
+    opts = {**OPTS, "volume_points": 700, "workers": workers, "split": (1.0, 0.0, 0.0)}
+    src = tmp_path / "raw"
+    shutil.copytree(raw, src)
+    pieces = sorted((src / "run_1").glob("volume_1.vtu.*.part"))
+    whole = src / "run_1" / "volume_1.vtu"
+    whole.write_bytes(b"".join(p.read_bytes() for p in pieces))
+    for p in pieces:
+        p.unlink()
+    n = pv.read(whole).n_cells
+    kept = _kept_cells(n, "volume", MeshOptions(**{k: v for k, v in opts.items() if k != "split"}), "run_1")
+    dropped = np.setdiff1d(np.arange(n), kept)
+    clean = whole.read_bytes()
+    _nan_cells(whole, [int(dropped[5]), int(dropped[-3])])
+    ingest_drivaerml(src, tmp_path / "dropped.zarr", **opts)
+    whole.write_bytes(clean)
+    ingest_drivaerml(src, tmp_path / "clean.zarr", **opts)
+    a, b = load_store(tmp_path / "dropped.zarr"), load_store(tmp_path / "clean.zarr")
+    assert sorted(a) == sorted(b) and "/runs/run_1/volume/fields/Cp" in a
+    for k in a:
+        if a[k][0] == "array":  # (the attrs differ: the raw files' fingerprints)
+            np.testing.assert_array_equal(a[k][1], b[k][1], err_msg=k)
+    _nan_cells(whole, [int(kept[400]), int(kept[650]), int(dropped[0])])
+    with pytest.raises(ingest_mesh.IngestError, match=rf"volume_1\.vtu.*pMeanTrim.*2 of 700 cells.*cell {kept[400]}\)"):
+        ingest_drivaerml(src, tmp_path / "bad.zarr", **opts)
