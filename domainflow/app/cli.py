@@ -187,7 +187,8 @@ def _add_ingest(sub):
     d.add_argument("--parts", type=int, default=64, help="spatial parts per run, a power of two (default 64)")
     d.add_argument("--partition", choices=("rcb", "morton", "slab"), default="rcb")
     d.add_argument("--locations", default="surface,volume", help="surface,volume (default) or one of them")
-    d.add_argument("--volume-points", type=int, default=None, help="cap volume cells per run (random subset)")
+    d.add_argument("--volume-points", type=int, default=None,
+                   help="cap volume cells per run (a seeded random subset; only these cells are read and checked)")
     d.add_argument("--memory-limit", type=_bytes, default=2 << 30,
                    help="memory per worker, e.g. 2GiB (default): sets the streaming block size")
     d.add_argument("--task-bytes", type=_bytes, default=256 << 20,
