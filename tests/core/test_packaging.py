@@ -250,6 +250,21 @@ def test_core_rooms_import_only_downward():
     assert not wrong, "\n".join(wrong)
 
 
+# Inside the collective layer: base <- p2p <- collectives <- autograd <- indexed, and halo on p2p
+_COMM_BELOW = {"base": set(), "p2p": {"base"}, "collectives": {"base", "p2p"}, "halo": {"base", "p2p"},
+               "autograd": {"base", "p2p", "collectives"}, "indexed": {"base", "p2p", "collectives", "autograd"}}
+
+
+def test_comm_modules_import_only_those_below():
+    """The comm package's modules form a chain, not a circle; only its __init__ gathers them."""
+    files = dict((m.rpartition(".")[2], (path, m)) for path, m in _module_files("domainflow/comm", "domainflow.comm")
+                 if m != "domainflow.comm")
+    assert sorted(files) == sorted(_COMM_BELOW)
+    for name, (path, module) in files.items():
+        used = {t.split(".")[2] for t in _imports(path, module) if t.startswith("domainflow.comm.")}
+        assert used <= _COMM_BELOW[name], (name, used - _COMM_BELOW[name])
+
+
 def test_engine_never_imports_the_rules():
     """The engine runs plans; the rules in ops/ register themselves (the registry is how they meet)."""
     for path, module in _module_files("domainflow/dispatch", "domainflow.dispatch"):

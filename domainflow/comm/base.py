@@ -1,0 +1,154 @@
+"""What every part of the collective layer shares: the pending cross-rank checks, ``stats``, naming a
+failed collective (and, after a timeout, which peers stalled), groups, devices and sizes."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from domainflow.errors import CollectiveError
+from domainflow.layout.spec import mesh_shape
+
+
+# Checks that must run before the next collective (cross-rank layout and parameter checks,
+# domainflow.tensor.consistency). That layer files them here and installs their runner; this layer never
+# imports it. ``pending_checks`` is truthy while one waits, so a collective pays one dict test.
+pending_checks: dict = {}
+_run_checks = None
+
+
+def set_check_runner(run) -> None:
+    """Install ``run(before: str)``, called before a collective while ``pending_checks`` is non-empty."""
+    global _run_checks
+    _run_checks = run
+
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT,
+}
+
+
+class CommStats:
+    """Calls and payload bytes sent per collective kind, on this rank."""
+
+    def __init__(self):
+        self.calls: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += nbytes
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+
+stats = CommStats()
+
+
+def _dim_name(mesh: DeviceMesh, mesh_dim: int) -> str:
+    names = mesh.mesh_dim_names
+    return f"'{names[mesh_dim]}'" if names else str(mesh_dim)
+
+
+@contextlib.contextmanager
+def _named(op: str, mesh: DeviceMesh | None, mesh_dim: int | None, detail: str = ""):
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        where = f" over mesh dim {_dim_name(mesh, mesh_dim)} of mesh {tuple(mesh.shape)}" if mesh is not None else ""
+        timed_out = "imeout" in str(e) or "imed out" in str(e)
+        hint = ("another rank did not enter the same collective (it failed earlier, took another code path, "
+                "or passed a different shape)") if timed_out else "see the cause above"
+        if timed_out:
+            hint += _stall_report(f"{op}{where}", mesh, mesh_dim)
+        raise CollectiveError(f"rank {rank}: {op}{where}{detail} failed: {e}\nLikely cause: {hint}.") from e
+
+
+STALL_WAIT_S = 5.0  # how long a timed-out rank waits to hear which of its peers timed out too
+_STALL_REPORTS = 0
+
+
+def _stall_report(what: str, mesh, mesh_dim) -> str:
+    """After a timeout: which peers are stuck elsewhere and which never reached a collective (the likely
+    culprits: still computing, hung or dead). Each timed-out rank posts where it waits in the job's
+    rendezvous store and reads its peers' posts for a few seconds; costs nothing until a timeout."""
+    import json
+    import time
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        me = dist.get_rank()
+        peers = dim_ranks(mesh, mesh_dim) if mesh is not None else list(range(dist.get_world_size()))
+        hit = _EXCHANGES.get(id(_group(mesh, mesh_dim))) if mesh is not None else None
+        mine = {"op": what, "n": hit[1] + 1 if hit else 0}  # point-to-point ops this rank ran on the group
+        global _STALL_REPORTS
+        key = f"domainflow/stalled/{_STALL_REPORTS}/{{}}"  # the n-th timeout of each rank: a fresh set of keys
+        _STALL_REPORTS += 1
+        store.set(key.format(me), json.dumps(mine))
+        posts, deadline = {}, time.monotonic() + STALL_WAIT_S
+        while time.monotonic() < deadline and len(posts) < len(peers) - 1:
+            for r in peers:
+                if r != me and r not in posts and store.check([key.format(r)]):
+                    posts[r] = json.loads(store.get(key.format(r)))
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001  (a diagnosis must never hide the error itself)
+        return ""
+    silent = [r for r in peers if r != me and r not in posts]
+    elsewhere = {r: post for r, post in posts.items() if post != mine}
+    out = ""
+    if silent:
+        out += (f". Likely culprit: rank(s) {silent}, which had not timed out in a collective {STALL_WAIT_S:g} s "
+                f"after this rank did (stalled in computation or I/O, hung, dead, or finished without this "
+                f"collective)")
+    if elsewhere:
+        out += (". The ranks ran different collectives (e.g. .item() of a pending value on some ranks only): "
+                f"this rank waits in {what} after {mine['n']} point-to-point ops on this mesh dim; " + "; ".join(
+                    f"rank {r} in {post['op']} after {post['n']}" for r, post in elsewhere.items()))
+    return out
+
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def group_size(mesh: DeviceMesh, mesh_dim: int) -> int:
+    return mesh_shape(mesh)[mesh_dim]
+
+
+def _group(mesh: DeviceMesh, mesh_dim: int):
+    return mesh.get_group(mesh_dim)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's tensors for ``mesh`` live on (the current CUDA device under NCCL)."""
+    return _device(mesh)
+
+
+def _device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    mod = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, mod.current_device())
+
+
+def dim_ranks(mesh: DeviceMesh, mesh_dim: int) -> list[int]:
+    """Global ranks along ``mesh_dim`` through this rank, in coordinate order."""
+    return dist.get_process_group_ranks(_group(mesh, mesh_dim)) if dist.is_initialized() else [0]
+
+
+_dim_ranks = dim_ranks
+_EXCHANGES: dict = {}  # id(group) -> (group, exchanges started on it by this rank)

@@ -1,0 +1,150 @@
+"""Point-to-point exchanges along a mesh dim: numbered and tagged so that mismatched ops time out by
+name (never abort or mix bytes), ring shifts, and a source rank's headers and scattered pieces."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from domainflow.layout.spec import mesh_coordinate
+from domainflow.comm import base as _base
+from domainflow.comm.base import (
+    _device, _dim_ranks, _EXCHANGES, _group, group_size, _named, _nbytes, pending_checks, stats)
+
+
+def begin_exchange(mesh: DeviceMesh, mesh_dim: int, what: str = "exchange") -> int:
+    """Start a point-to-point exchange op along a mesh dim; every rank of the dim calls it (also one that then
+    has nothing to trade). Runs the pending cross-rank checks and returns the op's number on its group:
+    every rank of a group runs the same ops in the same order, so the numbers agree, and a rank that runs one
+    the others do not (``loss.item()`` on rank 0 only) gets numbers that no longer match (see :func:`_tag`)."""
+    if pending_checks:
+        _base._run_checks(what)
+    group = _group(mesh, mesh_dim)
+    hit = _EXCHANGES.get(id(group))
+    n = 0 if hit is None or hit[0] is not group else hit[1] + 1
+    _EXCHANGES[id(group)] = (group, n)
+    return n
+
+
+def _tag(seq: int, nbytes: int) -> int:
+    """Point-to-point tag of a message: its exchange's number and its size. Messages of two different
+    exchanges, or of disagreeing sizes, then never meet: they wait and time out with a CollectiveError
+    naming the op, instead of Gloo aborting the process (a message larger than the receive buffer) or
+    filling the buffer with another op's bytes."""
+    return (seq * 1_000_003 + nbytes * 7919) % 0x7FFFFFFF
+
+
+def _exchange(out_pieces: dict, in_shapes: dict, like: torch.Tensor, mesh: DeviceMesh, mesh_dim: int,
+              what: str, seq: int, kind: str | None = "halo", detail: str = "") -> dict:
+    """Send ``out_pieces[k]`` to the k-th rank along ``mesh_dim`` and receive ``in_shapes[k]``-shaped
+    tensors from it, all at once (only with the ranks that have rows to trade: not a collective). ``seq`` is
+    the op's :func:`begin_exchange` number. The bytes sent are counted in ``stats`` under ``kind`` (None: the
+    caller counts them)."""
+    return _exchange_wait(_exchange_start(out_pieces, in_shapes, like, mesh, mesh_dim, what, seq, kind, detail))
+
+
+def _exchange_start(out_pieces: dict, in_shapes: dict, like: torch.Tensor, mesh: DeviceMesh, mesh_dim: int,
+                    what: str, seq: int, kind: str | None = "halo", detail: str = ""):
+    """Post the sends and receives of :func:`_exchange` and return at once; the caller does local work
+    (copying its own rows) while the rows travel, then calls :func:`_exchange_wait`."""
+    ranks = _dim_ranks(mesh, mesh_dim)
+    ops, received = [], {}
+    for k, piece in out_pieces.items():
+        piece = piece.contiguous()
+        if kind is not None:
+            stats.add(kind, _nbytes(piece))
+        ops.append(dist.P2POp(dist.isend, piece, ranks[k], tag=_tag(seq, _nbytes(piece))))
+    for k, shape in in_shapes.items():
+        received[k] = torch.empty(shape, dtype=like.dtype, device=like.device)
+        ops.append(dist.P2POp(dist.irecv, received[k], ranks[k], tag=_tag(seq, _nbytes(received[k]))))
+    detail = f" with ranks {sorted(ranks[k] for k in set(out_pieces) | set(in_shapes))}{detail}"
+    works = []
+    if ops:
+        with _named(what, mesh, mesh_dim, detail):
+            works = dist.batch_isend_irecv(ops)
+    # the ops hold the (possibly temporary, made contiguous) pieces until the sends are waited on
+    return works, received, (what, mesh, mesh_dim, detail), ops
+
+
+def _exchange_wait(pending) -> dict:
+    works, received, (what, mesh, mesh_dim, detail), _ops = pending
+    if works:
+        with _named(what, mesh, mesh_dim, detail):
+            for w in works:
+                w.wait()
+    return received
+
+
+def ring_shift(tensors: Sequence[torch.Tensor], recv_shapes, mesh: DeviceMesh, mesh_dim: int,
+               what: str = "ring exchange") -> list[torch.Tensor]:
+    """Send ``tensors`` to the next rank of the ring along ``mesh_dim`` and receive ``recv_shapes``-shaped
+    tensors (same dtypes) from the previous one (ring attention's K/V blocks). Every rank of the dim calls it."""
+    seq = begin_exchange(mesh, mesh_dim, what)
+    n = group_size(mesh, mesh_dim)
+    me = mesh_coordinate(mesh)[mesh_dim]
+    nxt, prv = (me + 1) % n, (me - 1) % n
+    ranks = _dim_ranks(mesh, mesh_dim)
+    ops, got = [], []
+    for t in tensors:
+        t = t.contiguous()
+        stats.add("ring", _nbytes(t))
+        ops.append(dist.P2POp(dist.isend, t, ranks[nxt], tag=_tag(seq, _nbytes(t))))
+    for shape, ref in zip(recv_shapes, tensors):
+        buf = torch.empty(shape, dtype=ref.dtype, device=ref.device)
+        got.append(buf)
+        ops.append(dist.P2POp(dist.irecv, buf, ranks[prv], tag=_tag(seq, _nbytes(buf))))
+    detail = f" with ranks {sorted({ranks[nxt], ranks[prv]})}"
+    with _named(what, mesh, mesh_dim, detail):
+        works = dist.batch_isend_irecv(ops)
+    _exchange_wait((works, None, (what, mesh, mesh_dim, detail), ops))
+    return got
+
+
+def send_header(header: torch.Tensor | None, length: int, src: int, mesh: DeviceMesh) -> torch.Tensor:
+    """Global rank ``src`` sends a small int64 ``header`` (its length known to all: ``length``) to every other
+    rank of ``mesh``, which receive it: metadata only the source knows (shapes, dtype, sizes)."""
+    ranks = mesh.mesh.flatten().tolist()
+    me = dist.get_rank() if dist.is_initialized() else 0
+    if me == src:
+        ops = [dist.P2POp(dist.isend, header, r) for r in ranks if r != me]
+        with _named("header send", None, None, f" from rank {src} to ranks {ranks}"):
+            for w in dist.batch_isend_irecv(ops) if ops else ():
+                w.wait()
+        return header
+    out = torch.empty(length, dtype=torch.int64, device=_device(mesh))
+    with _named("header receive", None, None, f" from rank {src}"):
+        dist.recv(out, src=src)
+    return out
+
+
+def scatter_pieces(pieces: list[torch.Tensor] | None, recv_shape: Sequence[int], dtype: torch.dtype,
+                   device: torch.device, src: int, mesh: DeviceMesh) -> torch.Tensor:
+    """Global rank ``src`` sends ``pieces[k]`` to the k-th rank of ``mesh`` (row-major); each rank
+    receives only its own piece (point-to-point, not a broadcast of the whole tensor)."""
+    ranks = mesh.mesh.flatten().tolist()
+    me = dist.get_rank() if dist.is_initialized() else 0
+    if pending_checks:
+        _base._run_checks("scatter")
+    if me == src:
+        ops, mine = [], None
+        for k, r in enumerate(ranks):
+            piece = pieces[k].contiguous()
+            if r == me:
+                mine = piece
+            elif piece.numel():
+                stats.add("scatter", _nbytes(piece))
+                ops.append(dist.P2POp(dist.isend, piece, r))
+        with _named("scatter (send)", None, None, f" from rank {src} to ranks {ranks}"):
+            for w in dist.batch_isend_irecv(ops) if ops else ():
+                w.wait()
+        if mine is None:
+            raise ValueError(f"scatter source rank {src} is not in the mesh {ranks}")
+        return mine.clone()  # never alias the caller's full tensor
+    out = torch.empty(tuple(recv_shape), dtype=dtype, device=device)
+    if out.numel():
+        with _named("scatter (receive)", None, None, f" of shape {tuple(recv_shape)} from rank {src}"):
+            dist.recv(out, src=src)
+    return out
