@@ -176,7 +176,7 @@ def scan_cells(path: Path, shown_as: Path, loc: str, specs, opts, run_id: str, s
         for arr in cols.values():
             arr.close(remove=False)
         return {"rows": rows, "files": files, "bad_geo": bad_geo, "nonpositive": nonpositive,
-                "raw_bytes": f.src.size, "geometry": geometry}
+                "raw_bytes": f.src.size, "cell_counts": f.cell_counts(), "geometry": geometry}
 
 
 def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, scratch: Path, tag: str,
@@ -200,7 +200,7 @@ def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, s
         rows = sum(s["rows"] for s in scans)
         plan = {"rows": rows, "columns": columns, "method": opts.method, "block_cells": block_cells,
                 "group": str(Path(group_dir) / loc), "source": str(shown_as), "warnings": [],
-                "raw_bytes": first["raw_bytes"]}
+                "raw_bytes": first["raw_bytes"], "cell_counts": first["cell_counts"]}
         with contextlib.ExitStack() as stack:
             coords = JoinedColumns.open(columns["coords"])
             stack.callback(coords.close)
@@ -339,7 +339,18 @@ class FieldColumn:
         self.bad_scaled = _BadRows(f"{self.name} array {spec.source!r} made dimensionless (scale {self.scale:g})")
         order = plan["columns"]["order"]
         self.ids = None if order[0] is None else JoinedColumns.open(order)
-        self.f = VtkXmlFile(plan["source"])
+        try:
+            self.f = VtkXmlFile(plan["source"])
+            if self.f.src.size != plan["raw_bytes"] or self.f.cell_counts() != plan["cell_counts"]:
+                raise IngestError(f"{self.name} changed while the run was ingested ({self.f.src.size} bytes, cells "
+                                  f"{self.f.cell_counts()}; its scan saw {plan['raw_bytes']} bytes, cells "
+                                  f"{plan['cell_counts']}); rerun the ingest once the file is complete")
+        except BaseException:
+            if self.ids is not None:
+                self.ids.close()
+            if hasattr(self, "f"):
+                self.f.close()
+            raise
         self.cp_check = cp_check if cp_check and cp_check in self.f.array_names("cell") else None
         self.cp = np.array([0.0, 0.0, 1.0])  # dot(theirs, ours), dot(ours, ours), all of theirs finite
         self.next = 0

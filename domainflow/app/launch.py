@@ -89,6 +89,7 @@ def _rank_entry(fn: Callable, *args):
     try:
         return fn(*args)
     except KeyboardInterrupt:
+        _drop_pending_reads_quietly()
         sys.exit(130)
     except (DomainflowError, OSError) as exc:
         folder = os.environ.get(_ERRORS_ENV)
@@ -99,15 +100,20 @@ def _rank_entry(fn: Callable, *args):
         path = Path(folder) / f"rank{record['rank']}.json"
         path.with_suffix(".tmp").write_text(json.dumps(record))
         os.replace(path.with_suffix(".tmp"), path)
-        # zarr reads still in flight on its event loop (a prefetch) are dropped at exit, and asyncio would log
-        # "Task was destroyed but it is pending!" under the one-line message; the error is recorded already
-        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        _drop_pending_reads_quietly()
         sys.exit(1)
     except Exception:
         # a bug, not a user error: its traceback is what "its output above says why" points at, so print it
         # here (the elastic agent's own report of it is silenced above, and spawn's is not always shown)
         print(f"[rank {os.environ.get('RANK', '0')}] " + traceback.format_exc(), file=sys.stderr, flush=True)
         raise
+
+
+def _drop_pending_reads_quietly() -> None:
+    """A rank leaving on an error or Ctrl-C: zarr reads still in flight on its event loop (a prefetch) are
+    dropped at exit, and asyncio would log "Task was destroyed but it is pending!" under the one-line
+    message; what happened is reported already."""
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 
 def _interrupt_once(signum, frame):

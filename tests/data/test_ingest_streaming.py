@@ -242,14 +242,23 @@ def test_a_column_task_that_wrote_nothing_is_never_published(raw, tmp_path, monk
     assert not (tmp_path / "s.zarr" / "runs" / "run_1").exists()
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_volume_points_checks_the_kept_cells_and_names_them_by_their_cell(raw, tmp_path, small_blocks, workers):
-    """With --volume-points each field's column task reads only the kept cells from the raw file: NaN in a
-    kept cell fails the run naming that cell of the file; NaN only in dropped cells is never read, and
-    the store (which holds none of them) equals the one from the clean file."""
+@pytest.mark.parametrize("workers,in_memory", [(1, True), (2, True), (1, False)])
+def test_volume_points_checks_the_kept_cells_and_names_them_by_their_cell(raw, tmp_path, small_blocks, workers,
+                                                                          in_memory, monkeypatch):
+    """With --volume-points each field's column task reads only the kept cells from the raw file (700 kept
+    rows: in memory, or with one block in memory out of core, reading block by block): NaN in a kept cell
+    fails the run naming that cell of the file; NaN only in dropped cells is never read, and the store
+    (which holds none of them) equals the one from the clean file."""
+    from domainflow.preprocess import mesh_stream
     from domainflow.preprocess.ingest_mesh import MeshOptions
     from domainflow.preprocess.mesh_stream import _kept_cells
 
+    if not in_memory:
+        monkeypatch.setattr(mesh_stream, "IN_MEMORY_BLOCKS", 1)
+        reads = []
+        real_read = mesh_stream.FieldColumn.read
+        monkeypatch.setattr(mesh_stream.FieldColumn, "read", lambda self, lo, hi: reads.append(hi - lo) or
+                            real_read(self, lo, hi))
     opts = {**OPTS, "volume_points": 700, "workers": workers, "split": (1.0, 0.0, 0.0)}
     src = tmp_path / "raw"
     shutil.copytree(raw, src)
@@ -274,3 +283,24 @@ def test_volume_points_checks_the_kept_cells_and_names_them_by_their_cell(raw, t
     _nan_cells(whole, [int(kept[400]), int(kept[650]), int(dropped[0])])
     with pytest.raises(ingest_mesh.IngestError, match=rf"volume_1\.vtu.*pMeanTrim.*2 of 700 cells.*cell {kept[400]}\)"):
         ingest_drivaerml(src, tmp_path / "bad.zarr", **opts)
+    if not in_memory:  # the out-of-core path read the fields a block (211 rows) at a time
+        assert reads and max(reads) == 211 and len(reads) > 3 * 4, reads
+
+
+def test_a_raw_file_changed_between_scan_and_columns_is_an_error(raw, tmp_path, monkeypatch):
+    """A field's column task reads the raw file again: a file replaced after its scan (another size or cell
+    count) fails the run by name instead of storing rows of another mesh."""
+    src = tmp_path / "raw"
+    shutil.copytree(raw, src)
+    surface = src / "run_1" / "boundary_1.vtp"
+    real = ingest_mesh._partition
+
+    def then_replace(start, scans, path, loc, *a):
+        out = real(start, scans, path, loc, *a)
+        if path == surface:  # another mesh under the same name, after its geometry was scanned
+            pv.Sphere(theta_resolution=30, phi_resolution=30).save(surface)
+        return out
+
+    monkeypatch.setattr(ingest_mesh, "_partition", then_replace)
+    with pytest.raises(ingest_mesh.IngestError, match=r"boundary_1\.vtp changed while the run was ingested"):
+        ingest_drivaerml(src, tmp_path / "s.zarr", **{**OPTS, "split": (1.0, 0.0, 0.0)})
