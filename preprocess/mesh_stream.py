@@ -20,8 +20,9 @@ keeps every worker busy.
 3. ``write_column`` (one task per column: coordinates, each field, ...; a field read from the raw file
    here, made dimensionless and checked, ``FieldColumn``, so no field passes through scratch disk): rows
    copied group by group into a reordered column file (morton/slab: then sorted by key a window at a
-   time, in place; a small location all in memory), then written into the store's array in whole chunks with statistics merged block by
-   block (the coordinates task also finds the part boxes after a sample sort).
+   time, in place; a small location all in memory), then written into the store's array in whole chunks
+   with statistics merged block by block (the coordinates task also finds the part boxes after a sample
+   sort).
 
 Every stage can run again (a cluster reruns the tasks of a lost worker): inputs are removed only when the
 run is published.
