@@ -8,6 +8,7 @@ row count from the run's ``parts`` offsets, so the ShardTensors are built withou
 from __future__ import annotations
 
 import functools
+import zlib
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ from .axes import resolve_axes
 from .normalize import Normalizer
 from .prefetch import EpochStream
 from .regions import mesh_rows
-from .sampling import dp_share, epoch_order
+from .sampling import PointDraw, dp_share, epoch_order
 from .store import Store, StoreError, open_store
 
 GEOMETRY = ("coords", "normals", "areas", "order")
@@ -36,12 +37,18 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
 
     ``prefetch`` samples are read ahead on a background thread (0: read inline); the order depends only on
     ``seed`` and the epoch (``set_epoch``), so prefetch never changes what is read.
+
+    ``sample_points = K`` (> 0) reads K points of each sample instead of all: a uniform draw over the whole
+    run keyed by (seed, epoch, run) (``sampling.PointDraw``), of which each rank reads the drawn rows it
+    holds, in store order. Every domain size reads the same rows, so the union over ranks is the one-device
+    draw; a rank's count follows its share of rows (hypergeometric, not fixed), and only the chunks that hold
+    drawn rows are read.
     """
 
     def __init__(self, store, mesh, split: str | None = "train", location: str = "surface",
                  fields=("Cp", "Cf"), inputs=("coords", "normals"), normalize: bool = True, shuffle: bool = True,
                  seed: int = 0, prefetch: int = 2, domain_axis: str = "domain", dp_axis: str = "dp",
-                 dtype: torch.dtype = torch.float32, runs=None):
+                 dtype: torch.dtype = torch.float32, runs=None, sample_points: int = 0):
         torch.utils.data.IterableDataset.__init__(self)
         EpochStream.__init__(self)
         self.store = store if isinstance(store, Store) else open_store(store)
@@ -49,6 +56,9 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
         self.axes = resolve_axes(mesh, (domain_axis,), dp_axis)
         self.location, self.fields, self.inputs = location, tuple(fields), tuple(inputs)
         self.normalize, self.shuffle, self.seed, self.prefetch, self.dtype = normalize, shuffle, seed, prefetch, dtype
+        if sample_points < 0:
+            raise ValueError(f"sample_points must be >= 0 (0: every point), got {sample_points}")
+        self.sample_points = int(sample_points)
         self.runs = list(runs) if runs is not None else self.store.runs(split)
         self._check()
         self.normalizer = Normalizer(self.store.stats)
@@ -83,7 +93,7 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
 
     def __iter__(self):
         def loads(epoch):
-            return [functools.partial(self.read_region, run, weight) for run, weight in self.steps(epoch)]
+            return [functools.partial(self.read_region, run, weight, epoch=epoch) for run, weight in self.steps(epoch)]
         return self._iterate(loads, self.wrap, self.prefetch)
 
     @property
@@ -108,17 +118,30 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
             hit = self._runs_open[run_id] = (offsets, arrays, dict(group.attrs), boxes)
         return hit
 
-    def read_region(self, run_id: str, weight: float = 1.0, rank: int | None = None) -> dict:
+    def read_region(self, run_id: str, weight: float = 1.0, rank: int | None = None, epoch: int | None = None) -> dict:
         """Rows of one run for this rank (or domain coordinate ``rank``) as numpy arrays, already cast and
-        z-scored, plus the run's replicated values. No torch and no communication: it runs on the
-        prefetch thread, so the training loop only wraps the arrays."""
+        z-scored, plus the run's replicated values: all its rows, or with ``sample_points`` the drawn ones of
+        ``epoch`` (default: the current one; ``row_ids`` says which). No torch and no communication: it runs on
+        the prefetch thread, so the training loop only wraps the arrays."""
         self.store.check_unchanged()
         offsets, arrays, attrs, part_boxes = self._open_run(run_id)
         rank = self.axes.coords[0] if rank is None else rank
-        a, b = mesh_rows(offsets, rank, self.axes.sizes[0])
+        world = self.axes.sizes[0]
+        a, b = mesh_rows(offsets, rank, world)
+        sizes, selection, row_ids = rows_per_rank(offsets, world), slice(a, b), None
+        draw = self.point_draw(run_id, offsets[-1], self.epoch if epoch is None else epoch)
+        if draw is not None:
+            row_ids = draw.rows(a, b)
+            sizes = [draw.count(*mesh_rows(offsets, r, world)) for r in range(world)]
+            selection = row_ids
         out = {}
         for name, arr in arrays.items():
-            values = self.store.read(arr, slice(a, b))
+            if row_ids is None:
+                values = self.store.read(arr, selection)
+            elif len(row_ids):
+                values = self.store.read(arr, (row_ids,), orthogonal=True)
+            else:
+                values = np.zeros((0,) + tuple(arr.shape[1:]), dtype=arr.dtype)
             if name != "order":
                 values = values.astype(self._np_dtype, copy=False)
                 if values.ndim == 1:
@@ -130,9 +153,14 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
                     values *= inv_std
             out[name] = values
         self.store.check_unchanged()  # a store replaced mid-read would mix two stores in one sample
-        return {"run": run_id, "weight": weight, "arrays": out, "rows": (a, b),
-                "sizes": rows_per_rank(offsets, self.axes.sizes[0]), "attrs": attrs,
-                "boxes": self._rank_boxes(part_boxes)}
+        return {"run": run_id, "weight": weight, "arrays": out, "rows": (a, b), "row_ids": row_ids,
+                "sizes": sizes, "attrs": attrs, "boxes": self._rank_boxes(part_boxes)}
+
+    def point_draw(self, run_id: str, n_rows: int, epoch: int) -> PointDraw | None:
+        """The rows ``sample_points`` draws of ``run_id`` in ``epoch`` (None: every row is read)."""
+        if not self.sample_points or self.sample_points >= n_rows:
+            return None
+        return PointDraw(n_rows, self.sample_points, (self.seed, epoch, zlib.crc32(str(run_id).encode())))
 
     def _rank_boxes(self, part_boxes: np.ndarray) -> np.ndarray:
         """(domain ranks, 2, 3) box of every rank's cells, from the store's part boxes, in the same units

@@ -36,6 +36,7 @@ class DataConfig:
     lead: int = 1
     history: int = 1
     prefetch: int = 2
+    sample_points: int = 0               # mesh: points of each sample per training step, drawn uniformly (0: all)
 
 
 @dataclass
@@ -214,6 +215,11 @@ def _check(cfg: Config) -> None:
     for key in ("steps", "eval_every", "checkpoint_every", "warmup", "batch"):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
+    if cfg.data.sample_points < 0:
+        raise ConfigError(f"data.sample_points must be >= 0 (0: every point), got {cfg.data.sample_points}")
+    if cfg.data.sample_points and cfg.data.kind != "mesh":
+        raise ConfigError(f"data.sample_points={cfg.data.sample_points} draws points of a mesh sample; a grid sample "
+                          f"is trained whole (set data.sample_points=0)")
     if t.lr <= 0:
         raise ConfigError(f"train.lr must be > 0, got {t.lr}")
     if cfg.mesh.dp < 1 or cfg.mesh.domain < 1 or cfg.mesh.lon < 1:

@@ -63,7 +63,7 @@ class Trainer:
         self.mesh = mesh if mesh is not None else build_mesh(cfg)
         self.rank = torch.distributed.get_rank()
         self.out = Path(cfg.output.dir)
-        self.ds = build_dataset(cfg, self.mesh, "train", shuffle=True)
+        self.ds = build_dataset(cfg, self.mesh, "train", shuffle=True, sample_points=cfg.data.sample_points)
         self.model = build_model(cfg, self.ds)
         t = cfg.train
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
@@ -94,14 +94,14 @@ class Trainer:
 
         plan = []
         for s in range(start, stop):
-            _, entries, total = self._entries(s)
-            plan.extend((s, total, key, w, len(entries)) for key, w in entries)
-        loads = [(lambda key=key, w=w: self.ds.read_region(key, w)) for _, _, key, w, _ in plan]
+            epoch, entries, total = self._entries(s)
+            plan.extend((s, total, key, w, len(entries), epoch) for key, w in entries)
+        loads = [(lambda key=key, w=w, e=e: self.ds.read_region(key, w, epoch=e)) for _, _, key, w, _, e in plan]
         source = Prefetcher(loads, self.cfg.data.prefetch)
         it = iter(source)
         try:
             batch, waited = [], 0.0
-            for s, total, _, _, count in plan:
+            for s, total, _, _, count, _ in plan:
                 t0 = time.perf_counter()
                 raw = next(it)
                 waited += time.perf_counter() - t0

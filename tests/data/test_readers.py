@@ -380,3 +380,89 @@ def test_samples_carry_rank_boxes_for_neighbour_search(dist, mesh_store):
     for inside, same, shape, fetch in dist.run(3, _boxes_and_knn, mesh_store):
         assert inside and same and shape == (3, 2, 3)
         assert fetch["points"] < 3000 // 2
+
+
+# -- a points budget per step (data.sample_points) ---------------------------------------------------
+def _drawn(path, k, location, epochs):
+    from domainflow.readers import MeshDataset
+
+    rank, world = rank_and_world()
+    ds = MeshDataset(path, get_mesh((world,), ("domain",)), split=None, location=location, fields=("Cp",) if
+                     location == "surface" else (), inputs=("coords", "order"), normalize=False, shuffle=False,
+                     prefetch=0, sample_points=k)
+    ds._open_run("run_2")  # the part offsets: metadata, read once per run
+    out = []
+    for epoch in epochs:
+        ds.store.counter.reset()
+        ds.store.counter.track_keys = True
+        raw = ds.read_region("run_2", epoch=epoch)
+        keys, nbytes = list(ds.store.counter.keys), ds.bytes_read
+        sample = ds.wrap(raw)
+        out.append({"ids": raw["row_ids"], "rows": raw["rows"], "coords": sample["coords"].to_local().numpy(),
+                    "full": sample["coords"].full_tensor().numpy(), "sizes": sample["coords"].sharding_shapes,
+                    "order": sample["order"].to_local().numpy(), "keys": keys, "bytes": nbytes})
+    return out
+
+
+@pytest.mark.parametrize("location", ["surface", "volume"])
+def test_sample_points_read_the_same_rows_on_every_domain_size_and_only_their_chunks(dist, mesh_store, location):
+    """The rows drawn of a run are one draw over the run whatever the domain size (the union over ranks, in
+    rank order, is the one-rank draw), each rank holds the drawn rows of its own region with the stored
+    values, every rank knows every rank's count, another epoch draws other rows, and a rank reads exactly
+    the chunk files that hold its drawn rows."""
+    g = zarr.open_group(mesh_store, mode="r")[f"runs/run_2/{location}"]
+    n, k = g["coords"].shape[0], 7 if location == "surface" else 2
+    one = dist.run(1, _drawn, mesh_store, k, location, [0, 1])[0]
+    ids0 = one[0]["ids"]
+    assert len(ids0) == k and np.all(np.diff(ids0) > 0) and ids0[-1] < n
+    assert not np.array_equal(ids0, one[1]["ids"])  # a new epoch, a new draw
+    np.testing.assert_array_equal(one[0]["coords"], g["coords"][:][ids0])
+    for world in (2, 3):
+        results = dist.run(world, _drawn, mesh_store, k, location, [0])
+        np.testing.assert_array_equal(np.concatenate([r[0]["ids"] for r in results]), ids0)
+        sizes = [len(r[0]["ids"]) for r in results]
+        for rank, r in enumerate(results):
+            r = r[0]
+            a, b = r["rows"]
+            assert np.all((r["ids"] >= a) & (r["ids"] < b))
+            assert [int(s[0]) for s in r["sizes"][0]] == sizes
+            np.testing.assert_array_equal(r["coords"], g["coords"][:][r["ids"]])
+            np.testing.assert_array_equal(r["order"], g["order"][:][r["ids"]])
+            np.testing.assert_array_equal(r["full"], one[0]["coords"])
+            arrays = ("coords", "order", "fields/Cp") if location == "surface" else ("coords", "order")
+            expect = sorted(f"runs/run_2/{location}/{name}/c/{c}" + "/0" * (g[name].ndim - 1) for name in arrays
+                            for c in sorted({int(i) // g[name].chunks[0] for i in r["ids"]}))
+            assert sorted(r["keys"]) == expect, rank
+            assert r["bytes"] == sum(os.path.getsize(f"{mesh_store}/{key}") for key in expect)
+    chunks = -(-n // g["coords"].chunks[0])
+    assert len({int(i) // g["coords"].chunks[0] for i in ids0}) < chunks  # a small draw skips chunks
+
+
+def test_a_point_draw_is_a_simple_random_sample_whatever_the_blocks():
+    """PointDraw against a one-device draw (numpy's choice without replacement): every row is drawn with
+    probability k/n and every pair of rows together with k(k-1)/(n(n-1)), within a block and across blocks
+    alike (a draw with fixed per-block counts would fail the across-block pairs), and any split of the rows
+    into ranges gives back the same draw."""
+    from domainflow.readers.sampling import PointDraw
+
+    n, k, block, trials = 30, 6, 8, 20000
+    hits, pairs = np.zeros(n), np.zeros((n, n))
+    for t in range(trials):
+        draw = PointDraw(n, k, (5, t, 11), block=block)
+        ids = draw.rows(0, n)
+        assert len(ids) == k and len(set(ids.tolist())) == k
+        if t < 50:
+            cuts = sorted({0, n, *np.random.default_rng(t).integers(0, n, 3).tolist()})
+            np.testing.assert_array_equal(np.concatenate([draw.rows(a, b) for a, b in zip(cuts, cuts[1:])]), ids)
+            assert [draw.count(a, b) for a, b in zip(cuts, cuts[1:])] == [len(draw.rows(a, b))
+                                                                           for a, b in zip(cuts, cuts[1:])]
+        hits[ids] += 1
+        pairs[np.ix_(ids, ids)] += 1
+    p1, p2 = k / n, k * (k - 1) / (n * (n - 1))
+    # each count is binomial(trials, p): 5 standard deviations
+    assert np.all(np.abs(hits - trials * p1) < 5 * np.sqrt(trials * p1 * (1 - p1)))
+    off = ~np.eye(n, dtype=bool)
+    assert np.all(np.abs(pairs[off] - trials * p2) < 5 * np.sqrt(trials * p2 * (1 - p2)))
+    same = np.equal.outer(np.arange(n) // block, np.arange(n) // block) & off
+    assert abs(pairs[same].mean() - pairs[off & ~same].mean()) < 0.05 * trials * p2
+    assert PointDraw(n, n + 5, (1,)).rows(0, n).tolist() == list(range(n))

@@ -73,6 +73,19 @@ def test_domain_parallel_training_equals_one_process(dist, stores, tmp_path, kin
             assert summary["model"][key] == pytest.approx(value, rel=1e-8, abs=1e-12), key
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_points_budget_trains_to_the_same_parameters_on_every_domain_size(dist, stores, tmp_path, world):
+    """``data.sample_points``: every domain size draws the same points of each sample per step, so it trains
+    to the one-process parameters; and the budget is applied (training on every point differs)."""
+    extra = ["train.steps=3", "data.sample_points=150", "output.plots=false"]
+    ref, ref_losses, _ = dist.run(1, _train, "mesh", stores["mesh"], str(tmp_path / "one"), 1, 1, extra)[0]
+    whole, _, _ = dist.run(1, _train, "mesh", stores["mesh"], str(tmp_path / "all"), 1, 1, extra[:1])[0]
+    assert max(float((whole[k] - ref[k]).abs().max()) for k in ref) > 1e-6
+    for params, losses, _ in dist.run(world, _train, "mesh", stores["mesh"], str(tmp_path / "w"), 1, world, extra):
+        _assert_same(params, ref, 1e-10)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
+
+
 def test_dp_by_domain_equals_dp_on_the_same_samples(dist, stores, tmp_path):
     extra = ["train.steps=2", "train.batch=4"]
     four = dist.run(4, _train, "mesh", stores["mesh"], str(tmp_path / "dp4"), 4, 1, extra)
@@ -82,18 +95,18 @@ def test_dp_by_domain_equals_dp_on_the_same_samples(dist, stores, tmp_path):
         np.testing.assert_allclose(l22, l4, rtol=1e-10)
 
 
-def _resume(kind, store, out):
+def _resume(kind, store, out, extra=()):
     """4 steps straight; 2 steps, stop, resume to 4: the same losses and parameters."""
     import torch.distributed as dist
 
     from domainflow.train import Trainer
 
     _, world = rank_and_world()
-    straight = Trainer(_config(kind, store, out + "/straight", ["train.steps=4", f"mesh.domain={world}"]),
+    straight = Trainer(_config(kind, store, out + "/straight", ["train.steps=4", f"mesh.domain={world}", *extra]),
                        mesh=get_mesh((1, world), ("dp", "domain")))
     straight.fit()
     cfg = _config(kind, store, out + "/split", ["train.steps=2", "train.checkpoint_every=1",
-                                                 f"mesh.domain={world}"])
+                                                 f"mesh.domain={world}", *extra])
     first = Trainer(cfg, mesh=get_mesh((1, world), ("dp", "domain")))
     first.fit()
     dist.barrier()
@@ -105,9 +118,12 @@ def _resume(kind, store, out):
             {k: v.clone() for k, v in second.model.state_dict().items()})
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_resume_continues_exactly(dist, stores, tmp_path, world):
-    for straight, split, p_straight, p_split in dist.run(world, _resume, "mesh", stores["mesh"], str(tmp_path)):
+@pytest.mark.parametrize("world,extra", [(1, ()), (2, ()), (2, ("data.sample_points=150", "train.batch=2"))],
+                         ids=["ws1", "ws2", "ws2-sample-points"])
+def test_resume_continues_exactly(dist, stores, tmp_path, world, extra):
+    """Also with a points budget: a resumed run draws the points the uninterrupted one drew."""
+    for straight, split, p_straight, p_split in dist.run(world, _resume, "mesh", stores["mesh"], str(tmp_path),
+                                                         extra):
         np.testing.assert_allclose(split, straight, rtol=1e-12)
         _assert_same(p_split, p_straight, 1e-12)
     metrics = (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
@@ -170,6 +186,10 @@ def test_config_errors_name_the_key_and_the_choices(tmp_path, stores):
         load_config(None, ["train.steps=lots"])
     with pytest.raises(ConfigError, match=r"train\.batch=3 must be a multiple of mesh\.dp=2"):
         load_config(None, ["train.batch=3", "mesh.dp=2"])
+    with pytest.raises(ConfigError, match=r"data\.sample_points=100 draws points of a mesh sample; a grid"):
+        load_config(None, GRID_OVERRIDES + ["data.sample_points=100"])
+    with pytest.raises(ConfigError, match=r"data\.sample_points must be >= 0"):
+        load_config(None, ["data.sample_points=-1"])
     toml = tmp_path / "c.toml"
     toml.write_text('[train]\nsteps = 5\nlr = 0.01\n[data]\nstore = "x.zarr"\n')
     yaml = tmp_path / "c.yaml"
