@@ -72,6 +72,11 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    block_points: int = 0                # evaluation and predict: forward in blocks of this many points per rank (0: whole)
+
+
+@dataclass
 class MeshConfig:
     dp: int = 1
     domain: int = 1                      # ranks per sample: over the points, or over latitude on a grid
@@ -95,6 +100,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
@@ -220,6 +226,11 @@ def _check(cfg: Config) -> None:
     if cfg.data.sample_points and cfg.data.kind != "mesh":
         raise ConfigError(f"data.sample_points={cfg.data.sample_points} draws points of a mesh sample; a grid sample "
                           f"is trained whole (set data.sample_points=0)")
+    if cfg.eval.block_points < 0:
+        raise ConfigError(f"eval.block_points must be >= 0 (0: the whole sample at once), got {cfg.eval.block_points}")
+    if cfg.eval.block_points and cfg.model.name != "transolver":
+        raise ConfigError(f"eval.block_points={cfg.eval.block_points}: model {cfg.model.name!r} has no block "
+                          f"inference (only transolver does); set eval.block_points=0")
     if t.lr <= 0:
         raise ConfigError(f"train.lr must be > 0, got {t.lr}")
     if cfg.mesh.dp < 1 or cfg.mesh.domain < 1 or cfg.mesh.lon < 1:

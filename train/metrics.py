@@ -80,6 +80,7 @@ def evaluate(trainer, split: str) -> dict:
     """Metrics of ``trainer.model`` on every sample of ``split`` (split over dp; exact over the domain),
     with the mean-field baseline; the same dict on every rank."""
     from .data import build_dataset, make_batch
+    from .inference import infer
 
     cfg = trainer.cfg
     store_splits = trainer.ds.store.splits
@@ -97,7 +98,7 @@ def evaluate(trainer, split: str) -> dict:
                 continue
             sample = ds.wrap(ds.read_region(key, w))
             batch = make_batch(cfg, ds, sample, trainer.param_stats)
-            pred = model(batch.x, batch.globals) if batch.globals is not None else model(batch.x)
+            pred = infer(model, batch, cfg)
             base = torch.zeros_like(batch.target)
             if cfg.data.kind == "mesh":
                 rows.append({"run": key, "model": surface_metrics(ds, sample, pred, cfg.output.reference_area),

@@ -19,6 +19,7 @@ from . import checkpoint as ckpt
 from .config import Config, from_dict
 from .build import build_model
 from .data import build_dataset, make_batch, param_stats
+from .inference import infer
 
 
 @torch.no_grad()
@@ -28,10 +29,7 @@ def predict_run(model, cfg: Config, mesh, run: str, stats=None) -> dict | None:
     ds = build_dataset(cfg, mesh, None, shuffle=False, runs=[run], extra_inputs=["order"])
     sample = ds.wrap(ds.read_region(run, 1.0, rank=None))
     batch = make_batch(cfg, ds, sample, stats if stats is not None else param_stats(ds))
-    was = model.training
-    model.eval()
-    pred = model(batch.x, batch.globals) if batch.globals is not None else model(batch.x)
-    model.train(was)
+    pred = infer(model, batch, cfg)
     out, k = {}, 0
     for f in ds.fields:
         c = int(ds.store.fields[f"{ds.location}/{f}"].get("components", 1))
@@ -92,7 +90,7 @@ def as_mesh(store, result: dict):
     return cloud
 
 
-def predict_config(checkpoint: str, store: str, run: str, domain: int = 1):
+def predict_config(checkpoint: str, store: str, run: str, domain: int = 1, block_points: int | None = None):
     """(checkpoint folder, config) for a prediction, with every error that needs no process group raised here
     (the launcher calls it before it starts ranks): no checkpoint, a grid checkpoint, a store or run missing."""
     from domainflow.readers import open_store
@@ -105,6 +103,10 @@ def predict_config(checkpoint: str, store: str, run: str, domain: int = 1):
     cfg = from_dict({k: v for k, v in meta["config"].items()})
     cfg.data.store = str(store)
     cfg.mesh.dp, cfg.mesh.domain = 1, domain
+    if block_points is not None:
+        if block_points < 0:
+            raise ValueError(f"--block-points must be >= 0 (0: the whole run at once), got {block_points}")
+        cfg.eval.block_points = block_points
     if cfg.data.kind != "mesh":
         raise ValueError(f"predict writes surface fields; the checkpoint was trained on a {cfg.data.kind} store")
     handle = open_store(store)
@@ -115,9 +117,10 @@ def predict_config(checkpoint: str, store: str, run: str, domain: int = 1):
     return path, cfg
 
 
-def predict_main(checkpoint: str, store: str, run: str, out: str, domain: int = 1) -> int:
+def predict_main(checkpoint: str, store: str, run: str, out: str, domain: int = 1,
+                 block_points: int | None = None) -> int:
     """``domainflow predict``: one rank per domain part (started by the caller)."""
-    path, cfg = predict_config(checkpoint, store, run, domain)
+    path, cfg = predict_config(checkpoint, store, run, domain, block_points)
 
     mesh = df.init_mesh((1, domain), ("dp", "domain"))
     ds = build_dataset(cfg, mesh, None, shuffle=False, runs=[run])
@@ -132,6 +135,7 @@ def predict_main(checkpoint: str, store: str, run: str, out: str, domain: int = 
         errs = {k[:-5]: float(np.linalg.norm(result["arrays"][k] - result["arrays"][k[:-5] + "_true"]) /
                               max(float(np.linalg.norm(result["arrays"][k[:-5] + "_true"])), 1e-300))
                 for k in result["arrays"] if k.endswith("_pred")}
+        how = f" (forward in blocks of {cfg.eval.block_points} points per rank)" if cfg.eval.block_points else ""
         print(f"wrote {out}: {type(dataset).__name__} with {dataset.n_cells} cells, arrays "
-              f"{sorted(result['arrays'])}; relative L2 {', '.join(f'{k} {v:.3f}' for k, v in errs.items())}")
+              f"{sorted(result['arrays'])}; relative L2 {', '.join(f'{k} {v:.3f}' for k, v in errs.items())}{how}")
     return 0

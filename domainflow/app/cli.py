@@ -55,10 +55,10 @@ def _predict(args) -> int:
     from domainflow.app.launch import launch_local, under_launcher
     from domainflow.train.predict import predict_config, predict_main
 
-    call = (args.checkpoint, args.store, args.run, args.out, args.domain)
+    call = (args.checkpoint, args.store, args.run, args.out, args.domain, args.block_points)
     if args.domain == 1 or under_launcher():
         return predict_main(*call)
-    predict_config(args.checkpoint, args.store, args.run, args.domain)  # errors known before ranks start
+    predict_config(*call[:3], args.domain, args.block_points)  # errors known before ranks start
     launch_local(predict_main, args.domain, *call)
     return 0
 
@@ -237,6 +237,9 @@ def main(argv=None) -> int:
     pred.add_argument("--run", required=True, help="run id in the store, e.g. run_3")
     pred.add_argument("out", help="output file, e.g. run_3.vtp")
     pred.add_argument("--domain", type=int, default=1, help="ranks to split the surface over (default 1)")
+    pred.add_argument("--block-points", type=int, default=None,
+                      help="forward in blocks of this many points per rank, in bounded memory (default: the "
+                           "checkpoint's eval.block_points; 0: the whole run at once)")
     _add_synth(sub)
     _add_ingest(sub)
     insp = sub.add_parser("inspect", help="describe a store: runs, arrays, stats, splits, partition balance")

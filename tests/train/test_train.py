@@ -86,6 +86,29 @@ def test_a_points_budget_trains_to_the_same_parameters_on_every_domain_size(dist
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
 
 
+def _evaluate_both(store, out):
+    """Evaluation of one trained model, whole and in blocks of 5 points per rank."""
+    from domainflow.train import Trainer
+
+    _, world = rank_and_world()
+    trainer = Trainer(_config("mesh", store, out, ["train.steps=2", f"mesh.domain={world}"]),
+                      mesh=get_mesh((1, world), ("dp", "domain")))
+    trainer.fit()
+    whole = trainer.evaluate()["summary"]
+    trainer.cfg.eval.block_points = 5
+    calls, blocks = [], trainer.model.forward_blocks
+    trainer.model.forward_blocks = lambda *a, **k: calls.append(k["block_points"]) or blocks(*a, **k)
+    return whole, trainer.evaluate()["summary"], calls
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_evaluation_in_blocks_of_points_equals_the_whole_forward(dist, stores, tmp_path, world):
+    for whole, blocked, calls in dist.run(world, _evaluate_both, stores["mesh"], str(tmp_path)):
+        assert calls and set(calls) == {5}
+        for key, value in whole["model"].items():
+            assert blocked["model"][key] == pytest.approx(value, rel=1e-10, abs=1e-12), key
+
+
 def test_dp_by_domain_equals_dp_on_the_same_samples(dist, stores, tmp_path):
     extra = ["train.steps=2", "train.batch=4"]
     four = dist.run(4, _train, "mesh", stores["mesh"], str(tmp_path / "dp4"), 4, 1, extra)
@@ -190,6 +213,8 @@ def test_config_errors_name_the_key_and_the_choices(tmp_path, stores):
         load_config(None, GRID_OVERRIDES + ["data.sample_points=100"])
     with pytest.raises(ConfigError, match=r"data\.sample_points must be >= 0"):
         load_config(None, ["data.sample_points=-1"])
+    with pytest.raises(ConfigError, match=r"eval\.block_points=64: model 'unet' has no block inference"):
+        load_config(None, GRID_OVERRIDES + ["eval.block_points=64"])
     toml = tmp_path / "c.toml"
     toml.write_text('[train]\nsteps = 5\nlr = 0.01\n[data]\nstore = "x.zarr"\n')
     yaml = tmp_path / "c.yaml"
@@ -220,7 +245,7 @@ def test_a_field_not_in_the_store_is_named_with_the_choices(dist, stores, tmp_pa
     assert msg is not None and "Tau" in msg and "Cp" in msg and "Cf" in msg
 
 
-def test_tiny_demo_runs_end_to_end_and_predict_writes_a_readable_surface(tmp_path):
+def test_tiny_demo_runs_end_to_end_and_predict_writes_a_readable_surface(tmp_path, capfd):
     import pyvista as pv
 
     from domainflow.app.cli import main
@@ -242,6 +267,14 @@ def test_tiny_demo_runs_end_to_end_and_predict_writes_a_readable_surface(tmp_pat
     # rows are back in the original cell order: the true Cp equals the raw file's own Cp
     np.testing.assert_allclose(mesh.cell_data["Cp_true"].reshape(-1), raw.cell_data["CpMeanTrim"].reshape(-1),
                                rtol=1e-5, atol=1e-5)
+    # block inference on 2 ranks writes the same prediction (float32: summation order only)
+    blocks = tmp_path / "pred_blocks.vtp"
+    assert main(["predict", str(train / "checkpoints"), report["store"], "--run", run, str(blocks), "--domain", "2",
+                 "--block-points", "97"]) == 0
+    assert "forward in blocks of 97 points per rank" in capfd.readouterr().out
+    again = pv.read(blocks)
+    for name in ("Cp_pred", "Cf_pred", "Cp_true"):
+        np.testing.assert_allclose(again.cell_data[name], mesh.cell_data[name], rtol=1e-4, atol=1e-5)
 
 
 def test_tiny_climate_demo_runs_end_to_end(tmp_path):

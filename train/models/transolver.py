@@ -38,18 +38,41 @@ class PhysicsAttention(nn.Module):
         nn.init.orthogonal_(self.to_slice.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, c = x.shape
-        h, d = self.heads, self.head_dim
-        xm = self.in_x(x).reshape(b, n, h, d).transpose(1, 2)                  # (B, H, N, D)
-        fx = self.in_fx(x).reshape(b, n, h, d).transpose(1, 2)
-        w = torch.softmax(self.to_slice(xm) / self.temperature, dim=-1)        # (B, H, N, M): per point
-        num = w.transpose(-2, -1) @ fx                                         # (B, H, M, D): sum over points
-        den = w.sum(2)                                                         # (B, H, M):    sum over points
-        num, den = reduce_partials(num, den)                                   # one all-reduce for both
+        w, fx = self._weights(x), self._features(x)
+        num, den = reduce_partials(*self._slice_sums(w, fx))                   # one all-reduce for both
+        return self._deslice(w, self._tokens(num, den), x.shape)
+
+    # the steps of forward, also run block by block (slice_sums over all blocks first, then deslice)
+    def _weights(self, x):
+        """Soft assignment of each point to the slices, per head: (B, H, N, M)."""
+        b, n, _ = x.shape
+        xm = self.in_x(x).reshape(b, n, self.heads, self.head_dim).transpose(1, 2)   # (B, H, N, D)
+        return torch.softmax(self.to_slice(xm) / self.temperature, dim=-1)
+
+    def _features(self, x):
+        b, n, _ = x.shape
+        return self.in_fx(x).reshape(b, n, self.heads, self.head_dim).transpose(1, 2)
+
+    @staticmethod
+    def _slice_sums(w, fx):
+        """Sums over points of the slice-weighted features (B, H, M, D) and of the weights (B, H, M)."""
+        return w.transpose(-2, -1) @ fx, w.sum(2)
+
+    def _tokens(self, num, den):
         tokens = num / (den[..., None] + 1e-5)
-        tokens = F.scaled_dot_product_attention(self.to_q(tokens), self.to_k(tokens), self.to_v(tokens))
-        y = (w @ tokens).transpose(1, 2).reshape(b, n, c)                      # de-slice: per point
-        return self.out(y)
+        return F.scaled_dot_product_attention(self.to_q(tokens), self.to_k(tokens), self.to_v(tokens))
+
+    def _deslice(self, w, tokens, shape):
+        b, n, c = shape
+        return self.out((w @ tokens).transpose(1, 2).reshape(b, n, c))             # per point
+
+    def slice_sums(self, x):
+        """This block's share of the two sums over points (pending sums when sharded)."""
+        return self._slice_sums(self._weights(x), self._features(x))
+
+    def deslice(self, x, num, den):
+        """The layer's output for the points of ``x`` from the finished sums over all points."""
+        return self._deslice(self._weights(x), self._tokens(num, den), x.shape)
 
 
 class TransolverBlock(nn.Module):
@@ -63,6 +86,22 @@ class TransolverBlock(nn.Module):
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
+
+    def forward_blocks(self, blocks: list) -> list:
+        """``forward`` over a sample given as blocks of points: the slice sums of every block first (one
+        all-reduce for the layer), then each block's output; equal to ``forward`` up to summation order."""
+        num = den = None
+        for x in blocks:
+            n, d = self.attn.slice_sums(self.norm1(x))
+            num, den = (n, d) if num is None else (num + n, den + d)
+        num, den = reduce_partials(num, den)
+        out = []
+        for k in range(len(blocks)):
+            x = blocks[k]
+            blocks[k] = None  # the input block is dropped as soon as its output exists
+            x = x + self.attn.deslice(self.norm1(x), num, den)
+            out.append(x + self.mlp(self.norm2(x)))
+        return out
 
 
 class Transolver(nn.Module):
@@ -81,14 +120,35 @@ class Transolver(nn.Module):
         self.head = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, out_dim))
 
     def forward(self, points: torch.Tensor, globals_: torch.Tensor | None = None) -> torch.Tensor:
-        x = points
-        if self.global_dim:
-            if globals_ is None:
-                raise ValueError(f"Transolver was built with global_dim={self.global_dim}; pass globals_ (B, "
-                                 f"{self.global_dim})")
-            g = globals_.reshape(points.shape[0], 1, self.global_dim).expand(-1, points.shape[1], -1)
-            x = torch.cat([points, g.to(points.dtype)], dim=-1)
-        x = self.embed(x)
+        x = self.embed(self._with_globals(points, globals_))
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+    @torch.no_grad()
+    def forward_blocks(self, points: torch.Tensor, globals_: torch.Tensor | None = None,
+                       block_points: int = 65536) -> torch.Tensor:
+        """``forward`` (no grad) in blocks of ``block_points`` points per rank, for inference on samples whose
+        activations do not fit: exact, since points meet only in each layer's slice sums, which are summed
+        over all blocks before any block is mapped back. Memory: the (N, dim) residual stream plus one
+        block's activations, instead of every layer's (N, heads, slices) weights at once."""
+        from domainflow import join_blocks, split_blocks
+
+        pieces = split_blocks(points, 1, block_points)
+        x = []
+        for k in range(len(pieces)):
+            p, pieces[k] = pieces[k], None
+            x.append(self.embed(self._with_globals(p, globals_)))
+        for block in self.blocks:
+            x = block.forward_blocks(x)
+        return join_blocks([self.head(b) for b in x], 1)
+
+    def _with_globals(self, points, globals_):
+        """The points with the per-sample globals appended to each (when the model takes globals)."""
+        if not self.global_dim:
+            return points
+        if globals_ is None:
+            raise ValueError(f"Transolver was built with global_dim={self.global_dim}; pass globals_ (B, "
+                             f"{self.global_dim})")
+        g = globals_.reshape(points.shape[0], 1, self.global_dim).expand(-1, points.shape[1], -1)
+        return torch.cat([points, g.to(points.dtype)], dim=-1)
