@@ -48,7 +48,6 @@ from .store_writer import chunk_options, chunk_rows, write_array
 from .vtk_xml import VtkXmlFile
 
 BYTES_PER_CELL = 2048  # working bytes per cell of a block (all columns, the gathered points, temporaries)
-_POINT_GAP = 4096      # point ids further apart than this are read as separate stretches
 # a location of at most this many blocks of rows is partitioned, and its columns reordered, in memory
 # (``partition()``: about 80 B per row, a column at most ~40 B per row, within one block's working set of
 # BYTES_PER_CELL per cell); larger ones out of core. Both give the same parts, order and columns
@@ -156,7 +155,7 @@ def scan_cells(path: Path, shown_as: Path, loc: str, specs, opts, run_id: str, s
                     continue
                 pick = keep[a:b] - c0
             sizes, conn = f.cell_block(c0, c1, section)
-            pts, local = _points_of(f, conn)
+            pts, local = f.points_of(conn)
             types = f.cell_types(c0, c1) if loc == "volume" else None
             geo = {"coords": cell_centres(sizes, local, pts, types=types)}
             if loc == "surface":
@@ -543,33 +542,6 @@ def _check_arrays(f: VtkXmlFile, arrays: list[str], name) -> list[str]:
         raise IngestError(f"{name}: missing cell array(s) {absent}{hint}; cell arrays present: "
                           f"{present_cell}, point arrays present: {present_point}")
     return arrays
-
-
-def _points_of(f: VtkXmlFile, conn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The points a block's connectivity refers to, read stretch by stretch (only the ids used, in runs
-    closer than ``_POINT_GAP``); returns (points, connectivity re-indexed into them)."""
-    if not len(conn):
-        return np.zeros((0, 3)), conn
-    if conn.min() < 0 or conn.max() >= f.n_points:
-        raise IngestError(f"{f.path}: the connectivity refers to point {int(conn.max())} of {f.n_points} (or a "
-                          f"negative id): a corrupt file")
-    first, span = int(conn.min()), int(conn.max()) - int(conn.min()) + 1
-    if span <= 8 * len(conn):  # ids in a compact range (the usual numbering): a mask, no sort
-        mask = np.zeros(span, dtype=bool)
-        mask[conn - first] = True
-        if mask.all():  # every point of the range used (a block of a compactly numbered mesh): one stretch
-            return f.points(first, first + span), conn - first
-        used = np.flatnonzero(mask) + first
-        local = (np.cumsum(mask) - 1)[conn - first]
-    else:
-        used = np.unique(conn)
-        local = np.searchsorted(used, conn)
-    cuts = np.flatnonzero(np.diff(used) > _POINT_GAP) + 1
-    parts = []
-    for run in np.split(used, cuts):
-        stretch = f.points(int(run[0]), int(run[-1]) + 1)
-        parts.append(stretch[run - run[0]])
-    return np.concatenate(parts) if len(parts) > 1 else parts[0], local
 
 
 def _warn_cp(ratio: float, name, opts, warnings: list) -> None:

@@ -29,6 +29,7 @@ from .errors import IngestError
 from .vtk_io import _XML_TAIL, check_pieces_complete, pieces_of
 
 SCAN_BLOCK = 4 << 20  # bytes read at a time while scanning the XML structure
+POINT_GAP = 4096      # point ids further apart than this are read as separate stretches
 _ATTR = re.compile(rb'([A-Za-z_:][-\w:.]*)\s*=\s*"([^"]*)"')
 _TYPES = {"Int8": "i1", "UInt8": "u1", "Int16": "i2", "UInt16": "u2", "Int32": "i4", "UInt32": "u4",
           "Int64": "i8", "UInt64": "u8", "Float32": "f4", "Float64": "f8"}
@@ -352,6 +353,55 @@ class VtkXmlFile:
         if not sizes:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         return (np.concatenate(sizes), np.concatenate(conn)) if len(sizes) > 1 else (sizes[0], conn[0])
+
+    def points_of(self, conn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The points a connectivity refers to, read stretch by stretch (only the ids used, in runs closer
+        than ``POINT_GAP``); returns (points, connectivity re-indexed into them)."""
+        if not len(conn):
+            return np.zeros((0, 3)), conn
+        if conn.min() < 0 or conn.max() >= self.n_points:
+            raise IngestError(f"{self.path}: the connectivity refers to point {int(conn.max())} of {self.n_points} "
+                              f"(or a negative id): a corrupt file")
+        first, span = int(conn.min()), int(conn.max()) - int(conn.min()) + 1
+        if span <= 8 * len(conn):  # ids in a compact range (the usual numbering): a mask, no sort
+            mask = np.zeros(span, dtype=bool)
+            mask[conn - first] = True
+            if mask.all():  # every point of the range used (a block of a compactly numbered mesh): one stretch
+                return self.points(first, first + span), conn - first
+            used = np.flatnonzero(mask) + first
+            local = (np.cumsum(mask) - 1)[conn - first]
+        else:
+            used = np.unique(conn)
+            local = np.searchsorted(used, conn)
+        cuts = np.flatnonzero(np.diff(used) > POINT_GAP) + 1
+        parts = []
+        for run in np.split(used, cuts):
+            stretch = self.points(int(run[0]), int(run[-1]) + 1)
+            parts.append(stretch[run - run[0]])
+        return np.concatenate(parts) if len(parts) > 1 else parts[0], local
+
+    def cells_of(self, ids: np.ndarray, block: int = 1 << 20, section: str | None = None):
+        """(number of points of each cell, their point ids) of cells ``ids`` (ascending, any subset), read a
+        stretch of at most ``block`` cells at a time and only where ``ids`` has cells: memory follows the
+        cells asked for, not the file. ``section`` defaults to ``Polys`` of a .vtp (``Cells`` of a .vtu)."""
+        section = section or ("Polys" if self.kind == "PolyData" else "Cells")
+        ids = np.asarray(ids, dtype=np.int64)
+        sizes_out, conn_out, k = [], [], 0
+        while k < len(ids):
+            lo = int(ids[k])
+            j = int(np.searchsorted(ids, lo + block, side="left"))
+            sizes, conn = self.cell_block(lo, int(ids[j - 1]) + 1, section)
+            pick = ids[k:j] - lo
+            starts = np.cumsum(sizes) - sizes
+            lens = sizes[pick]
+            # the picked cells' stretches of the connectivity, one after another
+            at = np.repeat(starts[pick] - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
+            sizes_out.append(lens)
+            conn_out.append(conn[at])
+            k = j
+        if not sizes_out:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.concatenate(sizes_out), np.concatenate(conn_out)
 
     def cell_types(self, lo: int, hi: int) -> np.ndarray:
         """VTK cell types of cells ``[lo, hi)`` of a .vtu (over all pieces)."""

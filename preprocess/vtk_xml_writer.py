@@ -24,7 +24,15 @@ COPY_BYTES = 8 << 20  # bytes moved at a time while assembling the file
 _VTK_TYPES = {"i1": "Int8", "u1": "UInt8", "i2": "Int16", "u2": "UInt16", "i4": "Int32", "u4": "UInt32",
               "i8": "Int64", "u8": "UInt64", "f4": "Float32", "f8": "Float64"}
 _SECTIONS = {"UnstructuredGrid": ("PointData", "CellData", "Points", "Cells"),
-             "PolyData": ("PointData", "CellData", "Points", "Polys")}
+             "PolyData": ("PointData", "CellData", "Points", "Verts", "Polys")}
+
+
+def vtk_type(dtype) -> str:
+    """VTK's name of a numpy dtype ("Float32", "Int64", ...)."""
+    key = np.dtype(dtype).str[1:]
+    if key not in _VTK_TYPES:
+        raise ValueError(f"dtype {np.dtype(dtype)} has no VTK type")
+    return _VTK_TYPES[key]
 
 
 class _Blob:
@@ -78,7 +86,8 @@ class _Blob:
 class VtkXmlWriter:
     """``VtkXmlWriter(path, pieces, kind=...)``; ``declare`` every array, ``append`` their blocks in row order
     (arrays independently), then ``close(n_points, n_cells)``. ``kind`` "UnstructuredGrid" (cells:
-    ``Cells`` connectivity, offsets, types) or "PolyData" (polygons: ``Polys`` connectivity, offsets).
+    ``Cells`` connectivity, offsets, types) or "PolyData" (polygons: ``Polys`` connectivity, offsets; or
+    vertices: ``Verts``).
     ``pieces`` > 1 writes ``path.NN.part`` byte pieces (what ``cat`` joins back into ``path``) instead of
     ``path``; stale pieces or a stale whole file go."""
 
@@ -91,7 +100,8 @@ class VtkXmlWriter:
 
     def declare(self, section: str, name: str, dtype, components: int = 1) -> None:
         """One array: ``section`` is ``PointData``, ``CellData``, ``Points`` (name ``Points``), ``Cells``
-        (``connectivity``, ``offsets``, ``types``) or, for PolyData, ``Polys`` (``connectivity``, ``offsets``)."""
+        (``connectivity``, ``offsets``, ``types``) or, for PolyData, ``Polys`` or ``Verts`` (``connectivity``,
+        ``offsets``: polygons, or vertices for a point cloud)."""
         if section not in _SECTIONS[self.kind]:
             raise ValueError(f"section must be one of {_SECTIONS[self.kind]}, got {section!r}")
         if np.dtype(dtype).str[1:] not in _VTK_TYPES:
@@ -141,14 +151,17 @@ class VtkXmlWriter:
     def _check(self, n_points: int, n_cells: int) -> None:
         for (section, name), blob in self._blobs.items():
             want = {"PointData": n_points, "Points": n_points, "CellData": n_cells}.get(section)
-            if section in ("Cells", "Polys"):
+            if section in ("Cells", "Verts", "Polys"):
                 want = None if name == "connectivity" else n_cells
             if want is not None and blob.rows != want:
                 raise ValueError(f"{self.path.name}: {section}/{name} got {blob.rows} rows, expected {want}")
 
     def _xml(self, headers, n_points: int, n_cells: int) -> tuple[bytes, list]:
         order, lines, offset = [], [], 0
+        declared = {sec for sec, _ in self._blobs}
         for section in _SECTIONS[self.kind]:
+            if section in ("Verts", "Polys") and section not in declared:
+                continue  # a PolyData holds vertices or polygons: the other section is left out
             lines.append(f"      <{section}>")
             for (sec, name), blob in self._blobs.items():
                 if sec != section:
@@ -159,8 +172,9 @@ class VtkXmlWriter:
                 order.append((sec, name))
                 offset += len(headers[sec, name]) + sum(blob.sizes)
             lines.append(f"      </{section}>")
+        verts = n_cells if "Verts" in declared else 0
         counts = (f'NumberOfCells="{n_cells}"' if self.kind == "UnstructuredGrid" else
-                  f'NumberOfVerts="0" NumberOfLines="0" NumberOfStrips="0" NumberOfPolys="{n_cells}"')
+                  f'NumberOfVerts="{verts}" NumberOfLines="0" NumberOfStrips="0" NumberOfPolys="{n_cells - verts}"')
         head = (f'<?xml version="1.0"?>\n<VTKFile type="{self.kind}" version="1.0" byte_order="LittleEndian" '
                 f'header_type="UInt64" compressor="vtkZLibDataCompressor">\n  <{self.kind}>\n'
                 f'    <Piece NumberOfPoints="{n_points}" {counts}>\n')

@@ -129,9 +129,10 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
             rows.append(np.concatenate(cols, axis=3) if len(cols) > 1 else cols[0])
         return np.concatenate(rows, axis=2) if len(rows) > 1 else rows[0]
 
-    def read_region(self, t: int, weight: float = 1.0) -> dict:
+    def read_region(self, t: int, weight: float = 1.0, epoch: int | None = None) -> dict:
         """This rank's input window and target at time ``t`` as numpy arrays, cast and z-scored (on the
-        prefetch thread, so the training loop only wraps them)."""
+        prefetch thread, so the training loop only wraps them). ``epoch`` is accepted like
+        ``MeshDataset.read_region``'s and unused: a grid sample is always read whole."""
         self.store.check_unchanged()
         window = self._prepare(self._read(t - self.history + 1, t + 1, halo=self.halo > 0))
         target = self._prepare(self._read(t + self.lead, t + self.lead + 1, halo=False))

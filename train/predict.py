@@ -1,13 +1,17 @@
-"""Predict a run's surface fields with a trained model and write them for ParaView.
+"""Predict runs' surface fields with a trained model and write them for ParaView, no rank gathering a run.
 
-Rows go back to the original cell order (the store's ``order``), so the arrays line up with the raw
-surface file. When the raw ``boundary_<i>.vtp`` that ingest read is still at the store's source path,
-the output is that mesh with predicted and true fields as cell data; otherwise a point cloud of the cell
-centres carries them.
+Each rank predicts its own cells and writes them as a piece, in original cell order within the piece (the
+store's ``order``): the polygons of those cells when the raw ``boundary_<i>.vtp`` that ingest read is still at
+the store's source path, else vertices at the cell centres; ``<field>_pred``, ``_true``, ``_err`` and
+``cell_id`` as cell data (``predict_output``). The pieces stay, listed by a ``.pvtp``, or are streamed into
+one ``.vtp`` on the first rank (the raw file's own points and polygons, every array in original cell order);
+several runs go into a ``.pvd`` collection. ``predict_run`` (the whole run on the first rank) is what the
+training figures use on a small validation run.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -53,9 +57,11 @@ def predict_run(model, cfg: Config, mesh, run: str, stats=None) -> dict | None:
     return result
 
 
-def raw_surface(store, run: str):
-    """The raw surface mesh ingest read for ``run``, if it is still where the store says (else None)."""
-    import pyvista as pv
+def raw_surface_path(store, run: str, n_cells: int | None = None) -> Path | None:
+    """The raw surface file ingest read for ``run``, if it is still where the store says, reads as VTK XML
+    and (given ``n_cells``) has that many polygons; else None."""
+    from domainflow.preprocess.errors import IngestError
+    from domainflow.preprocess.vtk_xml import VtkXmlFile
 
     source = store.attrs.get("domainflow", {}).get("source")
     if not source:
@@ -64,8 +70,25 @@ def raw_surface(store, run: str):
     if not path.exists():
         return None
     try:
+        with VtkXmlFile(path) as f:
+            polys = f.cell_counts().get("Polys", 0)
+            if n_cells is not None and (polys != n_cells or f.n_cells != n_cells):
+                return None
+    except (IngestError, OSError, ValueError):  # a raw file that no longer reads: fall back to the cell centres
+        return None
+    return path
+
+
+def raw_surface(store, run: str):
+    """The raw surface mesh ingest read for ``run`` (pyvista), if it is still where the store says (else None)."""
+    import pyvista as pv
+
+    path = raw_surface_path(store, run)
+    if path is None:
+        return None
+    try:
         return pv.read(path)
-    except Exception:  # noqa: BLE001  (a raw file that no longer reads: fall back to the cell centres)
+    except Exception:  # noqa: BLE001  (a raw file VTK no longer reads: fall back to the cell centres)
         return None
 
 
@@ -90,11 +113,22 @@ def as_mesh(store, result: dict):
     return cloud
 
 
-def predict_config(checkpoint: str, store: str, run: str, domain: int = 1, block_points: int | None = None):
-    """(checkpoint folder, config) for a prediction, with every error that needs no process group raised here
-    (the launcher calls it before it starts ranks): no checkpoint, a grid checkpoint, a store or run missing."""
+class PredictionError(df.DomainflowError, RuntimeError):
+    """A prediction file could not be written; raised on every rank, naming the rank and the file."""
+
+
+OUTPUT_SUFFIXES = (".vtp", ".pvtp", ".pvd")
+
+
+def predict_config(checkpoint: str, store: str, runs, domain: int = 1, block_points: int | None = None,
+                   out: str | None = None, pieces: bool = False):
+    """(checkpoint folder, config, [(run, output file, as pieces)]) for a prediction, with every error that
+    needs no process group raised here (the launcher calls it before it starts ranks): no checkpoint, a grid
+    checkpoint, a store or run missing, an output name that does not say what to write."""
     from domainflow.readers import open_store
 
+    runs = [runs] if isinstance(runs, str) else list(runs)
+    targets = _targets(runs, out, pieces) if out is not None else []
     path = ckpt.latest(Path(checkpoint))
     if path is None:
         raise FileNotFoundError(f"{checkpoint}: no checkpoint there (expected a step_<n> folder or a checkpoints "
@@ -111,31 +145,139 @@ def predict_config(checkpoint: str, store: str, run: str, domain: int = 1, block
         raise ValueError(f"predict writes surface fields; the checkpoint was trained on a {cfg.data.kind} store")
     handle = open_store(store)
     try:
-        handle.run(run)
+        for run in runs:
+            handle.run(run)
     finally:
         handle.close()
-    return path, cfg
+    return path, cfg, targets
 
 
-def predict_main(checkpoint: str, store: str, run: str, out: str, domain: int = 1,
-                 block_points: int | None = None) -> int:
+def _targets(runs: list[str], out: str, pieces: bool) -> list[tuple[str, Path, bool]]:
+    """Where each run's prediction goes: OUT itself (``.vtp`` one file, ``.pvtp`` a piece per rank), or for a
+    ``.pvd`` collection one file per run in the folder named like it (``--pieces``: ``.pvtp`` each)."""
+    out = Path(out)
+    if out.suffix not in OUTPUT_SUFFIXES:
+        raise ValueError(f"{out}: the output must end in .vtp (one file), .pvtp (a piece per rank, with its index) "
+                         f"or .pvd (a collection of several runs)")
+    if not runs:
+        raise ValueError("predict needs at least one --run")
+    if out.suffix != ".pvd":
+        if len(runs) > 1:
+            raise ValueError(f"{len(runs)} runs go into a collection: name the output <name>.pvd, not {out.name}")
+        if pieces:
+            raise ValueError(f"--pieces chooses the files of a .pvd collection; for one run name the output "
+                             f"{out.with_suffix('.pvtp').name} instead of {out.name}")
+        return [(runs[0], out, out.suffix == ".pvtp")]
+    folder = out.with_suffix("")
+    return [(run, folder / f"{run}{'.pvtp' if pieces else '.vtp'}", pieces) for run in runs]
+
+
+@torch.no_grad()
+def predict_local(model, cfg: Config, mesh, run: str, stats) -> dict:
+    """This rank's cells of ``run``: original cell ids (ascending), predicted, true and error fields (physical,
+    non-dimensional units) in that order, the cell centres, and this rank's sums of squared errors and truths
+    per field (for relative errors); nothing is gathered."""
+    ds = build_dataset(cfg, mesh, None, shuffle=False, runs=[run], extra_inputs=["order", "coords"])
+    sample = ds.wrap(ds.read_region(run, 1.0))
+    pred = _local(infer(model, make_batch(cfg, ds, sample, stats), cfg))[0]
+    ids = _local(sample["order"]).reshape(-1).long()
+    perm = torch.argsort(ids)
+    arrays, sums, k = {}, {}, 0
+    for f in ds.fields:
+        c = int(ds.store.fields[f"{ds.location}/{f}"].get("components", 1))
+        p, t = ds.denormalize(f, pred[:, k:k + c]), ds.denormalize(f, _local(sample[f]))
+        k += c
+        for name, v in ((f"{f}_pred", p), (f"{f}_true", t), (f"{f}_err", p - t)):
+            v = v[perm]
+            arrays[name] = (v[:, 0] if c == 1 else v).cpu().numpy()
+        sums[f] = (float(((p.double() - t.double()) ** 2).sum()), float((t.double() ** 2).sum()))
+    coords = ds.denormalize("coords", _local(sample["coords"]))[perm].cpu().numpy()
+    n_cells = int(sample["order"].shape[0])
+    return {"ids": ids[perm].cpu().numpy(), "arrays": arrays, "coords": coords, "sums": sums, "n_cells": n_cells,
+            "store": ds.store, "axes": ds.axes}
+
+
+def write_prediction(model, cfg: Config, mesh, run: str, stats, out: Path, pieces: bool) -> dict:
+    """Predict ``run`` and write it to ``out``: each rank writes its own cells as a piece (``pieces``: kept,
+    with the ``.pvtp`` index; else assembled into one ``.vtp`` on the first rank, streaming the pieces, which
+    are then removed). Every rank returns the run's relative L2 error per field."""
+    from domainflow import comm
+
+    from .predict_output import assemble, write_index, write_piece
+
+    local = predict_local(model, cfg, mesh, run, stats)
+    axes, out = local["axes"], Path(out)
+    group, m = axes.domain, 0
+    rank, world = axes.coords[0], axes.sizes[0]
+    raw = raw_surface_path(local["store"], run, local["n_cells"])
+    use_raw = all(comm.all_gather_object(raw is not None, group, m))  # every piece of the same kind
+    folder = out.with_suffix("") if pieces else out.parent / f".{out.name}.pieces"
+    files = [folder / f"{out.stem}_{r}.vtp" for r in range(world)]
+    def piece():
+        folder.mkdir(parents=True, exist_ok=True)
+        write_piece(files[rank], local["ids"], local["arrays"], raw if use_raw else None, local["coords"])
+    _together(comm, group, m, piece, f"piece {files[rank]}")
+
+    def finish():
+        if rank != 0:
+            return
+        for stale in folder.glob(f"{out.stem}_*.vtp"):
+            if stale not in files:
+                stale.unlink()
+        if pieces:
+            write_index(out, files)
+        else:
+            assemble(out, files, local["n_cells"], raw if use_raw else None)
+            for f in files:
+                f.unlink()
+            folder.rmdir()
+    _together(comm, group, m, finish, str(out))
+    sums = {f: comm.all_reduce(torch.tensor(v, dtype=torch.float64), "sum", group, m) for f, v in local["sums"].items()}
+    errors = {f: float(math.sqrt(s[0] / max(float(s[1]), 1e-300))) for f, s in sums.items()}
+    return {"run": run, "out": str(out), "cells": local["n_cells"], "rel_l2": errors,
+            "geometry": "raw surface" if use_raw else "cell centres"}
+
+
+def _together(comm, group, m: int, step, what: str) -> None:
+    """Run ``step`` on this rank, then raise the first rank's error on every rank (or go on on all)."""
+    error = None
+    try:
+        step()
+    except Exception as exc:  # noqa: BLE001  (sent to every rank, which all raise it)
+        error = f"{type(exc).__name__}: {exc}"
+    failed = [(r, e) for r, e in enumerate(comm.all_gather_object(error, group, m)) if e is not None]
+    if failed:
+        r, e = failed[0]
+        raise PredictionError(f"rank {r} could not write the prediction ({what}): {e}")
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, df.ShardTensor) else t
+
+
+def predict_main(checkpoint: str, store: str, runs, out: str, domain: int = 1, block_points: int | None = None,
+                 pieces: bool = False) -> int:
     """``domainflow predict``: one rank per domain part (started by the caller)."""
-    path, cfg = predict_config(checkpoint, store, run, domain, block_points)
-
+    path, cfg, targets = predict_config(checkpoint, store, runs, domain, block_points, out, pieces)
     mesh = df.init_mesh((1, domain), ("dp", "domain"))
-    ds = build_dataset(cfg, mesh, None, shuffle=False, runs=[run])
+    ds = build_dataset(cfg, mesh, None, shuffle=False, runs=[targets[0][0]])
     model = build_model(cfg, ds)
     ckpt.load(path, model)
-    train_ds = build_dataset(cfg, mesh, "train", shuffle=False)
-    result = predict_run(model, cfg, mesh, run, param_stats(train_ds))
-    if result is not None:
-        dataset = as_mesh(ds.store, result)
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        dataset.save(out)
-        errs = {k[:-5]: float(np.linalg.norm(result["arrays"][k] - result["arrays"][k[:-5] + "_true"]) /
-                              max(float(np.linalg.norm(result["arrays"][k[:-5] + "_true"])), 1e-300))
-                for k in result["arrays"] if k.endswith("_pred")}
-        how = f" (forward in blocks of {cfg.eval.block_points} points per rank)" if cfg.eval.block_points else ""
-        print(f"wrote {out}: {type(dataset).__name__} with {dataset.n_cells} cells, arrays "
-              f"{sorted(result['arrays'])}; relative L2 {', '.join(f'{k} {v:.3f}' for k, v in errs.items())}{how}")
+    stats = param_stats(build_dataset(cfg, mesh, "train", shuffle=False))
+    rank0 = torch.distributed.get_rank() == 0
+    how = f"; forward in blocks of {cfg.eval.block_points} points per rank" if cfg.eval.block_points else ""
+    done = []
+    for run, target, as_pieces in targets:
+        res = write_prediction(model, cfg, mesh, run, stats, target, as_pieces)
+        done.append((run, target))
+        if rank0:
+            kind = f"{domain} pieces and their index" if as_pieces else "one file"
+            print(f"wrote {target} ({kind}): {res['cells']} cells on the {res['geometry']}, arrays "
+                  f"<field>_pred/_true/_err and cell_id; relative L2 "
+                  f"{', '.join(f'{k} {v:.3f}' for k, v in res['rel_l2'].items())}{how}")
+    if Path(out).suffix == ".pvd" and rank0:
+        from .predict_output import write_collection
+
+        write_collection(Path(out), done)
+        print(f"wrote {out}: a collection of {len(done)} runs")
     return 0

@@ -55,10 +55,11 @@ def _predict(args) -> int:
     from domainflow.app.launch import launch_local, under_launcher
     from domainflow.train.predict import predict_config, predict_main
 
-    call = (args.checkpoint, args.store, args.run, args.out, args.domain, args.block_points)
+    runs = [r.strip() for item in args.run for r in item.split(",") if r.strip()]
+    call = (args.checkpoint, args.store, runs, args.out, args.domain, args.block_points, args.pieces)
     if args.domain == 1 or under_launcher():
         return predict_main(*call)
-    predict_config(*call[:3], args.domain, args.block_points)  # errors known before ranks start
+    predict_config(args.checkpoint, args.store, runs, args.domain, args.block_points, args.out, args.pieces)  # before ranks start
     launch_local(predict_main, args.domain, *call)
     return 0
 
@@ -231,11 +232,14 @@ def main(argv=None) -> int:
     train.add_argument("--domain", type=int, default=None, help="ranks per sample (mesh.domain)")
     train.add_argument("--out", default=None, help="output folder (output.dir)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output")
-    pred = sub.add_parser("predict", help="write a run's predicted and true surface fields to a .vtp for ParaView")
+    pred = sub.add_parser("predict", help="write runs' predicted, true and error surface fields for ParaView")
     pred.add_argument("checkpoint", help="a step_<n> checkpoint folder, or the checkpoints folder (latest)")
     pred.add_argument("store")
-    pred.add_argument("--run", required=True, help="run id in the store, e.g. run_3")
-    pred.add_argument("out", help="output file, e.g. run_3.vtp")
+    pred.add_argument("--run", required=True, action="append", help="run id in the store, e.g. run_3; repeat it "
+                                                                   "(or give run_1,run_2) for several: OUT is a .pvd")
+    pred.add_argument("out", help="run_3.vtp (one file, assembled on one rank), run_3.pvtp (a piece per rank and "
+                                  "their index) or runs.pvd (a collection, one file per run in the folder runs/)")
+    pred.add_argument("--pieces", action="store_true", help="with a .pvd: each run as a .pvtp of per-rank pieces")
     pred.add_argument("--domain", type=int, default=1, help="ranks to split the surface over (default 1)")
     pred.add_argument("--block-points", type=int, default=None,
                       help="forward in blocks of this many points per rank, in bounded memory (default: the "
