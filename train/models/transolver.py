@@ -56,7 +56,8 @@ class PhysicsAttention(nn.Module):
     @staticmethod
     def _slice_sums(w, fx):
         """Sums over points of the slice-weighted features (B, H, M, D) and of the weights (B, H, M)."""
-        return w.transpose(-2, -1) @ fx, w.sum(2)
+        # (fx^T w)^T, not w^T fx: CPU BLAS runs this reduction over the N points ~10x faster in this order
+        return (fx.transpose(-2, -1) @ w).transpose(-2, -1), w.sum(2)
 
     def _tokens(self, num, den):
         tokens = num / (den[..., None] + 1e-5)
@@ -64,7 +65,9 @@ class PhysicsAttention(nn.Module):
 
     def _deslice(self, w, tokens, shape):
         b, n, c = shape
-        return self.out((w @ tokens).transpose(1, 2).reshape(b, n, c))             # per point
+        # (tokens^T w^T) is w @ tokens transposed: its backward reduces over the points in the fast order too
+        per_point = tokens.transpose(-2, -1) @ w.transpose(-2, -1)                     # (B, H, D, N)
+        return self.out(per_point.permute(0, 3, 1, 2).reshape(b, n, c))
 
     def slice_sums(self, x):
         """This block's share of the two sums over points (pending sums when sharded)."""
