@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def _selfcheck(args) -> int:
@@ -48,6 +49,34 @@ def _train(args) -> int:
     print(f"trained {result['steps']} steps; final loss {result['loss']}; output in {result['out']}")
     if summary:
         print(json.dumps(summary, indent=1))
+    return 0
+
+
+def _plan(args) -> int:
+    from domainflow.train.config import load_config
+    from domainflow.train.plan import HEADROOM, check_plannable, format_plan, make_plan, measure
+
+    overrides = list(args.overrides)
+    if args.config is not None and "=" in args.config:  # no config file, only overrides
+        overrides.insert(0, args.config)
+        args.config = None
+    cfg = load_config(args.config, overrides)
+    smallest, _ = check_plannable(cfg)
+    requested = args.points if args.points is not None else smallest
+    points = min(requested, cfg.data.sample_points) if cfg.data.sample_points else requested
+    sizes = args.sizes if args.sizes is not None else None
+    model = measure(cfg, sizes) if sizes is not None else measure(cfg)
+    plan = make_plan(model, points, args.memory, args.max_domain,
+                     HEADROOM if args.headroom is None else args.headroom)
+    print(format_plan(plan, cfg, requested))
+    if args.json:
+        from dataclasses import asdict
+
+        Path(args.json).write_text(json.dumps({"points": plan.points, "memory": plan.memory,
+                                               "smallest_domain": plan.smallest, "headroom": plan.headroom,
+                                               "largest_points": dict(plan.largest), "model": asdict(model),
+                                               "rows": [dict(zip(("domain", "points_per_rank", "bytes_per_rank",
+                                                                  "fits_parts"), r)) for r in plan.rows]}, indent=1))
     return 0
 
 
@@ -232,6 +261,20 @@ def main(argv=None) -> int:
     train.add_argument("--domain", type=int, default=None, help="ranks per sample (mesh.domain)")
     train.add_argument("--out", default=None, help="output folder (output.dir)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output")
+    plan = sub.add_parser("plan", help="measure a config's step at domain 1 and predict the memory per rank at "
+                                       "every domain size")
+    plan.add_argument("config", nargs="?", default=None, help="YAML or TOML config (as for train)")
+    plan.add_argument("overrides", nargs="*", help="section.key=value, e.g. model.dim=128 data.store=cars.zarr")
+    plan.add_argument("--points", type=int, default=None,
+                      help="points of a sample (default: the smallest training run of the store)")
+    plan.add_argument("--memory", type=_bytes, default=None,
+                      help="memory per rank, e.g. 80GiB: also print the smallest domain size that fits it")
+    plan.add_argument("--max-domain", type=int, default=64, help="largest domain size to consider (default 64)")
+    plan.add_argument("--sizes", type=lambda t: tuple(int(x) for x in t.split(",")), default=None,
+                      help="points of the measured samples (default 16384,32768)")
+    plan.add_argument("--headroom", type=float, default=None,
+                      help="share of the prediction added for the allocator when deciding what fits (default 0.1)")
+    plan.add_argument("--json", default=None, help="also write the plan to this JSON file")
     pred = sub.add_parser("predict", help="write runs' predicted, true and error surface fields for ParaView")
     pred.add_argument("checkpoint", help="a step_<n> checkpoint folder, or the checkpoints folder (latest)")
     pred.add_argument("store")
@@ -251,12 +294,12 @@ def main(argv=None) -> int:
     insp.add_argument("--domain", type=int, nargs="+", default=[1, 2, 3, 4, 8],
                       help="domain sizes to show the partition balance for")
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command == "train" and all("=" in e and not e.startswith("-") for e in extra):
+    if extra and args.command in ("train", "plan") and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides = list(args.overrides) + extra  # overrides given after options
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     run = {"demo": _demo, "selfcheck": _selfcheck, "synth": _synth, "ingest": _ingest, "inspect": _inspect,
-           "train": _train, "predict": _predict}[args.command]
+           "train": _train, "plan": _plan, "predict": _predict}[args.command]
     try:
         return run(args)
     except KeyboardInterrupt:

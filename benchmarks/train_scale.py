@@ -1,0 +1,355 @@
+"""Training and prediction at full resolution (issue 16): a points budget per step, activation checkpointing,
+domain 2 against domain 1 at 1M points, block inference with per-rank outputs, and the memory planner
+against measured runs, including the largest sample that trains within a per-rank budget at domain 1, 2, 4.
+
+Run: .venv/bin/python benchmarks/train_scale.py [--cells 1000000 --large 3000000 --budget 3GiB
+     --steps 3 --work /tmp/domainflow_train_scale]                       (about 15-20 min on 2 cores)
+Prints one table per part and writes benchmarks/results/train_scale.json. Ratios are taken between runs of
+this one invocation (the machine may be shared: the 1-minute load average is in the JSON).
+
+Model: the surface Transolver of the issue (dim 32, 2 layers, 4 heads, 32 slices; coords + normals + the
+14 design parameters -> Cp, Cf), float32, AdamW, the real ``Trainer`` (``train_step``: forward, loss,
+backward, optimizer), one torch thread per rank, ranks started by ``launch_local`` (Gloo). Data: synthetic
+DrivaerML-layout runs of about ``--cells`` and ``--large`` surface cells, ingested into 8 RCB parts (the
+stores of ``train_scaling.py``, made once under ``--work``). "peak" is a rank's whole-process peak resident
+size (VmHWM); the largest over ranks is reported, and the JSON also has the sum over ranks.
+
+Allocator: memory is measured with glibc's defaults (what a user's process gets); step times with the
+"tuned" heap of ``train_scaling.py`` (large blocks kept in the heap: with the defaults a 1M-point step
+spends most of its time in page faults, which would make the timings measure the kernel, not the work).
+Each part says which it uses.
+
+Parts and targets:
+1. points budget: ``data.sample_points=200000`` on the ``--cells`` and the ``--large`` store, domain 1:
+   peak and step time within 1.2x of each other (defaults allocator for the peak, tuned for the time).
+2. activation checkpointing at ``--cells`` points, domain 1 (tuned): best step <= 1.4x the plain step.
+3. domain 2 (2 ranks, 2 cores) against domain 1 (1 core) at ``--cells`` points (tuned): >= 1.8x samples/s.
+4. predict with block inference (``--block-points``, defaults allocator), a piece per rank (.pvtp): peak at
+   ``--large`` points <= 1.3x at ``--cells`` points (domain 1); at ``--large`` domain 2's largest rank
+   <= 0.6x domain 1's.
+5. the planner (``domainflow.train.plan``: two measured steps at 16k and 32k points) against the measured
+   peaks of part 1 and part 6: within 15% at every size.
+6. largest sample within ``--budget`` per rank at domain 1, 2, 4 (defaults allocator): the planner's
+   largest size N (with its 10% headroom for the allocator); a store of about N cells and one of about
+   1.25 N cells trained for 2 steps at that domain size; the measured largest lies between the largest that
+   fit and the smallest that did not (and where the line through the two measured peaks meets the budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+from measure import TUNED_MALLOC, write_results  # noqa: E402  (benchmarks/measure.py, next to this script)
+from train_scaling import prepare_store  # noqa: E402
+
+MiB, GiB = 2**20, 2**30
+MODEL = ["model.dim=32", "model.layers=2", "model.heads=4", "model.slices=32"]
+BUDGET_POINTS = 200000
+TARGETS = {"budget_peak": 1.2, "budget_step": 1.2, "checkpoint_step": 1.4, "domain2_throughput": 1.8,
+           "predict_large_over_small": 1.3, "predict_domain2_over_domain1": 0.6, "plan_error": 0.15}
+BRACKET = 1.25
+
+
+# ------------------------------------------------------------------------------------------------ ranks
+def _train_rank(over: list[str], steps: int) -> dict:
+    """One rank: the Trainer's steps; per-step seconds (barrier to barrier) and the process's peak RSS."""
+    import torch
+    import torch.distributed as dist
+
+    from domainflow.preprocess.parallel import peak_memory
+    from domainflow.train import Trainer, load_config
+
+    torch.set_num_threads(1)
+    trainer = Trainer(load_config(None, over))
+    world = dist.get_world_size()
+    stream = trainer._stream(0, steps)
+    times, rows = [], 0
+    for _ in range(steps):
+        if world > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        _, samples, _ = next(stream)
+        rows = max(rows, *(getattr(s["coords"], "_local", s["coords"]).shape[0] for _, s in samples))
+        trainer.train_step(samples)
+        if world > 1:
+            dist.barrier()
+        times.append(time.perf_counter() - t0)
+        del samples
+    stream.close()
+    return {"rank": dist.get_rank(), "step_s": times, "peak": peak_memory(), "rows": rows}
+
+
+def _predict_rank(checkpoint: str, store: str, run: str, out: str, domain: int, block: int) -> dict:
+    """One rank of ``domainflow predict`` (a piece per rank); the process's peak RSS."""
+    import torch
+    import torch.distributed as dist
+
+    from domainflow.preprocess.parallel import peak_memory
+    from domainflow.train.predict import predict_main
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    predict_main(checkpoint, store, [run], out, domain, block, False)
+    return {"rank": dist.get_rank(), "peak": peak_memory(), "s": time.perf_counter() - t0}
+
+
+def _launch(fn, nproc: int, *args, malloc: dict | None = None) -> list[dict]:
+    from domainflow.app.launch import launch_local
+
+    saved = {k: os.environ.get(k) for k in TUNED_MALLOC}
+    for k in TUNED_MALLOC:
+        os.environ.pop(k, None)
+    os.environ.update(malloc or {})
+    try:
+        res = launch_local(fn, nproc, *args, threads_per_rank=1)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return [res[r] for r in sorted(res)]
+
+
+def train(store: Path, work: Path, label: str, domain: int, steps: int, extra=(), tuned=False) -> dict:
+    """``steps`` Trainer steps at ``domain`` ranks; slowest-rank step times after the first, peaks."""
+    over = [f"data.store={store}", *MODEL, "output.progress=false", "output.plots=false", f"train.steps={steps}",
+            f"output.dir={work / 'out' / label}", f"mesh.domain={domain}", "data.prefetch=1", *extra]
+    load0 = os.getloadavg()[0]
+    ranks = _launch(_train_rank, domain, over, steps, malloc=TUNED_MALLOC if tuned else None)
+    timed = [max(r["step_s"][k] for r in ranks) for k in range(1, steps)]
+    return {"label": label, "domain": domain, "overrides": over, "malloc": "tuned" if tuned else "system",
+            "step_s": timed, "best_s": min(timed) if timed else None,
+            "median_s": statistics.median(timed) if timed else None, "peak": max(r["peak"] for r in ranks),
+            "peak_sum": sum(r["peak"] for r in ranks), "rows": max(r["rows"] for r in ranks),
+            "load_avg_1min": [load0, os.getloadavg()[0]], "per_rank": ranks}
+
+
+# ------------------------------------------------------------------------------------------------ parts
+def part_budget(small, large, work, steps) -> dict:
+    res = {}
+    for name, store in (("small", small), ("large", large)):
+        extra = [f"data.sample_points={BUDGET_POINTS}"]
+        res[name] = {"memory": train(store, work, f"budget_{name}_mem", 1, 2, extra),
+                     "time": train(store, work, f"budget_{name}_time", 1, steps + 1, extra, tuned=True)}
+    res["peak_ratio"] = res["large"]["memory"]["peak"] / res["small"]["memory"]["peak"]
+    res["step_ratio"] = res["large"]["time"]["best_s"] / res["small"]["time"]["best_s"]
+    res["step_ratio_median"] = res["large"]["time"]["median_s"] / res["small"]["time"]["median_s"]
+    return res
+
+
+def part_checkpoint(small, work, steps) -> dict:
+    plain = train(small, work, "plain_W1", 1, steps + 1, tuned=True)
+    ckpt = train(small, work, "ckpt_W1", 1, steps + 1, ["train.checkpoint_activations=true"], tuned=True)
+    return {"plain": plain, "checkpointed": ckpt, "ratio": ckpt["best_s"] / plain["best_s"],
+            "ratio_median": ckpt["median_s"] / plain["median_s"]}
+
+
+def part_domain2(small, work, steps, w1) -> dict:
+    w2 = train(small, work, "plain_W2", 2, steps + 1, tuned=True)
+    return {"W1": w1, "W2": w2, "throughput": w1["best_s"] / w2["best_s"],
+            "throughput_median": w1["median_s"] / w2["median_s"]}
+
+
+def part_predict(small, large, work, block) -> dict:
+    # a checkpoint of the benchmark's model (one step on 16k points of the small store)
+    from domainflow.train.config import load_config
+
+    ck_out = work / "out" / "predict_ckpt"
+
+    cfg = load_config(None, [f"data.store={small}", *MODEL, "output.progress=false", "output.plots=false",
+                             "train.steps=1", "data.sample_points=16384", f"output.dir={ck_out}", "data.prefetch=0"])
+    _launch(_fit_rank, 1, cfg.to_dict())
+    ckpt = str(ck_out / "checkpoints")
+    res = {}
+    for name, store, domain in (("small_W1", small, 1), ("large_W1", large, 1), ("large_W2", large, 2)):
+        run = _first_run(store)
+        out = work / "out" / "predict" / f"{name}.pvtp"
+        load0 = os.getloadavg()[0]
+        ranks = _launch(_predict_rank, domain, ckpt, str(store), run, str(out), domain, block)
+        res[name] = {"peak": max(r["peak"] for r in ranks), "peak_sum": sum(r["peak"] for r in ranks),
+                     "s": max(r["s"] for r in ranks), "run": run, "domain": domain, "block_points": block,
+                     "load_avg_1min": [load0, os.getloadavg()[0]]}
+    res["large_over_small"] = res["large_W1"]["peak"] / res["small_W1"]["peak"]
+    res["domain2_over_domain1"] = res["large_W2"]["peak"] / res["large_W1"]["peak"]
+    return res
+
+
+def _fit_rank(cfg_dict: dict) -> dict:
+    from domainflow.train.config import from_dict
+    from domainflow.train.loop import Trainer
+
+    cfg = from_dict(cfg_dict)
+    trainer = Trainer(cfg)
+    for _, samples, _ in trainer._stream(0, 1):
+        trainer.train_step(samples)
+    trainer.save()
+    return {}
+
+
+def _first_run(store: Path) -> str:
+    from domainflow.readers import open_store
+
+    s = open_store(store)
+    try:
+        return s.runs()[0]
+    finally:
+        s.close()
+
+
+def part_plan(small: Path):
+    from domainflow.train.config import load_config
+    from domainflow.train.plan import measure
+
+    cfg = load_config(None, [f"data.store={small}", *MODEL, "data.prefetch=1"])
+    t0 = time.perf_counter()
+    model = measure(cfg)
+    return model, time.perf_counter() - t0
+
+
+def part_largest(work: Path, model, budget: int) -> dict:
+    from domainflow.train.plan import HEADROOM, largest_points
+
+    res = {}
+    for w in (1, 2, 4):
+        n_pred = largest_points(model, budget, w)  # with the planner's headroom for the allocator
+        row = {"predicted_points": n_pred, "predicted_bytes": model.bytes_at(n_pred / w), "headroom": HEADROOM,
+               "runs": []}
+        for factor in (1.0, BRACKET):
+            store, cells, _ = prepare_store(work, int(n_pred * factor), 3)
+            r = train(store, work, f"largest_W{w}_{factor}", w, 2)
+            r["cells"] = cells
+            r["predicted"] = model.bytes_at(r["rows"])
+            r["fits"] = r["peak"] <= budget
+            row["runs"].append(r)
+        fit = [r["cells"] for r in row["runs"] if r["fits"]]
+        over = [r["cells"] for r in row["runs"] if not r["fits"]]
+        row["measured_largest_at_least"] = max(fit) if fit else None
+        row["measured_largest_below"] = min(over) if over else None
+        (a, b) = row["runs"]  # the two measured peaks, joined by a line: where it crosses the budget
+        row["measured_largest_interpolated"] = int(a["cells"] + (budget - a["peak"]) * (b["cells"] - a["cells"]) /
+                                                   (b["peak"] - a["peak"])) if b["peak"] != a["peak"] else None
+        res[str(w)] = row
+    return res
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", type=int, default=1000000, help="surface cells per run of the small store")
+    ap.add_argument("--large", type=int, default=3000000, help="surface cells per run of the large store")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (after one untimed) of the timed parts")
+    ap.add_argument("--block-points", type=int, default=65536, help="predict's block of points per rank")
+    ap.add_argument("--budget", default="3GiB", help="per-rank memory budget of part 6")
+    ap.add_argument("--parts", default="budget,checkpoint,domain2,predict,plan,largest",
+                    help="comma-separated parts to run")
+    ap.add_argument("--work", default="/tmp/domainflow_train_scale", help="stores and outputs (kept between runs)")
+    args = ap.parse_args()
+    from domainflow.app.cli import _bytes
+
+    budget = _bytes(args.budget)
+    parts = set(args.parts.split(","))
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    t_start, load_start = time.perf_counter(), os.getloadavg()[0]
+    small, cells_small, _ = prepare_store(work, args.cells, 3)
+    large, cells_large, _ = prepare_store(work, args.large, 3)
+    out = {"cells_small": cells_small, "cells_large": cells_large, "model": MODEL, "targets": TARGETS,
+           "cpu_count": os.cpu_count(), "budget_bytes": budget}
+    met = {}
+
+    if "budget" in parts:
+        b = out["budget"] = part_budget(small, large, work, args.steps)
+        print(f"1. data.sample_points={BUDGET_POINTS}, domain 1")
+        print(f"{'store':>10} {'cells':>10} {'peak MiB':>9} {'step s best/med (tuned)':>24}")
+        for name, cells in (("small", cells_small), ("large", cells_large)):
+            m, t = b[name]["memory"], b[name]["time"]
+            print(f"{name:>10} {cells:>10,} {m['peak'] / MiB:>9.0f} {t['best_s']:>15.2f} / {t['median_s']:.2f}")
+        print(f"   large / small: peak {b['peak_ratio']:.3f}x, step {b['step_ratio']:.3f}x (median "
+              f"{b['step_ratio_median']:.3f}x)")
+        met["budget_peak_within_1.2x"] = b["peak_ratio"] <= TARGETS["budget_peak"]
+        met["budget_step_within_1.2x"] = max(b["step_ratio"], 1 / b["step_ratio"]) <= TARGETS["budget_step"]
+
+    w1 = None
+    if "checkpoint" in parts or "domain2" in parts:
+        c = out["checkpoint"] = part_checkpoint(small, work, args.steps)
+        w1 = c["plain"]
+        print(f"2. activation checkpointing at {cells_small:,} points, domain 1 (tuned)")
+        for name in ("plain", "checkpointed"):
+            r = c[name]
+            print(f"   {name:>13}: step best / median {r['best_s']:.2f} / {r['median_s']:.2f} s, peak "
+                  f"{r['peak'] / MiB:.0f} MiB (tuned heap)")
+        print(f"   checkpointed / plain: {c['ratio']:.3f}x (median {c['ratio_median']:.3f}x)")
+        met["checkpoint_step_le_1.4x"] = c["ratio"] <= TARGETS["checkpoint_step"]
+
+    if "domain2" in parts:
+        d = out["domain2"] = part_domain2(small, work, args.steps, w1)
+        print(f"3. domain 2 (2 ranks, 2 cores) vs domain 1 (1 core) at {cells_small:,} points (tuned)")
+        print(f"   W=1 {d['W1']['best_s']:.2f} s, W=2 {d['W2']['best_s']:.2f} s per step: {d['throughput']:.2f}x "
+              f"samples/s (median {d['throughput_median']:.2f}x)")
+        met["domain2_throughput_ge_1.8x"] = d["throughput"] >= TARGETS["domain2_throughput"]
+
+    if "predict" in parts:
+        p = out["predict"] = part_predict(small, large, work, args.block_points)
+        print(f"4. predict with --block-points {args.block_points}, a piece per rank (.pvtp)")
+        for name in ("small_W1", "large_W1", "large_W2"):
+            r = p[name]
+            print(f"   {name:>9}: peak per rank {r['peak'] / MiB:.0f} MiB (all ranks {r['peak_sum'] / MiB:.0f}), "
+                  f"{r['s']:.1f} s")
+        print(f"   large / small at domain 1: {p['large_over_small']:.3f}x; domain 2 / domain 1 at large: "
+              f"{p['domain2_over_domain1']:.3f}x")
+        met["predict_large_le_1.3x_small"] = p["large_over_small"] <= TARGETS["predict_large_over_small"]
+        met["predict_domain2_le_0.6x_domain1"] = p["domain2_over_domain1"] <= TARGETS["predict_domain2_over_domain1"]
+
+    model = None
+    if "plan" in parts or "largest" in parts:
+        model, plan_s = part_plan(small)
+        out["plan"] = {"fixed": model.fixed, "per_point": model.per_point, "sizes": model.sizes,
+                       "peaks": model.peaks, "seconds": plan_s, "checks": []}
+        print(f"5. planner: {model.fixed / MiB:.0f} MiB + {model.per_point / 1024:.2f} KiB per point (measured at "
+              f"{', '.join(map(str, model.sizes))} points in {plan_s:.0f} s)")
+    if "largest" in parts:
+        lg = out["largest"] = part_largest(work, model, budget)
+        print(f"6. largest sample within {budget / GiB:.1f} GiB per rank (defaults allocator, 2 steps)")
+        print(f"{'W':>3} {'planned N':>11} {'run cells':>11} {'peak MiB':>9} {'planned MiB':>12} {'fits':>5}")
+        for w, row in lg.items():
+            for r in row["runs"]:
+                print(f"{w:>3} {row['predicted_points']:>11,} {r['cells']:>11,} {r['peak'] / MiB:>9.0f} "
+                      f"{r['predicted'] / MiB:>12.0f} {'yes' if r['fits'] else 'no':>5}")
+            lo, hi = row["measured_largest_at_least"], row["measured_largest_below"]
+            interp = row["measured_largest_interpolated"]
+            print(f"    W={w}: measured largest {'>= ' + format(lo, ',') if lo else '< ' + format(hi, ',')}"
+                  f"{' and < ' + format(hi, ',') if lo and hi else ''}"
+                  f"{f' (about {interp:,} between the two runs)' if interp else ''}; planned "
+                  f"{row['predicted_points']:,} (with {100 * row['headroom']:.0f}% headroom)")
+            met[f"largest_W{w}_planned_size_fits"] = bool(row["runs"][0]["fits"])
+    if model is not None:
+        checks = out["plan"]["checks"]
+        for r in ([out["budget"][n]["memory"] for n in ("small", "large")] if "budget" in out else []) + \
+                 [r for row in out.get("largest", {}).values() for r in row["runs"]]:
+            pred = model.bytes_at(r["rows"])
+            checks.append({"label": r["label"], "rows_per_rank": r["rows"], "measured": r["peak"],
+                           "predicted": pred, "error": pred / r["peak"] - 1})
+        if checks:
+            print("   planner vs measured peak per rank (defaults allocator):")
+            for ch in checks:
+                print(f"   {ch['label']:>22}: {ch['rows_per_rank']:>9,} points/rank, measured "
+                      f"{ch['measured'] / MiB:>6.0f} MiB, planned {ch['predicted'] / MiB:>6.0f} MiB "
+                      f"({100 * ch['error']:+.1f}%)")
+            met["plan_within_15pct"] = all(abs(ch["error"]) <= TARGETS["plan_error"] for ch in checks)
+    for k, v in met.items():
+        print(f"target {k}: {'met' if v else 'NOT met'}")
+    out["targets_met"] = met
+    out["total_s"] = time.perf_counter() - t_start
+    out["load_avg_1min_start_end"] = [load_start, os.getloadavg()[0]]
+    print(f"total {out['total_s']:.0f} s; 1-min load average {load_start:.1f} at the start, "
+          f"{os.getloadavg()[0]:.1f} at the end")
+    write_results("train_scale", out)
+
+
+if __name__ == "__main__":
+    main()
