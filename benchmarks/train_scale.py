@@ -30,7 +30,7 @@ Parts and targets:
 5. the planner (``domainflow.train.plan``: two measured steps at 16k and 32k points) against the measured
    peaks of part 1 and part 6: within 15% at every size.
 6. largest sample within ``--budget`` per rank at domain 1, 2, 4 (defaults allocator): the planner's
-   largest size N (with its 10% headroom for the allocator); a store of about N cells and one of about
+   largest size N (with its 20% headroom for the allocator); a store of about N cells and one of about
    1.25 N cells trained for 2 steps at that domain size; the measured largest lies between the largest that
    fit and the smallest that did not (and where the line through the two measured peaks meets the budget).
 """
@@ -217,13 +217,13 @@ def part_largest(work: Path, model, budget: int) -> dict:
     res = {}
     for w in (1, 2, 4):
         n_pred = largest_points(model, budget, w)  # with the planner's headroom for the allocator
-        row = {"predicted_points": n_pred, "predicted_bytes": model.bytes_at(n_pred / w), "headroom": HEADROOM,
+        row = {"predicted_points": n_pred, "predicted_bytes": model.train.bytes_at(n_pred / w), "headroom": HEADROOM,
                "runs": []}
         for factor in (1.0, BRACKET):
             store, cells, _ = prepare_store(work, int(n_pred * factor), 3)
             r = train(store, work, f"largest_W{w}_{factor}", w, 2)
             r["cells"] = cells
-            r["predicted"] = model.bytes_at(r["rows"])
+            r["predicted"] = model.train.bytes_at(r["rows"])
             r["fits"] = r["peak"] <= budget
             row["runs"].append(r)
         fit = [r["cells"] for r in row["runs"] if r["fits"]]
@@ -308,10 +308,12 @@ def main() -> None:
     model = None
     if "plan" in parts or "largest" in parts:
         model, plan_s = part_plan(small)
-        out["plan"] = {"fixed": model.fixed, "per_point": model.per_point, "sizes": model.sizes,
-                       "peaks": model.peaks, "seconds": plan_s, "checks": []}
-        print(f"5. planner: {model.fixed / MiB:.0f} MiB + {model.per_point / 1024:.2f} KiB per point (measured at "
-              f"{', '.join(map(str, model.sizes))} points in {plan_s:.0f} s)")
+        out["plan"] = {"train": vars(model.train), "eval": vars(model.eval), "sizes": model.sizes,
+                       "train_peaks": model.train_peaks, "eval_peaks": model.eval_peaks, "seconds": plan_s,
+                       "checks": []}
+        print(f"5. planner: a training step {model.train.fixed / MiB:.0f} MiB + {model.train.per_point / 1024:.2f} "
+              f"KiB per point, evaluation {model.eval.fixed / MiB:.0f} MiB + {model.eval.per_point / 1024:.2f} KiB "
+              f"per point (measured at {', '.join(map(str, model.sizes))} points in {plan_s:.0f} s)")
     if "largest" in parts:
         lg = out["largest"] = part_largest(work, model, budget)
         print(f"6. largest sample within {budget / GiB:.1f} GiB per rank (defaults allocator, 2 steps)")
@@ -331,7 +333,7 @@ def main() -> None:
         checks = out["plan"]["checks"]
         for r in ([out["budget"][n]["memory"] for n in ("small", "large")] if "budget" in out else []) + \
                  [r for row in out.get("largest", {}).values() for r in row["runs"]]:
-            pred = model.bytes_at(r["rows"])
+            pred = model.train.bytes_at(r["rows"])
             checks.append({"label": r["label"], "rows_per_rank": r["rows"], "measured": r["peak"],
                            "predicted": pred, "error": pred / r["peak"] - 1})
         if checks:

@@ -358,7 +358,7 @@ class VtkXmlFile:
         """The points a connectivity refers to, read stretch by stretch (only the ids used, in runs closer
         than ``POINT_GAP``); returns (points, connectivity re-indexed into them)."""
         if not len(conn):
-            return np.zeros((0, 3)), conn
+            return np.zeros((0, 3), dtype=self.pieces[0]["arrays"]["points"].dtype), conn
         if conn.min() < 0 or conn.max() >= self.n_points:
             raise IngestError(f"{self.path}: the connectivity refers to point {int(conn.max())} of {self.n_points} "
                               f"(or a negative id): a corrupt file")

@@ -104,6 +104,9 @@ class VtkXmlWriter:
         ``offsets``: polygons, or vertices for a point cloud)."""
         if section not in _SECTIONS[self.kind]:
             raise ValueError(f"section must be one of {_SECTIONS[self.kind]}, got {section!r}")
+        other = {"Verts": "Polys", "Polys": "Verts"}.get(section)
+        if other is not None and any(sec == other for sec, _ in self._blobs):
+            raise ValueError(f"{self.path.name}: a PolyData written here holds vertices or polygons, not both")
         if np.dtype(dtype).str[1:] not in _VTK_TYPES:
             raise ValueError(f"{name}: dtype {np.dtype(dtype)} has no VTK type")
         scratch = self.path.with_name(f"{self._tag}.{len(self._blobs)}.blob")

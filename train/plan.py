@@ -1,17 +1,20 @@
 """How many ranks a sample needs: ``domainflow plan``.
 
 One training step of the config (its model, loss, optimizer, dtype, autocast and activation checkpointing:
-the real ``Trainer``) is measured at domain 1 on small draws of a training run (``data.sample_points``) of
-two sizes, in a child process. Its peak memory, fitted as ``fixed + bytes per point x points``, predicts a
-rank's peak at any domain size: the activations follow the points a rank holds (the largest rank's share
-of the store's spatial parts), the parameters, gradients and optimizer state are replicated.
+the real ``Trainer``) and the evaluation forward after it (no grad, with the config's ``eval.block_points``)
+are measured at domain 1 on small draws of a training run (``data.sample_points``) of two sizes, in a child
+process. Each peak, fitted as ``fixed + bytes per point x points``, predicts a rank's peak at any domain size:
+the activations follow the points a rank holds (the largest rank's share of the store's spatial parts), the
+parameters, gradients and optimizer state are replicated. A rank's memory is the larger of the training
+step on the points a step trains on (``data.sample_points`` of the sample, or all of it) and the evaluation
+of a whole sample.
 
 Peak memory is the process's peak resident size on CPU, measured with glibc returning every freed block of
 64 KiB or more to the OS at once (``MALLOC_MMAP_THRESHOLD_``), so that it is the peak of live memory and not
 of whatever the heap kept; on a GPU it is the CUDA caching allocator's peak allocated memory (the CUDA
 context and the allocator's cache come on top). A real run's allocator keeps some freed memory on top of
 the live peak (glibc's heap on CPU, the caching allocator's reserve on a GPU), so whether a domain size fits
-is decided with ``headroom`` (default 10%) on top of the prediction (``benchmarks/train_scale.py`` measures
+is decided with ``headroom`` (default 20%) on top of the prediction (``benchmarks/train_scale.py`` measures
 how far real runs are from the plan).
 """
 
@@ -28,7 +31,7 @@ PLAN_SIZES = (16384, 32768)       # points of the two measured samples
 PLAN_STEPS = 2                    # steps per size; the last one (optimizer state in place) is measured
 MEASURE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(64 << 10)}  # freed blocks >= 64 KiB go back to the OS at once
 DOMAINS = (1, 2, 4, 8, 16, 32, 64)
-HEADROOM = 0.10                   # the allocator's share on top of the live peak when deciding what fits
+HEADROOM = 0.20                   # the allocator's share on top of the live peak when deciding what fits
 
 
 class PlanError(ConfigError):
@@ -36,19 +39,38 @@ class PlanError(ConfigError):
 
 
 @dataclass
-class MemoryModel:
-    """A rank's peak memory in a training step: ``fixed + per_point * points`` (bytes)."""
+class Line:
+    """Peak memory ``fixed + per_point * points`` (bytes), fitted to measured (points, peak) pairs."""
 
     fixed: float
     per_point: float
-    sizes: tuple = ()
-    peaks: tuple = ()
-    device: str = "cpu"
-    parts: int = 1
-    seconds: tuple = field(default_factory=tuple)
 
     def bytes_at(self, points: float) -> float:
         return self.fixed + self.per_point * points
+
+    @classmethod
+    def fit(cls, sizes, peaks, what: str) -> "Line":
+        n = len(sizes)  # least squares
+        mx, my = sum(sizes) / n, sum(peaks) / n
+        slope = sum((x - mx) * (y - my) for x, y in zip(sizes, peaks)) / sum((x - mx) ** 2 for x in sizes)
+        if slope <= 0:
+            raise PlanError(f"the peak memory of {what} did not grow from {sizes[0]} to {sizes[-1]} points "
+                            f"({list(peaks)}); measure larger samples with --sizes")
+        return cls(my - slope * mx, slope)
+
+
+@dataclass
+class MemoryModel:
+    """A rank's peak memory in a training step and in the evaluation of a sample, each a :class:`Line`."""
+
+    train: Line
+    eval: Line
+    sizes: tuple = ()
+    train_peaks: tuple = ()
+    eval_peaks: tuple = ()
+    device: str = "cpu"
+    parts: int = 1
+    seconds: tuple = field(default_factory=tuple)
 
 
 def rank_points(points: int, domain: int, parts: int) -> int:
@@ -58,9 +80,17 @@ def rank_points(points: int, domain: int, parts: int) -> int:
     return math.ceil(points * most / parts)
 
 
-def check_plannable(cfg: Config) -> tuple[int, int]:
-    """(points of the smallest training run, parts per run) of the config's mesh store; a grid config or a
-    store without a train split is refused with what to do instead."""
+def parts_for(domain: int, parts: int) -> int:
+    """The parts per run a store needs for ``domain`` ranks: the store's own when it has enough, else what a
+    re-ingest should ask for (a power of two, at least 8 per rank, so that shares differ by at most 1/8)."""
+    if domain <= parts:
+        return parts
+    return max(64, 1 << (8 * domain - 1).bit_length())
+
+
+def check_plannable(cfg: Config) -> tuple[int, int, int]:
+    """(points of the smallest and of the largest training run, parts per run) of the config's mesh store; a
+    grid config or a store without a train split is refused with what to do instead."""
     from domainflow.readers import open_store
 
     if cfg.data.kind != "mesh":
@@ -78,14 +108,15 @@ def check_plannable(cfg: Config) -> tuple[int, int]:
         parts = int(store.parts)
     finally:
         store.close()
-    return min(sizes), parts
+    return min(sizes), max(sizes), parts
 
 
 def measure(cfg: Config, sizes=PLAN_SIZES, steps: int = PLAN_STEPS) -> MemoryModel:
-    """Fit a rank's peak memory per step to the points of the sample, from one child process at domain 1."""
+    """Fit a rank's peak memory per training step and per evaluation to the points of the sample, from one
+    child process at domain 1."""
     from domainflow.app.launch import launch_local
 
-    smallest, parts = check_plannable(cfg)
+    smallest, _, parts = check_plannable(cfg)
     sizes = tuple(sorted(int(s) for s in sizes))
     if len(sizes) < 2 or sizes[0] < 1 or len(set(sizes)) != len(sizes):
         raise PlanError(f"the plan needs two or more different sample sizes to measure, got {list(sizes)}")
@@ -105,56 +136,58 @@ def measure(cfg: Config, sizes=PLAN_SIZES, steps: int = PLAN_STEPS) -> MemoryMod
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    peaks = [p for p, _ in result["peaks"]]
-    n = len(sizes)  # least-squares line through the measured points
-    mx, my = sum(sizes) / n, sum(peaks) / n
-    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, peaks)) / sum((x - mx) ** 2 for x in sizes)
-    if slope <= 0:
-        raise PlanError(f"the peak memory did not grow from {sizes[0]} to {sizes[-1]} points ({peaks}); measure "
-                        f"larger samples with --sizes")
-    return MemoryModel(fixed=my - slope * mx, per_point=slope, sizes=sizes, peaks=tuple(peaks),
-                       device=result["device"], parts=parts, seconds=tuple(s for _, s in result["peaks"]))
+    train_peaks = tuple(r["train"] for r in result["sizes"])
+    eval_peaks = tuple(r["eval"] for r in result["sizes"])
+    return MemoryModel(train=Line.fit(sizes, train_peaks, "a training step"),
+                       eval=Line.fit(sizes, eval_peaks, "an evaluation"), sizes=sizes, train_peaks=train_peaks,
+                       eval_peaks=eval_peaks, device=result["device"], parts=parts,
+                       seconds=tuple(r["seconds"] for r in result["sizes"]))
 
 
 def _measure_rank(cfg_dict: dict, sizes, steps: int, out: str) -> dict:
-    """The child process: the config's Trainer at domain 1 on draws of each size; each size's peak memory
-    over its measured steps (bytes) and the step time (s)."""
+    """The child process: the config's Trainer at domain 1 on draws of each size; per size the peak memory
+    of a training step after the first, of the evaluation forward after it (bytes), and the step time (s)."""
     import gc
     import time
 
     import torch
 
+    from .inference import infer
     from .loop import Trainer
 
-    peaks = []
-    device = "cpu"
+    results = []
+    device = torch.device("cpu")
     for n in sizes:
         d = dict(cfg_dict)
         d["mesh"] = {**d["mesh"], "dp": 1, "domain": 1, "lon": 1}
-        d["data"] = {**d["data"], "sample_points": int(n), "prefetch": d["data"]["prefetch"]}
+        d["data"] = {**d["data"], "sample_points": int(n)}
         d["output"] = {**d["output"], "dir": out, "progress": False, "plots": False}
         trainer = Trainer(from_dict(d))
         device = next(trainer.model.parameters()).device
         stream = trainer._stream(0, steps)
-        peak, seconds = 0, 0.0
+        peak, seconds, sample = 0, 0.0, None
         for k, (_, samples, _) in enumerate(stream):
-            last = k == steps - 1
             _reset_peak(device)
             t0 = time.perf_counter()
             trainer.train_step(samples)
             seconds = time.perf_counter() - t0
             if k >= 1:
                 peak = max(peak, _peak(device))
+            sample = samples[0][1]
             del samples
-            if last:
+            if k == steps - 1:
                 break
         stream.close()
-        peaks.append((peak, seconds))
-        del trainer, stream
+        # the evaluation that follows training in Trainer.fit: a no-grad forward of a sample, gradients kept
+        batch = trainer._batch(sample)
+        _reset_peak(device)
+        infer(trainer.model, batch, trainer.cfg)
+        results.append({"train": peak, "eval": _peak(device), "seconds": seconds})
+        del trainer, stream, sample, batch
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return {"peaks": peaks, "device": str(getattr(device, "type", device))}
+    return {"sizes": results, "device": device.type}
 
 
 def _reset_peak(device) -> None:
@@ -181,87 +214,131 @@ def _peak(device) -> int:
 
 
 @dataclass
+class Row:
+    """One domain size of a plan: points and predicted bytes per rank (the largest rank)."""
+
+    domain: int
+    parts: int                 # parts per run the shares assume (more than the store's: a re-ingest)
+    train_points: int          # training step
+    eval_points: int           # evaluation of a whole sample
+    train_bytes: float
+    eval_bytes: float
+    largest: int | None = None  # the largest sample within the plan's memory (None: no memory given)
+
+    @property
+    def bytes(self) -> float:
+        return max(self.train_bytes, self.eval_bytes)
+
+
+@dataclass
 class Plan:
     model: MemoryModel
-    points: int                    # points of a sample a step trains on
-    rows: list                     # (domain, points on the largest rank, bytes per rank, fits the parts)
+    points: int                    # points of a sample
+    step_points: int               # points a training step takes of it (data.sample_points, or all)
+    rows: list
     memory: int | None = None
     smallest: int | None = None    # the smallest domain size within ``memory`` (None: none up to max_domain)
     headroom: float = HEADROOM
-    largest: list = field(default_factory=list)  # (domain, largest sample within ``memory``) of the shown rows
 
 
-def fits(model: MemoryModel, rank_points_: int, memory: int, headroom: float = HEADROOM) -> bool:
-    """True when a rank holding ``rank_points_`` points is predicted to stay within ``memory`` with headroom."""
-    return model.bytes_at(rank_points_) * (1 + headroom) <= memory
+def row(model: MemoryModel, points: int, step_points: int, domain: int) -> Row:
+    """The predicted peaks of ``domain`` ranks on a sample of ``points``, ``step_points`` of them per step."""
+    parts = parts_for(domain, model.parts)
+    tp, ep = rank_points(step_points, domain, parts), rank_points(points, domain, parts)
+    return Row(domain, parts, tp, ep, model.train.bytes_at(tp), model.eval.bytes_at(ep))
 
 
-def largest_points(model: MemoryModel, memory: int, domain: int, headroom: float = HEADROOM) -> int:
-    """The largest sample whose largest rank share at ``domain`` ranks fits ``memory`` (0: none)."""
-    per_rank = (memory / (1 + headroom) - model.fixed) / model.per_point
-    if per_rank < 1:
+def fits(r: Row, memory: int, headroom: float = HEADROOM) -> bool:
+    """True when the row's prediction, with ``headroom`` for the allocator, stays within ``memory``."""
+    return r.bytes * (1 + headroom) <= memory
+
+
+def largest_points(model: MemoryModel, memory: int, domain: int, sample_points: int = 0,
+                   headroom: float = HEADROOM) -> int:
+    """The largest sample that fits ``memory`` per rank at ``domain`` ranks (0: none), its training steps
+    taking ``sample_points`` of it (0: all)."""
+    def ok(n):
+        return fits(row(model, n, min(n, sample_points) if sample_points else n, domain), memory, headroom)
+
+    if not ok(1):
         return 0
-    most = max((r + 1) * model.parts // domain - r * model.parts // domain for r in range(domain))
-    n = int(per_rank * model.parts / most) if domain <= model.parts else int(per_rank * domain)
-    while n > 0 and not fits(model, _share(n, domain, model.parts), memory, headroom):
-        n -= 1  # ceil() in the share can tip the last point over
-    return n
+    lo, hi = 1, 2
+    while ok(hi):  # both peaks grow with the sample, so there is a largest size that fits
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
 
 
-def _share(points: int, domain: int, parts: int) -> int:
-    return rank_points(points, domain, parts) if domain <= parts else math.ceil(points / domain)
-
-
-def make_plan(model: MemoryModel, points: int, memory: int | None = None, max_domain: int = 64,
-              headroom: float = HEADROOM) -> Plan:
-    """Memory per rank at domain sizes 1..``max_domain`` for a sample of ``points``, and the smallest domain
-    size whose prediction, with ``headroom`` for the allocator, fits ``memory`` bytes per rank."""
-    def row(w):
-        share = _share(points, w, model.parts)
-        return (w, share, model.bytes_at(share), w <= model.parts)
-
+def make_plan(model: MemoryModel, points: int, sample_points: int = 0, memory: int | None = None,
+              max_domain: int = 64, headroom: float = HEADROOM) -> Plan:
+    """Memory per rank at domain sizes 1..``max_domain`` for a sample of ``points`` (training steps on
+    ``sample_points`` of them, 0: all), and the smallest domain size whose prediction, with ``headroom`` for
+    the allocator, fits ``memory`` bytes per rank."""
+    if points < 1 or max_domain < 1 or sample_points < 0:
+        raise PlanError(f"a plan needs points >= 1, max_domain >= 1 and sample_points >= 0; got {points}, "
+                        f"{max_domain}, {sample_points}")
+    if not (headroom >= 0 and math.isfinite(headroom)):
+        raise PlanError(f"the headroom is a fraction >= 0 (e.g. 0.2), got {headroom}")
+    step = min(points, sample_points) if sample_points else points
     shown = sorted({w for w in DOMAINS if w <= max_domain} | {max_domain})
-    smallest, largest = None, []
+    smallest = None
     if memory is not None:
-        smallest = next((w for w in range(1, max_domain + 1) if fits(model, row(w)[1], memory, headroom)), None)
+        smallest = next((w for w in range(1, max_domain + 1) if fits(row(model, points, step, w), memory, headroom)),
+                        None)
         if smallest is not None:
             shown = sorted(set(shown) | {smallest})
-        largest = [(w, largest_points(model, memory, w, headroom)) for w in shown]
-    return Plan(model, points, [row(w) for w in shown], memory, smallest, headroom, largest)
+    rows = [row(model, points, step, w) for w in shown]
+    if memory is not None:
+        for r in rows:
+            r.largest = largest_points(model, memory, r.domain, sample_points, headroom)
+    return Plan(model, points, step, rows, memory, smallest, headroom)
 
 
-def format_plan(plan: Plan, cfg: Config, requested: int) -> str:
+def format_plan(plan: Plan, cfg: Config) -> str:
     """The plan as a short table with what it assumes."""
     m = plan.model
     unit = "GPU memory (allocated)" if m.device == "cuda" else "peak resident memory"
-    lines = []
-    budget = f"; data.sample_points = {cfg.data.sample_points}" if plan.points != requested else ""
-    lines.append(f"{cfg.model.name} (dim {cfg.model.dim}, {cfg.model.layers} layers), {cfg.train.dtype}"
-                 f"{', bf16 autocast' if cfg.train.autocast == 'bf16' else ''}"
-                 f"{', activation checkpointing' if cfg.train.checkpoint_activations else ''}; "
-                 f"{plan.points:,} points per step{budget}")
-    lines.append(f"measured at domain 1 on {', '.join(f'{s:,}' for s in m.sizes)} points of {cfg.data.store}: "
-                 f"{', '.join(_size(p) for p in m.peaks)} -> {_size(m.fixed)} + {m.per_point / 1024:.2f} KiB "
-                 f"per point ({unit}, one training step)")
-    largest = dict(plan.largest)
-    head = f"  {'largest sample':>14}" if plan.memory is not None else ""
-    lines.append(f"{'domain':>6}  {'points/rank':>12}  {'memory/rank':>12}{head}")
-    for w, share, b, ok in plan.rows:
-        note = "" if ok else f"  (the store has {m.parts} parts per run: re-ingest with --parts >= {w})"
-        mark = "  <- smallest within the budget" if w == plan.smallest else ""
-        most = f"  {largest[w]:>14,}" if plan.memory is not None else ""
-        lines.append(f"{w:>6}  {share:>12,}  {_size(b):>12}{most}{mark}{note}")
+    sampled = plan.step_points != plan.points
+    lines = [f"{cfg.model.name} (dim {cfg.model.dim}, {cfg.model.layers} layers), {cfg.train.dtype}"
+             f"{', bf16 autocast' if cfg.train.autocast == 'bf16' else ''}"
+             f"{', activation checkpointing' if cfg.train.checkpoint_activations else ''}; samples of "
+             f"{plan.points:,} points" + (f", {plan.step_points:,} per training step (data.sample_points = "
+                                          f"{cfg.data.sample_points})" if sampled else ""),
+             f"measured at domain 1 on {', '.join(f'{s:,}' for s in m.sizes)} points of {cfg.data.store} "
+             f"({unit}): training step {_size(m.train.fixed)} + {m.train.per_point / 1024:.2f} KiB per point, "
+             f"evaluation {_size(m.eval.fixed)} + {m.eval.per_point / 1024:.2f} KiB per point"
+             + (f" (eval.block_points = {cfg.eval.block_points})" if cfg.eval.block_points else "")]
+    cols = f"{'domain':>6}  {'points/rank':>12}  {'train step':>10}  {'evaluation':>10}  {'memory/rank':>11}"
+    lines.append(cols + (f"  {'largest sample':>14}" if plan.memory is not None else ""))
+    for r in plan.rows:
+        note = "" if r.parts == m.parts else f"  (re-ingest with --parts {r.parts}: the store has {m.parts})"
+        mark = "  <- smallest within the budget" if r.domain == plan.smallest else ""
+        most = f"  {r.largest:>14,}" if plan.memory is not None else ""
+        share = f"{r.eval_points:,}"
+        lines.append(f"{r.domain:>6}  {share:>12}  {_size(r.train_bytes):>10}  {_size(r.eval_bytes):>10}  "
+                     f"{_size(r.bytes):>11}{most}{mark}{note}")
     if plan.memory is not None:
         within = f"{_size(plan.memory)} per rank with {100 * plan.headroom:.0f}% headroom for the allocator"
         if plan.smallest is None:
-            floor = m.fixed
+            floor = max(m.train.fixed, m.eval.fixed)
             why = (f" (the fixed part alone, {_size(floor)}, exceeds it)" if floor * (1 + plan.headroom) >= plan.memory
                    else "")
-            lines.append(f"no domain size up to {plan.rows[-1][0]} fits {within}{why}; set data.sample_points, "
-                         f"train.checkpoint_activations=true or a smaller model")
+            lines.append(f"no domain size up to {plan.rows[-1].domain} fits {within}{why}; set data.sample_points, "
+                         f"train.checkpoint_activations=true, eval.block_points or a smaller model")
         else:
             lines.append(f"smallest domain size within {within}: {plan.smallest}")
     return "\n".join(lines)
+
+
+def plan_json(plan: Plan) -> dict:
+    """The plan as plain data (``domainflow plan --json``)."""
+    from dataclasses import asdict
+
+    return {"points": plan.points, "step_points": plan.step_points, "memory": plan.memory,
+            "smallest_domain": plan.smallest, "headroom": plan.headroom, "model": asdict(plan.model),
+            "rows": [{**asdict(r), "bytes": r.bytes} for r in plan.rows]}
 
 
 def _size(b: float) -> str:

@@ -12,6 +12,7 @@ training figures use on a small validation run.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -221,8 +222,8 @@ def write_prediction(model, cfg: Config, mesh, run: str, stats, out: Path, piece
     def finish():
         if rank != 0:
             return
-        for stale in folder.glob(f"{out.stem}_*.vtp"):
-            if stale not in files:
+        for stale in folder.glob(f"{out.stem}_*.vtp"):  # pieces of an earlier run at a larger domain size
+            if re.fullmatch(rf"{re.escape(out.stem)}_\d+\.vtp", stale.name) and stale not in files:
                 stale.unlink()
         if pieces:
             write_index(out, files)
@@ -232,8 +233,10 @@ def write_prediction(model, cfg: Config, mesh, run: str, stats, out: Path, piece
                 f.unlink()
             folder.rmdir()
     _together(comm, group, m, finish, str(out))
-    sums = {f: comm.all_reduce(torch.tensor(v, dtype=torch.float64), "sum", group, m) for f, v in local["sums"].items()}
-    errors = {f: float(math.sqrt(s[0] / max(float(s[1]), 1e-300))) for f, s in sums.items()}
+    names = list(local["sums"])  # one all-reduce for every field's two sums, on the mesh's device (NCCL: the GPU)
+    sums = comm.all_reduce(torch.tensor([local["sums"][f] for f in names], dtype=torch.float64,
+                                        device=comm.mesh_device(group)), "sum", group, m).cpu()
+    errors = {f: float(math.sqrt(float(s[0]) / max(float(s[1]), 1e-300))) for f, s in zip(names, sums)}
     return {"run": run, "out": str(out), "cells": local["n_cells"], "rel_l2": errors,
             "geometry": "raw surface" if use_raw else "cell centres"}
 
@@ -275,9 +278,12 @@ def predict_main(checkpoint: str, store: str, runs, out: str, domain: int = 1, b
             print(f"wrote {target} ({kind}): {res['cells']} cells on the {res['geometry']}, arrays "
                   f"<field>_pred/_true/_err and cell_id; relative L2 "
                   f"{', '.join(f'{k} {v:.3f}' for k, v in res['rel_l2'].items())}{how}")
-    if Path(out).suffix == ".pvd" and rank0:
+    if Path(out).suffix == ".pvd":
+        from domainflow import comm
+
         from .predict_output import write_collection
 
-        write_collection(Path(out), done)
-        print(f"wrote {out}: a collection of {len(done)} runs")
+        _together(comm, ds.axes.domain, 0, lambda: write_collection(Path(out), done) if rank0 else None, str(out))
+        if rank0:
+            print(f"wrote {out}: a collection of {len(done)} runs")
     return 0

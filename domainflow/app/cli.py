@@ -54,29 +54,27 @@ def _train(args) -> int:
 
 def _plan(args) -> int:
     from domainflow.train.config import load_config
-    from domainflow.train.plan import HEADROOM, check_plannable, format_plan, make_plan, measure
+    from domainflow.train.plan import HEADROOM, PlanError, check_plannable, format_plan, make_plan, measure, plan_json
 
     overrides = list(args.overrides)
     if args.config is not None and "=" in args.config:  # no config file, only overrides
         overrides.insert(0, args.config)
         args.config = None
     cfg = load_config(args.config, overrides)
-    smallest, _ = check_plannable(cfg)
-    requested = args.points if args.points is not None else smallest
-    points = min(requested, cfg.data.sample_points) if cfg.data.sample_points else requested
-    sizes = args.sizes if args.sizes is not None else None
-    model = measure(cfg, sizes) if sizes is not None else measure(cfg)
-    plan = make_plan(model, points, args.memory, args.max_domain,
-                     HEADROOM if args.headroom is None else args.headroom)
-    print(format_plan(plan, cfg, requested))
+    headroom = HEADROOM if args.headroom is None else args.headroom
+    for name, value, low in (("--points", args.points, 1), ("--max-domain", args.max_domain, 1),
+                             ("--memory", args.memory, 1)):
+        if value is not None and value < low:
+            raise PlanError(f"{name} must be at least {low}, got {value}")
+    if not (headroom >= 0 and headroom < 10):
+        raise PlanError(f"--headroom is a fraction >= 0 of the prediction (e.g. 0.2), got {headroom}")
+    _, largest_run, _ = check_plannable(cfg)
+    points = args.points if args.points is not None else largest_run
+    model = measure(cfg, args.sizes) if args.sizes is not None else measure(cfg)
+    plan = make_plan(model, points, cfg.data.sample_points, args.memory, args.max_domain, headroom)
+    print(format_plan(plan, cfg))
     if args.json:
-        from dataclasses import asdict
-
-        Path(args.json).write_text(json.dumps({"points": plan.points, "memory": plan.memory,
-                                               "smallest_domain": plan.smallest, "headroom": plan.headroom,
-                                               "largest_points": dict(plan.largest), "model": asdict(model),
-                                               "rows": [dict(zip(("domain", "points_per_rank", "bytes_per_rank",
-                                                                  "fits_parts"), r)) for r in plan.rows]}, indent=1))
+        Path(args.json).write_text(json.dumps(plan_json(plan), indent=1))
     return 0
 
 
@@ -266,14 +264,14 @@ def main(argv=None) -> int:
     plan.add_argument("config", nargs="?", default=None, help="YAML or TOML config (as for train)")
     plan.add_argument("overrides", nargs="*", help="section.key=value, e.g. model.dim=128 data.store=cars.zarr")
     plan.add_argument("--points", type=int, default=None,
-                      help="points of a sample (default: the smallest training run of the store)")
+                      help="points of a sample (default: the largest training run of the store)")
     plan.add_argument("--memory", type=_bytes, default=None,
                       help="memory per rank, e.g. 80GiB: also print the smallest domain size that fits it")
     plan.add_argument("--max-domain", type=int, default=64, help="largest domain size to consider (default 64)")
     plan.add_argument("--sizes", type=lambda t: tuple(int(x) for x in t.split(",")), default=None,
                       help="points of the measured samples (default 16384,32768)")
     plan.add_argument("--headroom", type=float, default=None,
-                      help="share of the prediction added for the allocator when deciding what fits (default 0.1)")
+                      help="share of the prediction added for the allocator when deciding what fits (default 0.2)")
     plan.add_argument("--json", default=None, help="also write the plan to this JSON file")
     pred = sub.add_parser("predict", help="write runs' predicted, true and error surface fields for ParaView")
     pred.add_argument("checkpoint", help="a step_<n> checkpoint folder, or the checkpoints folder (latest)")

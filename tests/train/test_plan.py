@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from domainflow.train.plan import MemoryModel, fits, format_plan, largest_points, make_plan, rank_points
+from domainflow.train.plan import Line, MemoryModel, fits, format_plan, largest_points, make_plan, parts_for, rank_points, row
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 MODEL = ["model.dim=8", "model.layers=1", "model.heads=2", "model.slices=4"]
@@ -36,34 +36,39 @@ def _plan(*args):
 
 def test_plan_prints_memory_per_rank_at_every_domain_size_and_the_smallest_that_fits(store, tmp_path):
     out = tmp_path / "plan.json"
-    r = _plan(f"data.store={store}", *MODEL, "--points", "100000", "--memory", "400MiB", "--sizes", "512,1024,2048",
+    r = _plan(f"data.store={store}", *MODEL, "--points", "100000", "--memory", "600MiB", "--sizes", "512,1024,2048",
               "--json", str(out))
     assert r.returncode == 0, r.stderr
     plan = json.loads(out.read_text())
-    model = MemoryModel(**{k: tuple(v) if isinstance(v, list) else v for k, v in plan["model"].items()})
-    assert model.sizes == (512, 1024, 2048) and model.per_point > 0 and model.fixed > 0
-    # the measured peaks lie on the fitted line (one step's peak grows with the points), within 10%
-    for n, peak in zip(model.sizes, model.peaks):
-        assert abs(model.bytes_at(n) / peak - 1) < 0.1, (n, peak, model)
-    rows = {row["domain"]: row for row in plan["rows"]}
+    m = plan["model"]
+    model = MemoryModel(train=Line(**m["train"]), eval=Line(**m["eval"]), parts=m["parts"])
+    assert m["sizes"] == [512, 1024, 2048] and model.parts == 8
+    assert model.train.per_point > 0 and model.eval.per_point > 0
+    # the measured peaks lie on the fitted lines (each grows with the points), within 10%
+    for n, tp, ep in zip(m["sizes"], m["train_peaks"], m["eval_peaks"]):
+        assert abs(model.train.bytes_at(n) / tp - 1) < 0.1 and abs(model.eval.bytes_at(n) / ep - 1) < 0.1
+    rows = {row_["domain"]: row_ for row_ in plan["rows"]}
     assert {1, 2, 4, 8, 16, 32, 64} <= set(rows)
-    for w, row in rows.items():
-        assert row["points_per_rank"] == (100000 // w if w <= 8 else -(-100000 // w))
-        assert row["bytes_per_rank"] == pytest.approx(model.bytes_at(row["points_per_rank"]))
-        assert row["fits_parts"] == (w <= 8)  # the store has 8 parts per run
+    for w, row_ in rows.items():
+        # beyond the store's 8 parts the plan assumes the re-ingest it asks for: 8 parts per rank
+        parts = 8 if w <= 8 else max(64, 8 * w)
+        assert row_["parts"] == parts and row_["eval_points"] == row_["train_points"] == rank_points(100000, w, parts)
+        assert row_["bytes"] == pytest.approx(max(model.train.bytes_at(row_["train_points"]),
+                                                  model.eval.bytes_at(row_["eval_points"])))
     # 5, 6 or 7 ranks over 8 parts leave some rank 2 parts, as many points as at 4 ranks
-    shares = {w: rank_points(100000, w, 8) if w <= 8 else -(-100000 // w) for w in range(1, 65)}
-    assert shares[5] == shares[7] == shares[4] == 25000
-    smallest = next((w for w in range(1, 65) if fits(model, shares[w], 400 * 2**20)), None)
+    assert rank_points(100000, 5, 8) == rank_points(100000, 7, 8) == rank_points(100000, 4, 8) == 25000
+    smallest = next((w for w in range(1, 65) if fits(row(model, 100000, 100000, w), 600 * 2**20)), None)
     assert plan["smallest_domain"] == smallest
     text = r.stdout
-    assert "per point" in text and "smallest domain size within 400 MiB per rank" in text
-    assert "re-ingest with --parts >= 16" in text  # domain sizes beyond the store's parts are flagged
-    # data.sample_points caps the points a step trains on, whatever the sample's size
+    assert "per point" in text and "smallest domain size within 600 MiB per rank" in text
+    assert "re-ingest with --parts 128: the store has 8" in text  # domain sizes beyond the store's parts
+    # data.sample_points caps the points a training step takes; evaluation still sees the whole sample
     r = _plan(f"data.store={store}", *MODEL, "data.sample_points=5000", "--points", "100000", "--sizes", "512,1024",
               "--json", str(out))
     assert r.returncode == 0, r.stderr
-    assert json.loads(out.read_text())["points"] == 5000 and "data.sample_points = 5000" in r.stdout
+    plan = json.loads(out.read_text())
+    assert plan["points"] == 100000 and plan["step_points"] == 5000 and "5,000 per training step" in r.stdout
+    assert plan["rows"][0]["train_points"] == 5000 and plan["rows"][0]["eval_points"] == 100000
 
 
 def test_what_cannot_be_planned_is_one_line(store, tmp_path):
@@ -77,6 +82,11 @@ def test_what_cannot_be_planned_is_one_line(store, tmp_path):
     r = _plan(f"data.store={tmp_path / 'none.zarr'}", *MODEL)
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 1 and len(lines) == 1 and "none.zarr" in lines[0], r.stderr
+    for bad, msg in ((["--headroom", "-1"], "--headroom is a fraction"), (["--max-domain", "0"], "--max-domain must"),
+                     (["--points", "0"], "--points must")):
+        r = _plan(f"data.store={store}", *MODEL, *bad)
+        lines = [x for x in r.stderr.splitlines() if x.strip()]
+        assert r.returncode == 1 and len(lines) == 1 and msg in lines[0], r.stderr
 
 
 def test_rank_points_is_the_largest_share_of_the_parts_a_rank_reads():
@@ -84,19 +94,26 @@ def test_rank_points_is_the_largest_share_of_the_parts_a_rank_reads():
     assert rank_points(800, 3, 8) == 300
     assert rank_points(800, 1, 8) == 800 and rank_points(800, 8, 8) == 100
     assert rank_points(801, 2, 8) == 401  # rounded up: the share of a part is never less than its points
+    assert parts_for(8, 8) == 8 and parts_for(9, 8) == 128 and parts_for(3, 64) == 64 and parts_for(100, 64) == 1024
 
 
-def test_smallest_domain_and_largest_sample_follow_the_headroom():
-    m = MemoryModel(fixed=100 * 2**20, per_point=1000.0, sizes=(1, 2), peaks=(0, 0), parts=64)
-    plan = make_plan(m, 1_000_000, memory=600 * 2**20, max_domain=64)
+def test_smallest_domain_and_largest_sample_follow_the_headroom_and_the_evaluation():
+    m = MemoryModel(train=Line(100 * 2**20, 1000.0), eval=Line(100 * 2**20, 100.0), parts=64)
+    plan = make_plan(m, 1_000_000, memory=600 * 2**20, max_domain=64, headroom=0.1)
     # 1M points: W=2 holds 500k points = 100 MiB + 477 MiB = 577 MiB, over 600 MiB / 1.1; W=3 holds 22 of
     # the 64 parts, 343,750 points = 428 MiB, which fits
     assert plan.smallest == 3
     assert make_plan(m, 1_000_000, memory=600 * 2**20, headroom=0.0).smallest == 2
-    for w, n in plan.largest:
-        assert fits(m, rank_points(n, w, 64), 600 * 2**20) and not fits(m, rank_points(n + w, w, 64), 600 * 2**20)
+    for r in plan.rows:
+        n = r.largest
+        assert fits(row(m, n, n, r.domain), 600 * 2**20, 0.1) and not fits(row(m, n + 1, n + 1, r.domain), 600 * 2**20, 0.1)
+    # training on 10k points per step: the evaluation of the whole sample decides, at 100 B per point
+    sampled = make_plan(m, 10_000_000, sample_points=10_000, memory=600 * 2**20, headroom=0.1)
+    assert sampled.rows[0].train_points == 10_000 and sampled.rows[0].eval_points == 10_000_000
+    assert sampled.rows[0].bytes == sampled.rows[0].eval_bytes and sampled.smallest == 3
+    assert largest_points(m, 600 * 2**20, 1, 10_000, 0.1) > largest_points(m, 600 * 2**20, 1, 0, 0.1)
     assert largest_points(m, 100 * 2**20, 4) == 0  # the fixed part alone does not fit
-    text = format_plan(make_plan(m, 1_000_000, memory=2**20), _cfg(), 1_000_000)
+    text = format_plan(make_plan(m, 1_000_000, memory=2**20), _cfg())
     assert "no domain size up to 64 fits 1 MiB per rank" in text and "the fixed part alone" in text
 
 

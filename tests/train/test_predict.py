@@ -81,11 +81,15 @@ def test_one_file_per_rank_and_one_assembled_file_agree_with_the_raw_surface(tra
     assert ref.cell_data["Cf_pred"].shape == (raw.n_cells, 3) and "Cf_err" in ref.cell_data
 
     pieces = tmp_path / "three.pvtp"
+    (tmp_path / "three").mkdir()
+    (tmp_path / "three" / "three_7.vtp").write_text("a piece of an earlier prediction at domain 8")
+    (tmp_path / "three" / "three_summary.vtp").write_text("the user's own file")
     r = _predict(trained, "--run", run, str(pieces), "--domain", "3", "--block-points", "50")
     assert r.returncode == 0, r.stderr
     assert "3 pieces and their index" in r.stdout and "blocks of 50 points" in r.stdout
-    files = sorted((tmp_path / "three").glob("three_*.vtp"))
-    assert [f.name for f in files] == ["three_0.vtp", "three_1.vtp", "three_2.vtp"]
+    files = sorted((tmp_path / "three").glob("three_[0-9]*.vtp"))
+    assert [f.name for f in files] == ["three_0.vtp", "three_1.vtp", "three_2.vtp"]  # the stale piece is gone
+    assert (tmp_path / "three" / "three_summary.vtp").read_text() == "the user's own file"
     seen = []
     raw_cells = _cells(raw)
     for f in files:
