@@ -108,18 +108,8 @@ def _predict_rank(checkpoint: str, store: str, run: str, out: str, domain: int, 
 def _launch(fn, nproc: int, *args, malloc: dict | None = None) -> list[dict]:
     from domainflow.app.launch import launch_local
 
-    saved = {k: os.environ.get(k) for k in TUNED_MALLOC}
-    for k in TUNED_MALLOC:
-        os.environ.pop(k, None)
-    os.environ.update(malloc or {})
-    try:
-        res = launch_local(fn, nproc, *args, threads_per_rank=1)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    env = {**{k: None for k in TUNED_MALLOC}, **(malloc or {})}  # glibc's defaults unless tuned
+    res = launch_local(fn, nproc, *args, threads_per_rank=1, env=env)
     return [res[r] for r in sorted(res)]
 
 

@@ -21,7 +21,6 @@ how far real runs are from the plan).
 from __future__ import annotations
 
 import math
-import os
 import tempfile
 from dataclasses import dataclass, field
 
@@ -125,17 +124,8 @@ def measure(cfg: Config, sizes=PLAN_SIZES, steps: int = PLAN_STEPS) -> MemoryMod
                         f"{cfg.data.store} has {smallest}; pass smaller --sizes (e.g. {smallest // 4},{smallest // 2})")
     if steps < 2:
         raise PlanError("the plan measures the second step or later (the first creates the optimizer state)")
-    saved = {k: os.environ.get(k) for k in MEASURE_MALLOC}
-    os.environ.update(MEASURE_MALLOC)  # the spawned rank inherits it; glibc reads it when the process starts
-    try:
-        with tempfile.TemporaryDirectory(prefix="domainflow-plan-") as out:
-            result = launch_local(_measure_rank, 1, cfg.to_dict(), sizes, steps, out)[0]
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with tempfile.TemporaryDirectory(prefix="domainflow-plan-") as out:
+        result = launch_local(_measure_rank, 1, cfg.to_dict(), sizes, steps, out, env=MEASURE_MALLOC)[0]
     train_peaks = tuple(r["train"] for r in result["sizes"])
     eval_peaks = tuple(r["eval"] for r in result["sizes"])
     return MemoryModel(train=Line.fit(sizes, train_peaks, "a training step"),

@@ -37,11 +37,13 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None = None) -> dict[int, object]:
+def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None = None,
+                 env: dict[str, str | None] | None = None) -> dict[int, object]:
     """Run ``fn(*args)`` on ``nproc`` local ranks (a module-level function); return {rank: result}.
 
     Each rank gets the usual torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), so
-    ``domainflow.init_mesh`` finds it. CPU threads are split between ranks unless given.
+    ``domainflow.init_mesh`` finds it. CPU threads are split between ranks unless given. ``env``: variables
+    set (or, with None, removed) for the ranks only, e.g. glibc's allocator settings, read at their start.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -57,9 +59,13 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
         start_method="spawn",
     )
     errors = tempfile.mkdtemp(prefix="domainflow-launch-")
-    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", _ERRORS_ENV)}
-    os.environ["OMP_NUM_THREADS"] = threads  # the spawned ranks inherit it; this process gets its own back
-    os.environ[_ERRORS_ENV] = errors
+    extra = {"OMP_NUM_THREADS": threads, _ERRORS_ENV: errors, **(env or {})}
+    saved = {k: os.environ.get(k) for k in extra}
+    for k, v in extra.items():  # the spawned ranks inherit these; this process gets its own back
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     # their warnings and errors repeat, at length, what the failing rank's own message says
     quiet = [logging.getLogger(n) for n in ["torch.distributed.elastic", "torch.multiprocessing"] + [
         n for n in logging.root.manager.loggerDict if n.startswith(("torch.distributed.elastic.", "torch.multiprocessing."))]]
