@@ -1,28 +1,32 @@
-"""``domainflow ingest climate RAW STORE``: a time-chunked climate Zarr -> a grid store of spatial chunks.
+"""``domainflow ingest climate SOURCE... STORE``: climate data -> a grid store of spatial chunks.
 
-Raw input is the common analysis-ready form: a Zarr group (v2 as written by xarray, with
-``_ARRAY_DIMENSIONS`` attrs, or v3 with ``dimension_names``) holding ``(time, latitude, longitude)``
-variables (ERA5 / WeatherBench names such as ``t2m``, ``u10``) and their coordinate arrays, read with
-xarray so that fill / missing values and CF packing decode exactly as xarray decodes them. Sources are
-usually chunked along time with whole maps per chunk, which makes a lat/lon hyperslab read the whole map.
-Ingest re-chunks into ``data (T, C, H, W)`` with one chunk per time step, variable and spatial tile of
-about 1 MiB, so each rank of a domain-parallel reader touches only the tiles of its own region.
+Sources (``climate_source.py``, the one reader of them, through xarray so that CF decoding is xarray's own):
+netCDF files as ERA5 is downloaded (one file per month, a folder, a glob; single-level and pressure-level
+downloads side by side), GRIB with the ``grib`` extra, or an analysis-ready Zarr (v2 as xarray writes it, with
+``_ARRAY_DIMENSIONS``, or v3 with ``dimension_names``). Pressure-level variables become one channel per
+level (``z500``, chosen with ``--levels``). Sources are usually chunked along time with whole maps per
+chunk, which makes a lat/lon hyperslab read the whole map. Ingest re-chunks into ``data (T, C, H, W)``
+with one chunk per time step, channel and spatial tile of about 1 MiB, so each rank of a domain-parallel
+reader touches only the tiles of its own region.
 
-One dask task per time block (aligned to the source's time chunks): read the block of every variable,
-refuse NaN/Inf, write whole output chunks, and drop a marker holding the block's statistics over the
-train steps it contains. A rerun skips blocks with markers; the coordinator merges the statistics in
-time order (so 1 or N workers give identical stores) and marks the store complete last.
+One dask task per time block (inside one file of each group of files, and aligned to a Zarr source's time
+chunks): read the block of every channel, refuse NaN/Inf (naming the date and the grid point), write whole
+output chunks, and drop a marker holding the block's statistics over the train steps it contains. A rerun
+skips blocks with markers; the coordinator merges the statistics in time order (so 1 or N workers give
+identical stores) and marks the store complete last.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from .climate_source import ClimateSource, SourceReader, open_source
 from .errors import IngestError, RunError
 from .parallel import peak_memory, reset_peak_memory, run_tasks
 from .report import IngestReport
@@ -30,13 +34,11 @@ from .splits import check_fractions, read_split_file, split_times, time_mask
 from .stats import RunningStats, merge_all
 from .store_writer import TARGET_CHUNK_BYTES, StoreWriter, chunk_options, for_writing
 
-LAT_NAMES = ("latitude", "lat")
-LON_NAMES = ("longitude", "lon")
-
 
 @dataclass
 class GridOptions:
     variables: tuple[str, ...] | None = None
+    levels: tuple[float, ...] | None = None
     time_block: int | None = None
     chunk_bytes: int = TARGET_CHUNK_BYTES
     split: tuple[float, float, float] = (0.8, 0.1, 0.1)
@@ -56,149 +58,8 @@ class GridOptions:
             raise IngestError(f"--workers must be at least 1, got {self.workers}")
         if self.variables is not None and len(set(self.variables)) != len(self.variables):
             raise IngestError(f"--variables names a variable more than once: {list(self.variables)}")
-
-
-@dataclass
-class GridSource:
-    """What ingest found in the raw store: variables (in channel order), coordinates, time chunking."""
-
-    path: Path
-    variables: list[str]
-    shape: tuple[int, int, int]
-    time_chunk: int
-    lat: np.ndarray
-    lon: np.ndarray
-    time: np.ndarray
-    time_attrs: dict
-    var_attrs: dict = field(default_factory=dict)
-
-
-COORD_NAMES = ("time",) + LAT_NAMES + LON_NAMES
-CF_MASK_KEYS = ("_FillValue", "missing_value")
-
-
-def open_dataset(raw, only=None, **kw):
-    """The raw Zarr as an xarray Dataset, lazily (no dask) and with times left as numbers: xarray is the one
-    reader of the source, so fill values (v2 ``fill_value``, ``_FillValue``, ``missing_value``) and CF
-    packing decode exactly as xarray decodes them. Consolidated metadata is used when present. ``only``:
-    the arrays to open (the rest are dropped, so arrays of other shapes do not stop xarray)."""
-    import xarray as xr
-
-    if only is not None:
-        kw["drop_variables"] = [n for n in _array_names(raw) if n not in only]
-    opts = dict(chunks=None, decode_times=False, **kw)
-    try:
-        return xr.open_zarr(raw, consolidated=True, **opts)
-    except Exception:  # no (readable) consolidated metadata: read the arrays' own, without xarray's warning
-        return xr.open_zarr(raw, consolidated=False, **opts)
-
-
-def _array_names(raw) -> list[str]:
-    """Names of the arrays in the raw group (its metadata only), to choose what xarray opens."""
-    import zarr
-
-    return list(zarr.open_group(raw, mode="r").array_keys())
-
-
-def open_source(raw, variables=None) -> GridSource:
-    """Find the ``(time, lat, lon)`` variables and coordinates of a raw climate Zarr group (read by xarray;
-    coordinates and time as stored, variable attrs without the CF keys xarray decodes)."""
-    raw = Path(raw)
-    # coordinates stay as stored: time as raw numbers, and a zarr-python v2 store's default fill_value 0
-    # must not turn longitude 0 into NaN
-    as_stored = {n: False for n in COORD_NAMES}
-    try:
-        try:
-            ds = open_dataset(raw, mask_and_scale=as_stored)
-        except (FileNotFoundError, KeyError):
-            raise
-        except Exception:
-            if not variables:
-                raise
-            # xarray cannot open all arrays together (a dimension with two sizes): just --variables
-            ds = open_dataset(raw, only=(*variables, *COORD_NAMES), mask_and_scale=as_stored)
-    except FileNotFoundError as exc:
-        raise IngestError(f"{raw} is not a readable Zarr group ({type(exc).__name__}: {exc}); ingest climate "
-                          f"reads a Zarr store with (time, latitude, longitude) variables") from None
-    except KeyError as exc:  # xarray needs the dimension names of every array
-        raise IngestError(f"{raw}: xarray cannot read it as a dataset ({exc.args[0] if exc.args else exc}); "
-                          f"ingest climate reads a Zarr store whose arrays name their dimensions (v3 "
-                          f"dimension_names, v2 _ARRAY_DIMENSIONS), as xarray writes it") from None
-    except Exception as exc:
-        shapes = _shapes(raw, variables)
-        if len(set(shapes.values())) > 1:  # xarray refuses one dimension with two sizes
-            raise IngestError(f"{raw}: variables have different shapes {shapes}; ingest them in separate stores "
-                              f"(--variables)") from None
-        raise IngestError(f"{raw} is not a readable Zarr group ({type(exc).__name__}: {exc}); ingest climate "
-                          f"reads a Zarr store with (time, latitude, longitude) variables") from None
-    with ds:
-        return _source_of(raw, ds, variables)
-
-
-def _shapes(raw, variables) -> dict:
-    """Shapes of the (time, lat, lon) variables (or of ``variables``), each opened on its own, for the error
-    raised when xarray cannot open them together; empty when that fails too."""
-    try:
-        names = list(variables) if variables else _array_names(raw)
-        shapes = {}
-        for name in names:
-            with open_dataset(raw, only=(name,)) as one:
-                arr = one.variables.get(name)
-                if arr is not None and _is_gridded(arr):
-                    shapes[name] = tuple(arr.shape)
-        return shapes
-    except Exception:
-        return {}
-
-
-def _is_gridded(arr) -> bool:
-    """A ``(time, lat|latitude, lon|longitude)`` variable."""
-    return len(arr.dims) == 3 and arr.dims[0] == "time" and arr.dims[1] in LAT_NAMES and arr.dims[2] in LON_NAMES
-
-
-def _source_of(raw: Path, ds, variables) -> GridSource:
-    """GridSource of an open dataset (see :func:`open_source`)."""
-    gridded = {str(name): arr for name, arr in ds.variables.items() if _is_gridded(arr)}
-    if not gridded:
-        shown = {str(n): tuple(a.dims) for n, a in ds.variables.items()}
-        raise IngestError(f"{raw} holds no (time, latitude, longitude) variables; arrays and their dims: {shown}")
-    if variables:
-        unknown = [v for v in variables if v not in gridded]
-        if unknown:
-            raise IngestError(f"{raw}: no variable(s) {unknown}; the (time, lat, lon) variables are "
-                              f"{sorted(gridded)}")
-        names = list(variables)
-    else:
-        names = sorted(gridded)
-    shapes = {n: tuple(gridded[n].shape) for n in names}
-    if len(set(shapes.values())) != 1:
-        raise IngestError(f"{raw}: variables have different shapes {shapes}; ingest them in separate stores "
-                          f"(--variables)")
-    first = gridded[names[0]]
-    T, H, W = first.shape
-    lat_name, lon_name = first.dims[1], first.dims[2]
-
-    def coord(name, n):
-        if name not in ds.variables:  # a dimension without a coordinate array
-            return None, {}
-        var = ds.variables[name]
-        values = np.asarray(var.values)
-        if values.shape != (n,):
-            raise IngestError(f"{raw}: coordinate {name!r} has shape {values.shape}, expected ({n},)")
-        packed = [k for k in ("scale_factor", "add_offset") if k in var.attrs]
-        if packed:
-            raise IngestError(f"{raw}: coordinate {name!r} is CF-packed ({', '.join(packed)}); store it unpacked")
-        return values, {k: v for k, v in var.attrs.items() if k not in CF_MASK_KEYS}
-
-    (lat, _), (lon, _), (t, t_attrs) = coord(lat_name, H), coord(lon_name, W), coord("time", T)
-    if lat is None or lon is None:
-        raise IngestError(f"{raw}: coordinate arrays {lat_name!r} and {lon_name!r} are required")
-    time_attrs = t_attrs if t is not None else {"units": "steps"}
-    var_attrs = {n: dict(gridded[n].attrs) for n in names}  # xarray moved the CF packing keys to .encoding
-    enc = first.encoding
-    time_chunk = enc["chunks"][0] if enc.get("chunks") else enc.get("preferred_chunks", {}).get("time", T)
-    return GridSource(raw, names, (T, H, W), int(time_chunk), lat.astype(np.float64), lon.astype(np.float64),
-                      np.arange(T, dtype=np.int64) if t is None else t, time_attrs, var_attrs)
+        if self.levels is not None and len(set(self.levels)) != len(self.levels):
+            raise IngestError(f"--levels names a level more than once: {list(self.levels)}")
 
 
 def spatial_tile(H: int, W: int, itemsize: int, target: int) -> tuple[int, int]:
@@ -214,32 +75,28 @@ def spatial_tile(H: int, W: int, itemsize: int, target: int) -> tuple[int, int]:
     return hc, wc
 
 
-def ingest_block(raw: str, store: str, variables: list[str], t0: int, t1: int, train: list) -> dict:
-    """Copy time steps ``[t0, t1)`` of every variable into ``data`` and mark the block done (a dask task)."""
+def ingest_block(reader: SourceReader, store: str, shown: str, t0: int, t1: int, train: list) -> dict:
+    """Copy time steps ``[t0, t1)`` of every channel into ``data`` and mark the block done (a dask task)."""
     import zarr
 
     start, rss0 = time.perf_counter(), reset_peak_memory()
     name = f"{t0:09d}-{t1:09d}"
-    out = for_writing(zarr.open_group(store, mode="r+")["data"])
-    block = np.empty((t1 - t0, len(variables)) + tuple(out.shape[2:]), dtype=np.float32)
-    with open_dataset(raw, only=variables) as src:  # just these arrays: no coordinates are read
-        for c, v in enumerate(variables):
-            # xarray's CF decoding: fill / missing values -> NaN, scale_factor / add_offset undone
-            values = np.asarray(src[v].isel(time=slice(t0, t1)).values, dtype=np.float64)
-            with np.errstate(over="ignore"):  # values beyond float32 become inf and are reported below
-                block[:, c] = values
-            bad = ~np.isfinite(block[:, c])
-            if bad.any():
-                step = t0 + int(np.argmax(bad.reshape(len(bad), -1).any(axis=1)))
-                fills = [(k, x) for k in CF_MASK_KEYS for x in np.atleast_1d(src[v].encoding.get(k, []))
-                         if x is not None and x == x]  # xarray reads values equal to these as missing
-                why = "".join(f" (values equal to its {k} {x} read as missing)" for k, x in fills)
-                raise RunError(f"time block {t0}..{t1}", f"{raw}: variable {v!r} holds {int(bad.sum())} "
-                               f"NaN/Inf/missing values or values beyond float32 (first at time index {step})"
-                               f"{why}; fill or mask them before ingest")
+    root = zarr.open_group(store, mode="r+")
+    out = for_writing(root["data"])
+    # xarray's CF decoding: fill / missing values -> NaN, scale_factor / add_offset undone
+    values, fills = reader.read_block(t0, t1)
+    with np.errstate(over="ignore"):  # values beyond float32 become inf and are reported below
+        block = values.astype(np.float32)
+    del values
+    for c, channel in enumerate(reader.channels):
+        bad = ~np.isfinite(block[:, c])
+        if bad.any():
+            raise RunError(f"time block {t0}..{t1}", f"{shown}: {_where(root, channel, bad, t0)}"
+                           + "".join(f" (values equal to its {k} {x} read as missing)" for k, x in fills[c])
+                           + "; fill or mask them before ingest")
     out[t0:t1] = block
     mask = time_mask(train, out.shape[0])[t0:t1]
-    stats = {v: RunningStats.of(block[mask, c].reshape(-1)).to_attrs() for c, v in enumerate(variables)}
+    stats = {c.name: RunningStats.of(block[mask, k].reshape(-1)).to_attrs() for k, c in enumerate(reader.channels)}
     info = {"block": [t0, t1], "stats": stats}
     StoreWriter(store).mark_block(name, info)
     return {**info, "name": name, "cells": {"grid": int(block.size)}, "raw_bytes": int(block.nbytes),
@@ -247,34 +104,68 @@ def ingest_block(raw: str, store: str, variables: list[str], t0: int, t1: int, t
             "peak_rss": peak_memory(), "start_rss": rss0}
 
 
+def _where(root, channel, bad: np.ndarray, t0: int) -> str:
+    """``variable 'x' holds N NaN/Inf/missing values ... first at time index k (date), lat, lon``."""
+    step, i, j = (int(v[0]) for v in np.nonzero(bad))
+    what = f"variable {channel.variable!r}" + (f" at {channel.hpa:g} hPa" if channel.hpa is not None else "")
+    when = _date(root["time"], t0 + step)
+    lat, lon = float(root["lat"][i]), float(root["lon"][j])
+    return (f"{what} holds {int(bad.sum())} NaN/Inf/missing values or values beyond float32 (first at time "
+            f"index {t0 + step}{f' ({when})' if when else ''}, latitude {lat:g}, longitude {lon:g})")
+
+
+def _date(time_array, k: int) -> str | None:
+    """Time step ``k`` of the store as a date, when its units say how."""
+    units = time_array.attrs.get("units", "")
+    if "since" not in str(units):
+        return None
+    from xarray.coding.times import decode_cf_datetime
+
+    try:
+        value = decode_cf_datetime(np.asarray(time_array[k:k + 1]), units, time_array.attrs.get("calendar"))[0]
+    except Exception:  # noqa: BLE001  (a date is a courtesy in an error message)
+        return None
+    return str(value)[:19].replace("T", " ")
+
+
 def ingest_climate(raw, store, opts: GridOptions | None = None, **kw):
-    """Ingest a raw climate Zarr into the grid store ``store`` (resuming if partial)."""
+    """Ingest climate data (``raw``: a Zarr store, or netCDF / GRIB files, folders or globs; one or a list)
+    into the grid store ``store`` (resuming if partial)."""
 
     opts = opts or GridOptions(**kw)
     opts.validate()
     t0 = time.perf_counter()
-    raw, store = Path(raw).resolve(), Path(store).resolve()  # tasks may run in other working directories
-    src = open_source(raw, opts.variables)
+    items = [raw] if isinstance(raw, (str, Path)) else list(raw)
+    src = open_source(items, opts.variables, opts.levels)
     T, H, W = src.shape
-    # default: the source's time chunks (each task decodes whole source chunks), capped so that one
-    # task's block stays below ~512 MiB when a source stores the whole series as one chunk
-    block = opts.time_block or max(1, min(src.time_chunk, (512 << 20) // (4 * len(src.variables) * H * W)))
+    C = len(src.channels)
+    # default: the source's time chunks for a Zarr (each task decodes whole source chunks), a file's steps for
+    # netCDF; capped so that one task's block stays below ~512 MiB when a source stores a long series at once
+    block = opts.time_block or max(1, min(src.time_chunk, (512 << 20) // (4 * C * H * W)))
     splits = split_times(T, opts.split, opts.split_file)
     hc, wc = spatial_tile(H, W, 4, opts.chunk_bytes)
-    config = {"variables": src.variables, "time_block": block, "chunk_bytes": opts.chunk_bytes,
+    files = sorted({f.path for group in src.reader.groups for f in group})
+    source = files[0] if len(files) == 1 else os.path.commonpath([str(Path(f).resolve()) for f in files])
+    config = {"variables": src.channels, "time_block": block, "chunk_bytes": opts.chunk_bytes,
               "split": list(opts.split), "split_file": read_split_file(opts.split_file), "shape": [T, H, W]}
+    if len(files) > 1:
+        config["files"] = [os.path.relpath(Path(f).resolve(), source) for f in files]
+    if opts.levels:
+        config["levels"] = sorted(float(x) for x in opts.levels)
     with StoreWriter(store) as writer:  # holds the store's writer lock until the end
-        return _ingest_blocks(writer, raw, store, src, opts, block, splits, (hc, wc), config, t0)
+        return _ingest_blocks(writer, Path(source).resolve(), Path(store).resolve(), src, opts, block, splits,
+                              (hc, wc), config, t0)
 
 
-def _ingest_blocks(writer: StoreWriter, raw: Path, store: Path, src: GridSource, opts: GridOptions, block: int,
-                   splits: dict, tile: tuple[int, int], config: dict, t0: float) -> IngestReport:
+def _ingest_blocks(writer: StoreWriter, source: Path, store: Path, src: ClimateSource, opts: GridOptions,
+                   block: int, splits: dict, tile: tuple[int, int], config: dict, t0: float) -> IngestReport:
     """The locked part of :func:`ingest_climate`: open or resume, run the block tasks, complete."""
     import zarr
 
     T, H, W = src.shape
     hc, wc = tile
-    state = writer.open("grid", str(raw.resolve()), None, config, overwrite=opts.overwrite)
+    channels = src.channels
+    state = writer.open("grid", str(source), None, config, overwrite=opts.overwrite)
     report = IngestReport(store=store, state=state)
     if state == "complete":
         report.seconds = time.perf_counter() - t0
@@ -290,34 +181,38 @@ def _ingest_blocks(writer: StoreWriter, raw: Path, store: Path, src: GridSource,
             attributes=attrs, **chunk_options())
         for_writing(arr)[...] = values
     if "data" not in root:
-        root.create_array("data", shape=(T, len(src.variables), H, W), chunks=(1, 1, hc, wc), dtype="float32",
+        root.create_array("data", shape=(T, len(channels), H, W), chunks=(1, 1, hc, wc), dtype="float32",
                           dimension_names=["time", "channel", "lat", "lon"], **chunk_options())
     done = writer.finished_blocks()
-    blocks = [(a, min(a + block, T)) for a in range(0, T, block)]
+    blocks = [(a, min(a + block, b)) for s, b in src.reader.spans() for a in range(s, b, block)]
     names = {f"{a:09d}-{b:09d}": (a, b) for a, b in blocks}
     report.kept = [n for n in names if n in done]
-    todo = [(str(raw), str(store), src.variables, a, b, splits["train"]) for n, (a, b) in names.items()
-            if n not in done]
+    shown = src.shown
+    todo = [(src.reader, str(store), shown, a, b, splits["train"]) for n, (a, b) in names.items() if n not in done]
     summaries = dict(done)
     try:
         for out in run_tasks(ingest_block, todo, workers=opts.workers, scheduler=opts.scheduler,
-                             desc=f"ingest {raw.name}", progress=opts.progress):
+                             desc=f"ingest {Path(shown.split(' ')[0]).name}", progress=opts.progress):
             report.tasks.append(out)
             report.written.append(out["name"])
             summaries[out["name"]] = out
     finally:
         report.seconds = time.perf_counter() - t0
     stats = {}
-    for v in src.variables:
+    for v in channels:
         merged = merge_all(RunningStats.from_attrs(summaries[n]["stats"][v]) for n in names)
         stats[f"grid/{v}"] = merged.to_attrs()
-    fields = {f"grid/{v}": {"location": "grid", "components": 1, "channel": c,
-                            "units": str(src.var_attrs[v].get("units", "")),
-                            "long_name": str(src.var_attrs[v].get("long_name", v))}
-              for c, v in enumerate(src.variables)}
+    fields = {}
+    for c, v in enumerate(channels):
+        a = src.channel_attrs.get(v, {})
+        fields[f"grid/{v}"] = {"location": "grid", "components": 1, "channel": c, "units": str(a.get("units", "")),
+                               "long_name": str(a.get("long_name", v))}
+        if "level_hpa" in a:
+            fields[f"grid/{v}"].update({"level_hpa": a["level_hpa"], "source_variable": a["source_variable"]})
     writer.complete({"fields": fields, "stats": stats, "splits": splits,
-                     "grid": {"variables": src.variables, "shape": [T, H, W], "tile": [hc, wc],
-                              "periodic_lon": _periodic(src.lon)}})
+                     "grid": {"variables": channels, "shape": [T, H, W], "tile": [hc, wc],
+                              "periodic_lon": _periodic(src.lon), "levels": src.levels,
+                              "source": {"kind": src.reader.kind, "files": src.files}}})
     report.seconds = time.perf_counter() - t0
     return report
 

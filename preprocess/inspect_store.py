@@ -108,10 +108,12 @@ def _describe_grid(root, config, domains) -> list[str]:
     data = root["data"]
     T, C, H, W = data.shape
     variables = config.get("variables", [])
-    lines.append(f"  data {data.shape} {data.dtype} chunks {data.chunks}; variables {variables}")
-    time = root["time"]
-    lines.append(f"  time: {T} steps, {np.asarray(time[:1])[0]} .. {np.asarray(time[-1:])[0]} "
-                 f"{time.attrs.get('units', '')}")
+    lines.append(f"  data {data.shape} {data.dtype} chunks {data.chunks}; channels {variables}")
+    levels = root.attrs.get("grid", {}).get("levels", {})
+    if levels:
+        lines.append("  pressure levels (hPa): " + "; ".join(f"{v}: {', '.join(f'{x:g}' for x in ls)}"
+                                                          for v, ls in levels.items()))
+    lines.append(f"  time: {T} steps, {_time_range(root['time'])}")
     lat, lon = np.asarray(root["lat"][...]), np.asarray(root["lon"][...])
     lines.append(f"  lat {H}: {lat[0]:.3f} .. {lat[-1]:.3f}; lon {W}: {lon[0]:.3f} .. {lon[-1]:.3f}; "
                  f"periodic in lon: {root.attrs.get('grid', {}).get('periodic_lon', '?')}")
@@ -123,3 +125,26 @@ def _describe_grid(root, config, domains) -> list[str]:
             sizes = balanced_sizes(H, Wd)
             lines.append(f"    domain {Wd}: {min(sizes)}..{max(sizes)} rows per rank")
     return lines
+
+
+def _time_range(time) -> str:
+    """First .. last time step: dates (with the step) when the units say how to decode them, else numbers."""
+    units, calendar = str(time.attrs.get("units", "")), time.attrs.get("calendar")
+    first, last = np.asarray(time[:1])[0], np.asarray(time[-1:])[0]
+    if "since" in units:
+        from xarray.coding.times import decode_cf_datetime
+
+        try:
+            dates = decode_cf_datetime(np.asarray(time[:2] if time.shape[0] > 1 else time[:1]), units, calendar)
+            ends = decode_cf_datetime(np.array([first, last]), units, calendar)
+            step = f", every {_step(dates[1] - dates[0])}" if len(dates) > 1 else ""
+            return f"{str(ends[0])[:19].replace('T', ' ')} .. {str(ends[1])[:19].replace('T', ' ')}{step}"
+        except Exception:  # noqa: BLE001  (shown as numbers below)
+            pass
+    return f"{first} .. {last} {units}"
+
+
+def _step(delta) -> str:
+    seconds = delta / np.timedelta64(1, "s") if isinstance(delta, np.timedelta64) else delta.total_seconds()
+    hours = seconds / 3600
+    return f"{hours:g} h" if hours < 48 or hours % 24 else f"{hours / 24:g} days"

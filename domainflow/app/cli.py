@@ -155,7 +155,11 @@ def _ingest(args) -> int:
             raise IngestError("--on-error skip is for mesh runs; a skipped time block would leave a hole in the "
                               "time axis (fix the source and rerun: finished blocks are kept)")
         variables = tuple(x for x in args.variables.split(",") if x) if args.variables else None
-        opts = GridOptions(variables=variables, time_block=args.time_block, **common)
+        try:
+            levels = tuple(float(x) for x in args.levels.split(",") if x.strip()) if args.levels else None
+        except ValueError:
+            raise IngestError(f"--levels takes numbers in hPa, e.g. 500,850; got {args.levels!r}") from None
+        opts = GridOptions(variables=variables, levels=levels, time_block=args.time_block, **common)
         report = ingest_climate(args.raw, args.store, opts)
     print(report.summary())
     return 0
@@ -199,7 +203,11 @@ def _add_ingest(sub):
     parsers = [kinds.add_parser("drivaerml", help="DrivaerML-layout run folders -> a mesh store"),
                kinds.add_parser("climate", help="a (time, lat, lon) climate Zarr -> a grid store")]
     for p in parsers:
-        p.add_argument("raw", help="raw data (run folders, or a climate Zarr)")
+        if p is parsers[0]:
+            p.add_argument("raw", help="the folder of run_<i>/ folders")
+        else:
+            p.add_argument("raw", nargs="+", metavar="SOURCE",
+                           help="netCDF or GRIB files, folders or globs of them (e.g. 'era5/*.nc'), or one Zarr store")
         p.add_argument("store", help="the store to write (a folder ending in .zarr)")
         p.add_argument("--workers", type=int, default=1, help="dask worker processes on this machine")
         p.add_argument("--scheduler", default=None, help="address of a running dask.distributed scheduler")
@@ -229,7 +237,10 @@ def _add_ingest(sub):
                    help="density (default 1: OpenFOAM writes kinematic pressure and shear)")
     d.add_argument("--p-inf", type=float, default=DRIVAERML.p_inf, help="free-stream pressure (default 0)")
     d.add_argument("--l-ref", type=float, default=DRIVAERML.l_ref, help="reference length, m (default: wheelbase)")
-    c.add_argument("--variables", default=None, help="comma-separated variables (default: all (time, lat, lon))")
+    c.add_argument("--variables", default=None,
+                   help="comma-separated variables (all their levels) or channels such as z500 (default: all)")
+    c.add_argument("--levels", default=None,
+                   help="comma-separated pressure levels in hPa of the level variables, e.g. 500,850 (default: all)")
     c.add_argument("--time-block", type=int, default=None, help="time steps per task (default: source chunk)")
 
 

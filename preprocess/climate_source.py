@@ -1,0 +1,525 @@
+"""The one reader of raw climate data: netCDF files (one or many, given as files, folders or globs), GRIB files
+(through cfgrib, an optional extra) or a Zarr group (v2 as xarray writes it, or v3), all opened with xarray so
+that CF decoding (``scale_factor``/``add_offset``, ``_FillValue``/``missing_value``, time units and calendars)
+is xarray's own.
+
+``open_source`` runs once, in the coordinator: it resolves what the user named into files, opens each one's
+metadata, groups the files by the variables they hold (CDS delivers single-level and pressure-level
+variables as separate downloads), orders each group's files along time, and checks what must hold for one
+grid store: the same latitudes and longitudes everywhere, one time axis shared by every group, evenly
+spaced and without repeats. Variables become channels: ``(time, lat, lon)`` ones as they are, ``(time,
+level, lat, lon)`` ones one channel per pressure level, named ``<var><level in hPa>`` (``z500``, ``t850``).
+Time may be called ``time`` or ``valid_time``, latitude ``latitude`` or ``lat``, longitude ``longitude`` or
+``lon``; coordinates are kept as the source has them (descending latitude, longitudes -180..180 or 0..360).
+
+The result carries a small, picklable :class:`SourceReader`: a dask task reads time steps ``[t0, t1)`` of
+every channel with ``read_block``, opening only the one file of each group that holds them.
+"""
+
+from __future__ import annotations
+
+import glob as globmod
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import IngestError
+
+TIME_NAMES = ("time", "valid_time")
+LAT_NAMES = ("latitude", "lat")
+LON_NAMES = ("longitude", "lon")
+LEVEL_NAMES = ("level", "pressure_level", "isobaricInhPa", "plev", "lev")
+COORD_NAMES = TIME_NAMES + LAT_NAMES + LON_NAMES
+CF_MASK_KEYS = ("_FillValue", "missing_value")
+NETCDF_SUFFIXES = (".nc", ".nc4", ".netcdf", ".cdf", ".h5", ".hdf5")
+GRIB_SUFFIXES = (".grib", ".grb", ".grib1", ".grib2", ".grb2")
+WHAT = ("ingest climate reads netCDF or GRIB files (files, folders or globs of them) or one Zarr store of "
+        "(time, latitude, longitude) variables")
+
+
+@dataclass(frozen=True)
+class Channel:
+    """One channel of the store: a variable, at one pressure level for a level variable."""
+
+    name: str                    # z500, t2m
+    variable: str                # the source's variable name
+    group: int                   # which file group holds it
+    level: float | None = None   # the source's level value (its own units), None for a (time, lat, lon) variable
+    hpa: float | None = None     # the level in hPa
+
+
+@dataclass(frozen=True)
+class FileSpan:
+    path: str
+    t0: int                      # global time indices [t0, t1) this file holds
+    t1: int
+
+
+@dataclass
+class SourceReader:
+    """What a task needs to read time blocks: each group's files and the channels (picklable, small)."""
+
+    kind: str                    # "zarr", "netcdf" or "grib"
+    groups: list                 # [[FileSpan, ...], ...] per group, in time order
+    channels: list               # [Channel, ...]
+    dims: dict                   # {"time": name, "lat": name, "lon": name, "level": {variable: dim name}}
+
+    def spans(self) -> list[tuple[int, int]]:
+        """The stretches of time no file boundary of any group cuts: each is read from one file per group."""
+        cuts = sorted({c for files in self.groups for f in files for c in (f.t0, f.t1)})
+        return list(zip(cuts[:-1], cuts[1:]))
+
+    def read_block(self, t0: int, t1: int) -> tuple[np.ndarray, list]:
+        """Time steps ``[t0, t1)`` of every channel as float64 ``(t1 - t0, C, H, W)``, decoded by xarray
+        (missing values are NaN), and each channel's (mask key, value) pairs that xarray read as missing."""
+        out, fills = None, [[] for _ in self.channels]
+        for g, files in enumerate(self.groups):
+            mine = [k for k, c in enumerate(self.channels) if c.group == g]
+            if not mine:
+                continue
+            span = next((f for f in files if f.t0 <= t0 and t1 <= f.t1), None)
+            if span is None:
+                raise IngestError(f"time steps {t0}..{t1 - 1} are not inside one file of the group {files[0].path}, ...")
+            names = sorted({self.channels[k].variable for k in mine})
+            names += sorted({self.dims["level"][v] for v in names if v in self.dims["level"]})  # for .sel
+            with open_dataset(span.path, self.kind, only=names) as ds:
+                for k in mine:
+                    c = self.channels[k]
+                    da = ds[c.variable]
+                    if c.level is not None:
+                        da = da.sel({self.dims["level"][c.variable]: c.level})
+                    da = da.isel({self.dims["time"]: slice(t0 - span.t0, t1 - span.t0)})
+                    da = da.transpose(self.dims["time"], self.dims["lat"], self.dims["lon"])
+                    values = np.asarray(da.values, dtype=np.float64)
+                    if out is None:
+                        out = np.empty((t1 - t0, len(self.channels)) + values.shape[1:], dtype=np.float64)
+                    out[:, k] = values
+                    fills[k] = [(key, x) for key in CF_MASK_KEYS for x in np.atleast_1d(da.encoding.get(key, []))
+                                if x is not None and x == x]
+        return out, fills
+
+
+@dataclass
+class ClimateSource:
+    """A resolved climate source: its channels, coordinates and time axis, and the reader for its blocks."""
+
+    shown: str                   # how to name it in messages
+    reader: SourceReader
+    shape: tuple                 # (T, H, W)
+    lat: np.ndarray
+    lon: np.ndarray
+    time: np.ndarray             # numbers in time_attrs["units"] (steps when the source has no time)
+    time_attrs: dict
+    time_chunk: int
+    channel_attrs: dict = field(default_factory=dict)   # {channel: {"units", "long_name", ...}}
+    levels: dict = field(default_factory=dict)          # {variable: [hPa, ...]} of the level variables kept
+    files: int = 1
+
+    @property
+    def channels(self) -> list[str]:
+        return [c.name for c in self.reader.channels]
+
+
+# -- files ------------------------------------------------------------------------------------------------
+def resolve(items) -> tuple[str, list[str]]:
+    """(kind, paths) of what the user named: one Zarr store, or netCDF / GRIB files from files, folders and
+    globs (each expanded in sorted order); a name that matches nothing is an error naming it."""
+    items = [str(i) for i in ([items] if isinstance(items, (str, Path)) else items)]
+    if not items:
+        raise IngestError(f"no climate source given; {WHAT}")
+    files, zarrs = [], []
+    for item in items:
+        path = Path(item)
+        if any(ch in item for ch in "*?["):
+            found = sorted(globmod.glob(item, recursive=True))
+            if not found:
+                raise IngestError(f"{item}: the pattern matches no file; {WHAT}")
+            for f in found:
+                (zarrs if _is_zarr(Path(f)) else files).append(f)
+        elif path.is_dir():
+            if _is_zarr(path):
+                zarrs.append(str(path))
+            else:
+                inside = sorted(str(p) for p in path.iterdir() if p.suffix.lower() in NETCDF_SUFFIXES + GRIB_SUFFIXES)
+                if not inside:
+                    raise IngestError(f"{item}: a folder with no netCDF or GRIB files and not a Zarr store; {WHAT}")
+                files.extend(inside)
+        elif path.is_file():
+            files.append(str(path))
+        else:
+            raise IngestError(f"{item}: no such file or folder, and not a readable Zarr group; {WHAT}")
+    if zarrs:
+        if len(zarrs) > 1 or files:
+            raise IngestError(f"{', '.join(zarrs + files)}: a Zarr source is ingested on its own (one store per "
+                              f"ingest); {WHAT}")
+        return "zarr", zarrs
+    kinds = {"grib" if Path(f).suffix.lower() in GRIB_SUFFIXES else "netcdf" for f in files}
+    if len(kinds) > 1:
+        raise IngestError(f"{items}: netCDF and GRIB files mixed; convert one kind or ingest them separately")
+    dupes = sorted({f for f in files if files.count(f) > 1})
+    if dupes:
+        raise IngestError(f"{dupes[0]} is named twice among the sources ({items})")
+    return kinds.pop(), files
+
+
+def _is_zarr(path: Path) -> bool:
+    return path.is_dir() and any((path / m).exists() for m in ("zarr.json", ".zgroup", ".zmetadata"))
+
+
+def open_dataset(path, kind: str, only=None, coords_as_stored: bool = False):
+    """One source file (or the Zarr store) as a lazy xarray Dataset with times left as numbers. ``only``: the
+    variables to open (others dropped, so arrays of other shapes do not stop xarray). ``coords_as_stored``:
+    coordinates without CF masking (a zarr-python v2 store's default fill_value 0 must not turn longitude 0
+    into NaN)."""
+    import xarray as xr
+
+    kw = {"chunks": None, "decode_times": False}
+    if coords_as_stored:
+        kw["mask_and_scale"] = {n: False for n in COORD_NAMES}
+    if kind == "zarr":
+        if only is not None:
+            kw["drop_variables"] = [n for n in _zarr_array_names(path) if n not in only]
+        try:
+            return xr.open_zarr(path, consolidated=True, **kw)
+        except Exception:  # no (readable) consolidated metadata: the arrays' own, without xarray's warning
+            return xr.open_zarr(path, consolidated=False, **kw)
+    if kind == "grib":
+        try:
+            import cfgrib  # noqa: F401
+        except ImportError:
+            raise IngestError(f"{path}: reading GRIB needs cfgrib and ecCodes: pip install 'domainflow[grib]' "
+                              f"(or convert the files to netCDF)") from None
+        kw.pop("mask_and_scale", None)
+        ds = xr.open_dataset(path, engine="cfgrib", backend_kwargs={"indexpath": ""}, **kw)
+    else:
+        ds = xr.open_dataset(path, **kw)
+    if only is not None:
+        ds = ds[[v for v in only if v in ds.variables]]
+    return ds
+
+
+def _zarr_array_names(path) -> list[str]:
+    import zarr
+
+    return list(zarr.open_group(path, mode="r").array_keys())
+
+
+# -- what a file holds --------------------------------------------------------------------------------------
+def _dim(dims, names) -> str | None:
+    found = [d for d in dims if d in names]
+    return found[0] if len(found) == 1 else None
+
+
+def gridded_variables(ds) -> dict[str, tuple[str | None, object]]:
+    """{variable: (level dim or None, variable)} of a dataset's (time, lat, lon) and (time, level, lat, lon)
+    variables."""
+    out = {}
+    for name, var in ds.variables.items():
+        dims = tuple(var.dims)
+        if name in ds.coords or len(dims) not in (3, 4):
+            continue
+        if _dim(dims, TIME_NAMES) != dims[0] or dims[-2] not in LAT_NAMES or dims[-1] not in LON_NAMES:
+            continue
+        if len(dims) == 3:
+            out[str(name)] = (None, var)
+        elif dims[1] in LEVEL_NAMES:
+            out[str(name)] = (dims[1], var)
+    return out
+
+
+def level_hpa(ds, dim: str) -> np.ndarray:
+    """A level coordinate's values in hPa (Pa when its units say so, e.g. CMIP's plev)."""
+    values = np.asarray(ds[dim].values, dtype=np.float64) if dim in ds.variables else np.arange(ds.sizes[dim])
+    units = str(ds[dim].attrs.get("units", "")).strip() if dim in ds.variables else ""
+    return values / 100.0 if units in ("Pa", "pa", "pascal", "Pascal") else values
+
+
+def _channel_name(variable: str, hpa: float) -> str:
+    return f"{variable}{int(hpa)}" if float(hpa).is_integer() else f"{variable}{hpa:g}"
+
+
+@dataclass
+class _FileInfo:
+    path: str
+    variables: dict              # {variable: level dim or None}
+    levels: dict                 # {variable: (values as stored, hPa)}
+    time: np.ndarray | None
+    time_attrs: dict
+    lat: np.ndarray
+    lon: np.ndarray
+    dims: dict
+    attrs: dict
+    time_chunk: int
+    steps: int
+
+
+def _scan_file(path: str, kind: str, variables=None) -> _FileInfo:
+    """What one file holds (metadata and coordinates only)."""
+    what = "a Zarr group" if kind == "zarr" else f"a {kind} file"
+    try:
+        try:
+            ds = open_dataset(path, kind, coords_as_stored=True)
+        except (FileNotFoundError, KeyError, IngestError):
+            raise
+        except Exception:
+            if kind != "zarr" or not variables:
+                raise
+            # xarray cannot open all arrays together (a dimension with two sizes): just --variables
+            ds = open_dataset(path, kind, only=(*variables, *COORD_NAMES), coords_as_stored=True)
+    except IngestError:
+        raise
+    except KeyError as exc:  # xarray needs the dimension names of every array
+        raise IngestError(f"{path}: xarray cannot read it as a dataset ({exc.args[0] if exc.args else exc}); "
+                          f"it reads arrays that name their dimensions (Zarr v3 dimension_names, v2 "
+                          f"_ARRAY_DIMENSIONS), as xarray writes them") from None
+    except Exception as exc:  # noqa: BLE001  (any backend's error, with the file named)
+        shapes = _zarr_shapes(path) if kind == "zarr" else {}
+        if len(set(shapes.values())) > 1:  # xarray refuses one dimension with two sizes
+            raise IngestError(f"{path}: variables have different shapes {shapes}; ingest them in separate stores "
+                              f"(--variables)") from None
+        raise IngestError(f"{path} is not readable as {what} ({type(exc).__name__}: {exc}); {WHAT}") from None
+    with ds:
+        found = gridded_variables(ds)
+        if not found:
+            shown = {str(n): tuple(a.dims) for n, a in ds.variables.items()}
+            raise IngestError(f"{path} holds no (time, latitude, longitude) or (time, level, latitude, longitude) "
+                              f"variables; arrays and their dims: {shown}")
+        first = next(iter(found.values()))[1]
+        tdim, latd, lond = first.dims[0], first.dims[-2], first.dims[-1]
+        for name, (_, var) in found.items():
+            if (var.dims[0], var.dims[-2], var.dims[-1]) != (tdim, latd, lond):
+                raise IngestError(f"{path}: variable {name!r} has dims {var.dims}, others {first.dims}")
+        T, H, W = first.shape[0], first.shape[-2], first.shape[-1]
+
+        def coord(name, n):
+            if name not in ds.variables:
+                return None, {}
+            var = ds.variables[name]
+            values = np.asarray(var.values)
+            if values.shape != (n,):
+                raise IngestError(f"{path}: coordinate {name!r} has shape {values.shape}, expected ({n},)")
+            packed = [k for k in ("scale_factor", "add_offset") if k in var.attrs]
+            if packed:
+                raise IngestError(f"{path}: coordinate {name!r} is CF-packed ({', '.join(packed)}); store it unpacked")
+            return values, {k: v for k, v in var.attrs.items() if k not in CF_MASK_KEYS}
+
+        (lat, _), (lon, _), (t, t_attrs) = coord(latd, H), coord(lond, W), coord(tdim, T)
+        if lat is None or lon is None:
+            raise IngestError(f"{path}: coordinate arrays {latd!r} and {lond!r} are required")
+        levels = {}
+        for name, (ldim, _) in found.items():
+            if ldim is not None:
+                levels[name] = (np.asarray(ds[ldim].values) if ldim in ds.variables else np.arange(ds.sizes[ldim]),
+                                level_hpa(ds, ldim))
+        enc = first.encoding
+        chunk = enc["chunks"][0] if enc.get("chunks") else enc.get("preferred_chunks", {}).get(tdim, T)
+        attrs = {n: dict(v.attrs) for n, (_, v) in found.items()}  # xarray moved the CF keys to .encoding
+        return _FileInfo(path, {n: d for n, (d, _) in found.items()}, levels, t, t_attrs,
+                         lat.astype(np.float64), lon.astype(np.float64),
+                         {"time": tdim, "lat": latd, "lon": lond}, attrs, int(chunk or T), int(T))
+
+
+def _zarr_shapes(path) -> dict:
+    """Shapes of a Zarr source's gridded variables, each opened on its own (for the error raised when xarray
+    cannot open them together); empty when that fails too."""
+    try:
+        shapes = {}
+        for name in _zarr_array_names(path):
+            with open_dataset(path, "zarr", only=(name,)) as one:
+                for v, (_, var) in gridded_variables(one).items():
+                    shapes[v] = tuple(var.shape)
+        return shapes
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+# -- the source -------------------------------------------------------------------------------------------
+def open_source(items, variables=None, levels=None) -> ClimateSource:
+    """Resolve, scan and check a climate source; ``variables`` selects variables (all their levels) or
+    channels (``z500``); ``levels`` (hPa) selects the pressure levels of level variables."""
+    kind, paths = resolve(items)
+    shown = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} more files)"
+    infos = [_scan_file(p, kind, variables) for p in paths]
+    first = infos[0]
+    for info in infos[1:]:
+        for name, a, b in (("latitude", first.lat, info.lat), ("longitude", first.lon, info.lon)):
+            if a.shape != b.shape or not np.array_equal(a, b):
+                raise IngestError(f"{info.path}: its {name}s differ from those of {first.path}; every file of a "
+                                  f"source must be on the same grid")
+    groups = _group_files(infos)
+    time, time_attrs, spans = _time_axis(groups)
+    channels, levels_kept, attrs = _channels(groups, variables, levels)
+    # every group's dims: the names may differ between downloads, but one reader needs one set per group
+    dims = {"time": first.dims["time"], "lat": first.dims["lat"], "lon": first.dims["lon"], "level": {}}
+    for g in groups:
+        for info in g:
+            if info.dims != first.dims:
+                raise IngestError(f"{info.path} names its dims {info.dims}, {first.path} {first.dims}; rename them "
+                                  f"to one convention")
+            dims["level"].update({v: d for v, d in info.variables.items() if d is not None})
+    reader = SourceReader(kind, spans, channels, dims)
+    T = len(time)
+    return ClimateSource(shown=shown, reader=reader, shape=(T, len(first.lat), len(first.lon)), lat=first.lat,
+                         lon=first.lon, time=time, time_attrs=time_attrs,
+                         time_chunk=min(i.time_chunk for i in infos) if kind == "zarr" else max(
+                             b.t1 - b.t0 for files in spans for b in files),
+                         channel_attrs=attrs, levels=levels_kept, files=len(paths))
+
+
+def _group_files(infos: list[_FileInfo]) -> list[list[_FileInfo]]:
+    """Files grouped by the variables they hold, each group in time order."""
+    groups: dict[tuple, list] = {}
+    for info in infos:
+        groups.setdefault(tuple(sorted(info.variables)), []).append(info)
+    names = list(groups)
+    for a in range(len(names)):
+        for b in range(a + 1, len(names)):
+            both = set(names[a]) & set(names[b])
+            if both:
+                raise IngestError(f"{groups[names[a]][0].path} and {groups[names[b]][0].path} both hold {sorted(both)} "
+                                  f"but not the same variables; a variable must come from one set of files")
+    out = []
+    for key in names:
+        files = groups[key]
+        if any(f.time is None for f in files) and len(files) > 1:
+            raise IngestError(f"{files[0].path}: files without a time coordinate cannot be put in order; give them "
+                              f"a time coordinate (or ingest one file)")
+        if files[0].time is not None:
+            files.sort(key=lambda f: _decoded(f)[0] if len(f.time) else 0)
+        out.append(files)
+    return out
+
+
+def _decoded(info: _FileInfo) -> np.ndarray:
+    """A file's times as xarray decodes them (numpy datetime64, or cftime objects for other calendars)."""
+    from xarray.coding.times import decode_cf_datetime
+
+    units = info.time_attrs.get("units")
+    if not units or "since" not in str(units):
+        return np.asarray(info.time)
+    return np.asarray(decode_cf_datetime(np.asarray(info.time), units, info.time_attrs.get("calendar")))
+
+
+def _time_axis(groups) -> tuple[np.ndarray, dict, list]:
+    """The source's time axis (numbers in the first file's units; re-encoded there when files differ), its
+    attrs and each group's file spans; every group must have the same times, evenly spaced, no repeats."""
+    from xarray.coding.times import encode_cf_datetime
+
+    axes = []
+    for files in groups:
+        if files[0].time is None:
+            axes.append(None)
+            continue
+        axes.append(np.concatenate([_decoded(f) for f in files]))
+    ref_files = groups[0]
+    first = ref_files[0]
+    if axes[0] is None:
+        time, attrs = np.arange(first.steps, dtype=np.int64), {"units": "steps"}
+    else:
+        dates = axes[0]
+        same_units = all(f.time_attrs.get("units") == first.time_attrs.get("units") and
+                         f.time_attrs.get("calendar") == first.time_attrs.get("calendar") for f in ref_files)
+        if same_units:
+            time = np.concatenate([np.asarray(f.time) for f in ref_files])
+        else:
+            time, _, _ = encode_cf_datetime(dates, first.time_attrs["units"], first.time_attrs.get("calendar"))
+            time = np.asarray(time)
+        attrs = dict(first.time_attrs)
+        _check_even(dates, ref_files)
+    for g, (files, ax) in enumerate(zip(groups, axes)):
+        if g and (ax is None) != (axes[0] is None) or (ax is not None and (len(ax) != len(axes[0]) or
+                                                                            not np.array_equal(ax, axes[0]))):
+            raise IngestError(f"{files[0].path} and the other files of its variables ({sorted(files[0].variables)}) "
+                              f"cover other times than {ref_files[0].path} ({sorted(ref_files[0].variables)}): "
+                              f"{_cover(ax)} against {_cover(axes[0])}; give every variable the same times")
+    spans = []
+    for files in groups:
+        at, mine = 0, []
+        for f in files:
+            n = _length(f)
+            mine.append(FileSpan(f.path, at, at + n))
+            at += n
+        spans.append(mine)
+    return time, attrs, spans
+
+
+def _length(info: _FileInfo) -> int:
+    return info.steps
+
+
+def _cover(ax) -> str:
+    if ax is None:
+        return "no time coordinate"
+    return f"{len(ax)} steps {ax[0]} .. {ax[-1]}" if len(ax) else "no steps"
+
+
+def _check_even(dates: np.ndarray, files) -> None:
+    """Times strictly increasing with one step (a repeat or a gap makes a lead of k steps mean two things)."""
+    if len(dates) < 2:
+        return
+    deltas = np.array([dates[k + 1] - dates[k] for k in range(len(dates) - 1)])
+    where = [k for k in range(len(deltas)) if not deltas[k] == deltas[0]]
+    bad = [k for k in range(len(deltas)) if not deltas[k] > deltas[0] * 0]
+    if bad or where:
+        k = (bad or where)[0]
+        holder, at = files[0].path, 0
+        for f in files:
+            if at + _length(f) > k:
+                holder = f.path
+                break
+            at += _length(f)
+        what = "repeats or goes back" if bad else f"jumps by {deltas[k]} instead of {deltas[0]}"
+        raise IngestError(f"the time axis {what} after step {k} ({dates[k]} -> {dates[k + 1]}, in {holder}): "
+                          f"ingest a series of evenly spaced, distinct times (a missing or doubled file?)")
+
+
+def _channels(groups, variables, levels) -> tuple[list[Channel], dict, dict]:
+    """Channels in order: variables by name, a level variable's levels in ascending hPa."""
+    available: dict[str, tuple[int, str | None, np.ndarray, np.ndarray, dict]] = {}
+    for g, files in enumerate(groups):
+        info = files[0]
+        for v, ldim in info.variables.items():
+            vals, hpa = info.levels.get(v, (None, None))
+            available[v] = (g, ldim, vals, hpa, info.attrs[v])
+    all_channels: list[Channel] = []
+    attrs: dict = {}
+    for v in sorted(available):
+        g, ldim, vals, hpa, a = available[v]
+        if ldim is None:
+            all_channels.append(Channel(v, v, g))
+            attrs[v] = a
+            continue
+        order = np.argsort(hpa, kind="stable")
+        for k in order:
+            name = _channel_name(v, float(hpa[k]))
+            all_channels.append(Channel(name, v, g, vals[k].item(), float(hpa[k])))
+            attrs[name] = {**a, "level_hpa": float(hpa[k]), "source_variable": v}
+    if levels:
+        wanted = {float(x) for x in levels}
+        have = {c.hpa for c in all_channels if c.hpa is not None}
+        missing = sorted(wanted - have)
+        if missing:
+            raise IngestError(f"--levels {missing} hPa are not in the source; its pressure levels are "
+                              f"{sorted(have) or 'none (no level variables)'}")
+        all_channels = [c for c in all_channels if c.hpa is None or c.hpa in wanted]
+    names = {c.name for c in all_channels}
+    clash = sorted(n for n in names if sum(c.name == n for c in all_channels) > 1)
+    if clash:
+        raise IngestError(f"channel name(s) {clash} given by two variables; ingest them with --variables apart")
+    if variables:
+        picked, unknown = [], []
+        for v in variables:
+            hit = [c for c in all_channels if c.variable == v] or [c for c in all_channels if c.name == v]
+            if not hit:
+                unknown.append(v)
+            picked.extend(c for c in hit if c not in picked)
+        if unknown:
+            raise IngestError(f"no variable(s) {unknown}; the variables are {sorted(available)} and the channels "
+                              f"{[c.name for c in all_channels]}")
+        all_channels = picked
+    kept_levels: dict = {}
+    for c in all_channels:
+        if c.hpa is not None:
+            kept_levels.setdefault(c.variable, []).append(c.hpa)
+    return all_channels, kept_levels, {c.name: attrs[c.name] for c in all_channels}
