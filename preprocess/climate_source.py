@@ -149,6 +149,8 @@ def resolve(items) -> tuple[str, list[str]]:
             files.append(str(path))
         else:
             raise IngestError(f"{item}: no such file or folder, and not a readable Zarr group; {WHAT}")
+    # absolute: tasks may run on dask workers started in other working directories
+    files, zarrs = [str(Path(f).resolve()) for f in files], [str(Path(z).resolve()) for z in zarrs]
     if zarrs:
         if len(zarrs) > 1 or files:
             raise IngestError(f"{', '.join(zarrs + files)}: a Zarr source is ingested on its own (one store per "

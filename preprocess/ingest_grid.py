@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .climate_source import ClimateSource, SourceReader, open_source
+from .climatology import CLIMATOLOGY_WINDOW, DAYS, bands, climatology_band, layout
 from .errors import IngestError, RunError
 from .parallel import peak_memory, reset_peak_memory, run_tasks
 from .report import IngestReport
@@ -39,6 +40,7 @@ from .store_writer import TARGET_CHUNK_BYTES, StoreWriter, chunk_options, for_wr
 class GridOptions:
     variables: tuple[str, ...] | None = None
     levels: tuple[float, ...] | None = None
+    climatology_window: int = CLIMATOLOGY_WINDOW
     time_block: int | None = None
     chunk_bytes: int = TARGET_CHUNK_BYTES
     split: tuple[float, float, float] = (0.8, 0.1, 0.1)
@@ -58,6 +60,8 @@ class GridOptions:
             raise IngestError(f"--workers must be at least 1, got {self.workers}")
         if self.variables is not None and len(set(self.variables)) != len(self.variables):
             raise IngestError(f"--variables names a variable more than once: {list(self.variables)}")
+        if self.climatology_window < 1:
+            raise IngestError(f"--climatology-window must be at least 1 day, got {self.climatology_window}")
         if self.levels is not None and len(set(self.levels)) != len(self.levels):
             raise IngestError(f"--levels names a level more than once: {list(self.levels)}")
 
@@ -147,6 +151,7 @@ def ingest_climate(raw, store, opts: GridOptions | None = None, **kw):
     files = sorted({f.path for group in src.reader.groups for f in group})
     source = files[0] if len(files) == 1 else os.path.commonpath([str(Path(f).resolve()) for f in files])
     config = {"variables": src.channels, "time_block": block, "chunk_bytes": opts.chunk_bytes,
+              "climatology_window": opts.climatology_window,
               "split": list(opts.split), "split_file": read_split_file(opts.split_file), "shape": [T, H, W]}
     if len(files) > 1:
         config["files"] = [os.path.relpath(Path(f).resolve(), source) for f in files]
@@ -202,6 +207,7 @@ def _ingest_blocks(writer: StoreWriter, source: Path, store: Path, src: ClimateS
     for v in channels:
         merged = merge_all(RunningStats.from_attrs(summaries[n]["stats"][v]) for n in names)
         stats[f"grid/{v}"] = merged.to_attrs()
+    climatology = _climatology(writer, root, store, src, opts, splits, (hc, wc), done, report)
     fields = {}
     for c, v in enumerate(channels):
         a = src.channel_attrs.get(v, {})
@@ -212,9 +218,52 @@ def _ingest_blocks(writer: StoreWriter, source: Path, store: Path, src: ClimateS
     writer.complete({"fields": fields, "stats": stats, "splits": splits,
                      "grid": {"variables": channels, "shape": [T, H, W], "tile": [hc, wc],
                               "periodic_lon": _periodic(src.lon), "levels": src.levels,
-                              "source": {"kind": src.reader.kind, "files": src.files}}})
+                              "source": {"kind": src.reader.kind, "files": src.files},
+                              "climatology": climatology}})
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _climatology(writer: StoreWriter, root, store: Path, src: ClimateSource, opts: GridOptions, splits: dict,
+                 tile: tuple[int, int], done: dict, report: IngestReport) -> dict:
+    """Write the train split's climatology (``climatology.py``): one task per channel and band of rows, each
+    marked done like a time block, so a rerun resumes here too. Returns what the store's attrs record."""
+    T, H, W = src.shape
+    C = len(src.channels)
+    hc, wc = tile
+    _, _, hours = layout(src.time, src.time_attrs)
+    days, slots = (DAYS, len(hours)) if hours else (1, 1)
+    if "climatology" not in root:
+        # a chunk holds a channel's tile for as many days as make ~1 MiB: one day of a big grid's tile, the
+        # whole year of a small one (a day of a small tile per chunk would be thousands of tiny files)
+        per_day = slots * hc * wc * 4
+        chunk_days = max(1, min(days, (1 << 20) // per_day))
+        root.create_array("climatology", shape=(days, slots, C, H, W), chunks=(chunk_days, slots, 1, hc, wc),
+                          dtype="float32", dimension_names=["dayofyear", "hour", "channel", "lat", "lon"],
+                          **chunk_options())
+    tasks = {f"clim-{c:05d}-{a:07d}": (str(store), c, a, b, splits["train"], opts.climatology_window)
+             for c in range(C) for a, b in bands(H, hc, W, slots)}
+    results = {n: done[n] for n in tasks if n in done}
+    todo = [(n, *args) for n, args in tasks.items() if n not in done]
+    for out in run_tasks(climatology_task, todo, workers=opts.workers, scheduler=opts.scheduler,
+                         desc="climatology", progress=opts.progress):
+        results[out["name"]] = out
+        report.tasks.append(out)
+    filled = {v: 0 for v in src.channels}
+    for out in results.values():
+        filled[src.channels[out["channel"]]] += out["filled"]
+    return {"hours": hours, "window_days": opts.climatology_window if hours else None, "dated": bool(hours),
+            "filled_entries": filled, "entries_per_channel": days * slots}
+
+
+def climatology_task(name: str, store: str, channel: int, r0: int, r1: int, train, window: int) -> dict:
+    """One channel's climatology over rows ``[r0, r1)``, marked done (a dask task)."""
+    start, rss0 = time.perf_counter(), reset_peak_memory()
+    info = climatology_band(store, channel, r0, r1, train, window)
+    info = {**info, "name": name}
+    StoreWriter(store).mark_block(name, info)
+    return {**info, "seconds": time.perf_counter() - start, "cells": {}, "raw_bytes": 0, "peak_rss": peak_memory(),
+            "start_rss": rss0}
 
 
 def _periodic(lon: np.ndarray) -> bool:

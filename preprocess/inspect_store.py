@@ -114,6 +114,15 @@ def _describe_grid(root, config, domains) -> list[str]:
         lines.append("  pressure levels (hPa): " + "; ".join(f"{v}: {', '.join(f'{x:g}' for x in ls)}"
                                                           for v, ls in levels.items()))
     lines.append(f"  time: {T} steps, {_time_range(root['time'])}")
+    clim = root.attrs.get("grid", {}).get("climatology")
+    if clim:
+        if clim.get("dated"):
+            filled = max(clim.get("filled_entries", {}).values(), default=0)
+            lines.append(f"  climatology (train split): by day of year and hour ({', '.join(map(str, clim['hours']))} "
+                         f"h), {clim['window_days']}-day window; {filled} of {clim['entries_per_channel']} entries "
+                         f"per channel have no train step in their window (the hour's train mean)")
+        else:
+            lines.append("  climatology (train split): the train mean per grid point (the time axis has no dates)")
     lat, lon = np.asarray(root["lat"][...]), np.asarray(root["lon"][...])
     lines.append(f"  lat {H}: {lat[0]:.3f} .. {lat[-1]:.3f}; lon {W}: {lon[0]:.3f} .. {lon[-1]:.3f}; "
                  f"periodic in lon: {root.attrs.get('grid', {}).get('periodic_lon', '?')}")

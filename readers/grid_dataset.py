@@ -85,6 +85,7 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
         self.device = mesh_device(self.axes.domain)
         self.normalizer = Normalizer(self.store.stats)
         self._np_dtype = torch.empty((), dtype=dtype).numpy().dtype
+        self._day = self._slot = None  # the climatology's (day of year, hour) index of each step, when needed
         stats = [self.store.stats[f"grid/{v}"] for v in self.variables]
         self._mean = np.array([s["mean"][0] for s in stats], self._np_dtype).reshape(1, -1, 1, 1)
         self._inv_std = np.array([1.0 / (s["std"][0] if s["std"][0] > 0 else 1.0) for s in stats],
@@ -139,6 +140,55 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
         self.store.check_unchanged()  # a store replaced mid-read would mix two stores in one sample
         return {"time": t, "weight": weight, "window": window, "target": target}
 
+    def read_truth(self, t: int) -> np.ndarray:
+        """This rank's (1, C, h, w) block of step ``t``, z-scored like a target (for rollouts' later leads)."""
+        return self._prepare(self._read(t, t + 1, halo=False))
+
+    @property
+    def has_climatology(self) -> bool:
+        return "climatology" in self.store.group
+
+    def read_climatology(self, t: int) -> np.ndarray:
+        """This rank's (1, C, h, w) block of the train split's climatology at step ``t``'s day of year and hour of
+        day (``preprocess/climatology.py``), z-scored like the data."""
+        from domainflow.preprocess.climatology import layout
+
+        if not self.has_climatology:
+            raise StoreError(f"{self.store.path} has no climatology (ingested before it was written); re-ingest it "
+                             f"with domainflow ingest climate --overwrite")
+        if self._day is None:
+            time = self.store.group["time"]
+            self._day, self._slot, _ = layout(np.asarray(time[...]), dict(time.attrs))
+        clim = self.store.group["climatology"]
+        d = int(self._day[t]) if clim.shape[0] > 1 else 0
+        lat, lon = self.slabs["lat"], self.slabs["lon"]
+        block = self.store.read(clim, (d, int(self._slot[t]), self.channels, slice(lat.start, lat.stop),
+                                       slice(lon.start, lon.stop)), orthogonal=True)
+        return self._prepare(np.asarray(block)[None])
+
+    def lat_weights(self, dtype=torch.float64):
+        """cos(latitude) normalised to mean 1 over the grid (WeatherBench 2's area weights on a regular grid), as
+        a (1, 1, H, 1) ShardTensor laid out like the samples' latitude (replicated over a longitude axis)."""
+        from domainflow import Replicate, Shard, ShardTensor
+
+        lat = np.asarray(self.store.group["lat"][...], dtype=np.float64)
+        w = np.cos(np.deg2rad(lat))
+        w = w / w.mean()
+        rows = torch.as_tensor(w[self.slabs["lat"].start:self.slabs["lat"].stop], dtype=dtype, device=self.device)
+        placements = [Shard(2) if d == "lat" else Replicate() for d in self.shard_dims]
+        lat_axis = self.axes.names[self.shard_dims.index("lat")]
+        return ShardTensor.from_local(rows.reshape(1, 1, -1, 1), self.axes.domain, placements,
+                                      sharding_shapes={lat_axis: self.sizes[lat_axis]})
+
+    def shard(self, block: np.ndarray):
+        """A (steps, C, h, w) block of this rank as the (1, steps * C, H, W) ShardTensor of the whole grid."""
+        from domainflow import Shard, ShardTensor
+
+        t = torch.from_numpy(np.ascontiguousarray(block)).to(self.device)
+        t = t.reshape(1, -1, t.shape[2], t.shape[3])
+        return ShardTensor.from_local(t, self.axes.domain, [Shard(DIMS[d]) for d in self.shard_dims],
+                                      sharding_shapes=self.sizes)
+
     def _prepare(self, block: np.ndarray) -> np.ndarray:
         """(steps, C, h, w) -> the dataset's dtype, normalised per variable."""
         out = block.astype(self._np_dtype, copy=True)
@@ -155,22 +205,12 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
         return block[:, :, lat.before: block.shape[2] - lat.after, lon.before: block.shape[3] - lon.after]
 
     def wrap(self, raw: dict) -> dict:
-        from domainflow import Shard, ShardTensor
-
-        placements = [Shard(DIMS[d]) for d in self.shard_dims]
-
-        def tensor(block: np.ndarray) -> torch.Tensor:  # (steps, C, h, w) -> (1, steps * C, h, w)
-            t = torch.from_numpy(np.ascontiguousarray(block)).to(self.device)
-            return t.reshape(1, -1, t.shape[2], t.shape[3])
-
-        window = tensor(raw["window"])
         out = {"time": raw["time"], "weight": torch.tensor(raw["weight"], dtype=self.dtype, device=self.device)}
-        core = tensor(self._core(raw["window"])) if self.halo else window
-        out["input"] = ShardTensor.from_local(core, self.axes.domain, placements, sharding_shapes=self.sizes)
-        out["target"] = ShardTensor.from_local(tensor(raw["target"]), self.axes.domain, placements,
-                                               sharding_shapes=self.sizes)
+        out["input"] = self.shard(self._core(raw["window"]))
+        out["target"] = self.shard(raw["target"])
         if self.halo:
-            out["input_halo"] = window
+            w = torch.from_numpy(np.ascontiguousarray(raw["window"])).to(self.device)
+            out["input_halo"] = w.reshape(1, -1, w.shape[2], w.shape[3])
             out["halo_widths"] = {DIMS[d]: (self.slabs[d].before, self.slabs[d].after) for d in DIMS}
         return out
 

@@ -74,6 +74,7 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     block_points: int = 0                # evaluation and predict: forward in blocks of this many points per rank (0: whole)
+    lead_steps: list = field(default_factory=lambda: [1])  # grid: leads (in data.lead steps) of the scored rollout
 
 
 @dataclass
@@ -231,6 +232,16 @@ def _check(cfg: Config) -> None:
     if cfg.eval.block_points and cfg.model.name != "transolver":
         raise ConfigError(f"eval.block_points={cfg.eval.block_points}: model {cfg.model.name!r} has no block "
                           f"inference (only transolver does); set eval.block_points=0")
+    try:
+        leads = sorted({int(k) for k in cfg.eval.lead_steps})
+    except (TypeError, ValueError):
+        leads = []
+    if not leads or leads[0] < 1:
+        raise ConfigError(f"eval.lead_steps must be integers >= 1 (e.g. 1,4,8), got {cfg.eval.lead_steps}")
+    if leads != [1] and cfg.data.kind != "grid":
+        raise ConfigError(f"eval.lead_steps={cfg.eval.lead_steps} rolls out a grid forecast; a mesh sample has no "
+                          f"lead (remove it)")
+    cfg.eval.lead_steps = leads
     if t.lr <= 0:
         raise ConfigError(f"train.lr must be > 0, got {t.lr}")
     if cfg.mesh.dp < 1 or cfg.mesh.domain < 1 or cfg.mesh.lon < 1:

@@ -22,8 +22,8 @@ SIZES = {
     "tiny": dict(runs=5, cells=1200, steps=8, dim=16, layers=1, slices=8, lr=2e-3),
 }
 GRID_SIZES = {
-    "full": dict(grid=(32, 64), series=400, steps=300, base=16, lr=2e-3),
-    "tiny": dict(grid=(8, 16), series=40, steps=6, base=4, lr=2e-3),
+    "full": dict(grid=(32, 64), series=400, steps=300, base=16, lr=2e-3, leads="1,4,8"),
+    "tiny": dict(grid=(8, 16), series=40, steps=6, base=4, lr=2e-3, leads="1,2"),
 }
 
 
@@ -95,6 +95,7 @@ def _climate_data(out_dir: Path, size: dict, nproc: int, timings: dict):
         f"data.store={store}", "data.kind=grid", "model.name=unet", f"model.base={size['base']}",
         f"train.steps={size['steps']}", f"train.lr={size['lr']}", "train.clip_grad=1.0",
         f"train.checkpoint_every={max(1, size['steps'] // 3)}", f"mesh.domain={nproc}",
+        f"eval.lead_steps={size['leads']}",
         f"output.dir={out_dir / 'train'}"])
     return store, cfg
 
@@ -103,12 +104,14 @@ def format_report(report: dict) -> str:
     res = report["result"]
     summ = res.get("eval", {}).get("summary", {})
     lines = [f"\n== domainflow demo ({'climate UNet' if report['kind'] == 'grid' else 'surface Transolver'}, "
-             f"domain = {report['domain']} CPU ranks) ==",
-             f"{'metric':<28}{'model':>12}{'mean field':>12}" + (f"{'persistence':>13}" if "persistence" in summ else "")]
-    model, base, pers = summ.get("model", {}), summ.get("baseline", {}), summ.get("persistence")
-    for k in model:
-        line = f"{k:<28}{model[k]:>12.4f}{base.get(k, float('nan')):>12.4f}"
-        lines.append(line + (f"{pers.get(k, float('nan')):>13.4f}" if pers else ""))
+             f"domain = {report['domain']} CPU ranks) =="]
+    if report["kind"] == "grid":
+        lines += grid_table(summ)
+    else:
+        lines.append(f"{'metric':<28}{'model':>12}{'mean field':>12}")
+        model, base = summ.get("model", {}), summ.get("baseline", {})
+        for k in model:
+            lines.append(f"{k:<28}{model[k]:>12.4f}{base.get(k, float('nan')):>12.4f}")
     lines.append(f"validation samples: {summ.get('samples', 0)};  final training loss {res.get('loss')}")
     lines.append("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in report["timings_s"].items()))
     lines.append(f"store: {report['store']}")
@@ -116,3 +119,18 @@ def format_report(report: dict) -> str:
     for f in res.get("figures", []):
         lines.append(f"figure: {f}")
     return "\n".join(lines)
+
+
+def grid_table(summ: dict) -> list[str]:
+    """WeatherBench-style lines: RMSE and ACC per variable and lead for the model, persistence and climatology."""
+    leads = summ.get("lead_steps", [])
+    hours = summ.get("lead_hours") or [None] * len(leads)
+    lines = [f"{'lead':>6}  {'metric':<16}{'model':>12}{'persistence':>13}{'climatology':>13}"]
+    for k, h in zip(leads, hours):
+        entry = summ["leads"][str(k)]
+        label = f"{h:g} h" if h is not None else f"{k} st"
+        for key in entry["model"]:
+            lines.append(f"{label:>6}  {key:<16}{entry['model'][key]:>12.4f}{entry['persistence'][key]:>13.4f}"
+                         f"{entry['climatology'][key]:>13.4f}")
+    lines.append("RMSE latitude-weighted, in each variable's units; ACC against " + summ.get("climatology_source", ""))
+    return lines

@@ -242,6 +242,10 @@ class Trainer:
                                              title=f"({runs[0]}, step {self.step})"))
         elif runs:
             made += self._grid_figure(int(runs[0]))
+            summary = evaluation.get("summary", {})
+            if self.rank == 0 and summary.get("leads"):
+                units = {k.split("/", 1)[1]: f.get("units", "") for k, f in self.ds.store.fields.items()}
+                made.append(plots.rmse_by_lead(summary, self.out / "rmse_by_lead.png", units))
         if self.rank == 0 and (self.out / "metrics.jsonl").exists():
             made.append(plots.loss_curves(self.out / "metrics.jsonl", self.out / "loss.png"))
         return [str(p) for p in made]
@@ -261,7 +265,12 @@ class Trainer:
         if self.rank != 0:
             return []
         v = ds.variables[0]
-        return [plots.grid_maps(pred[0, 0].cpu().numpy(), true[0, 0].cpu().numpy(), v, self.out / f"map_{v}.png")]
+        store = ds.store.group
+        units = ds.store.fields.get(f"grid/{v}", {}).get("units", "")
+        when = _time_label(store["time"], t + ds.lead)
+        return [plots.grid_maps(pred[0, 0].cpu().numpy(), true[0, 0].cpu().numpy(), v, self.out / f"map_{v}.png",
+                                lat=store["lat"][...], lon=store["lon"][...], units=units,
+                                title=f"{v}, lead {ds.lead} step(s), valid {when} (step {self.step})")]
 
     def _after_step(self, entry: StepLog, log, bar, waited: float = 0.0):
         rec = {"step": entry.step, "loss": entry.loss, "lr": entry.lr,
@@ -315,6 +324,17 @@ def _checkpointed(model, batch):
     finally:
         for b, f in zip(blocks, originals):
             b.forward = f
+
+
+def _time_label(time, k: int) -> str:
+    """Step ``k`` of a store's time axis as a date when its units give one, else its index."""
+    from domainflow.preprocess.climatology import day_and_hour
+
+    if day_and_hour(time[k:k + 1], dict(time.attrs)) is None:
+        return f"step {k}"
+    from xarray.coding.times import decode_cf_datetime
+
+    return str(decode_cf_datetime(time[k:k + 1], time.attrs["units"], time.attrs.get("calendar"))[0])[:16]
 
 
 def _value(t) -> torch.Tensor:

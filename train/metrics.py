@@ -5,16 +5,17 @@ before averaging, so no metric is a mean of per-rank means.
 Surface (mesh) runs: relative L2 error ``|p - t| / |t|`` of Cp and of each wall-shear component, and the
 drag and lift coefficients integrated from the predicted surface pressure and shear,
 ``C = sum(-Cp n + Cf) A / A_ref`` (x: drag, z: lift), next to the same integral of the true fields and
-the run's ``force_mom_constref`` values. Grids: RMSE (physical units) and anomaly correlation (against
-the training mean, the climatology the data are normalised by) per variable. Every metric is also
-reported for a mean-field baseline (predicting the training mean everywhere), and on grids for
-persistence (the last input step).
+the run's ``force_mom_constref`` values, next to a mean-field baseline (the training mean everywhere).
+Grids, as WeatherBench 2 scores them (``grid_scores``): latitude-weighted RMSE in physical units and ACC
+against the train split's per-gridpoint climatology by day of year and hour, at each of
+``eval.lead_steps`` of an autoregressive rollout, for the model, persistence and the climatology forecast.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 import domainflow as df
@@ -62,19 +63,6 @@ def surface_metrics(ds, sample, pred_norm, reference_area: float) -> dict:
     return out
 
 
-def grid_metrics(ds, sample, pred_norm) -> dict:
-    """Per variable: squared error sum (physical units), cell count and anomaly-correlation terms."""
-    out = {}
-    std = torch.tensor([ds.store.stats[f"grid/{v}"]["std"][0] or 1.0 for v in ds.variables], dtype=torch.float64)
-    for c, v in enumerate(ds.variables):
-        p, t = pred_norm[0, c], sample["target"][0, c]
-        se = _f(((p - t) ** 2).sum()) * float(std[c]) ** 2
-        num, pp, tt = _f((p * t).sum()), _f((p * p).sum()), _f((t * t).sum())
-        cells = t.shape[0] * t.shape[1]
-        out[v] = {"se": se, "cells": cells, "acc": num / math.sqrt(pp * tt) if pp > 0 and tt > 0 else 0.0}
-    return out
-
-
 @torch.no_grad()
 def evaluate(trainer, split: str) -> dict:
     """Metrics of ``trainer.model`` on every sample of ``split`` (split over dp; exact over the domain),
@@ -93,34 +81,109 @@ def evaluate(trainer, split: str) -> dict:
     model.eval()
     rows = []
     try:
-        for key, w in ds.steps(0):
+        if cfg.data.kind == "grid":
+            rows = _grid_rows(ds, model, cfg, split)
+        for key, w in ds.steps(0) if cfg.data.kind == "mesh" else ():
             if w == 0:
                 continue
             sample = ds.wrap(ds.read_region(key, w))
             batch = make_batch(cfg, ds, sample, trainer.param_stats)
             pred = infer(model, batch, cfg)
             base = torch.zeros_like(batch.target)
-            if cfg.data.kind == "mesh":
-                rows.append({"run": key, "model": surface_metrics(ds, sample, pred, cfg.output.reference_area),
-                             "baseline": surface_metrics(ds, sample, base, cfg.output.reference_area)})
-            else:
-                last = batch.x[:, -batch.target.shape[1]:]   # persistence: the last input step
-                rows.append({"run": int(key), "model": grid_metrics(ds, sample, pred),
-                             "baseline": grid_metrics(ds, sample, base),
-                             "persistence": grid_metrics(ds, sample, last)})
+            rows.append({"run": key, "model": surface_metrics(ds, sample, pred, cfg.output.reference_area),
+                         "baseline": surface_metrics(ds, sample, base, cfg.output.reference_area)})
     finally:
         model.train(was_training)
     if ds.axes.dp_size > 1:
         gathered = comm.all_gather_object(rows, trainer.mesh, 0)
         rows = [r for part in gathered for r in part]
     rows.sort(key=lambda r: str(r["run"]))
-    summary = _summarise(rows, cfg.data.kind)
+    summary = _summarise(rows, cfg.data.kind) if cfg.data.kind == "mesh" else _summarise_grid(rows, ds, cfg)
     return {"split": split, "runs": rows, "summary": summary}
+
+
+GRID_FORECASTS = ("model", "persistence", "climatology")
+
+
+def _grid_rows(ds, model, cfg, split: str) -> list[dict]:
+    """For each initial time of the split whose rollout stays inside one of its time ranges: the model rolled
+    out autoregressively to the largest of ``eval.lead_steps`` (its prediction fed back as the newest input
+    step), and at each of those leads the scores of the model, of persistence (the last input step) and of
+    the climatology of the valid time, against the truth of the valid time (``grid_scores``)."""
+    from .data import Batch
+    from .grid_scores import forecast_terms
+    from .inference import infer
+
+    leads = list(cfg.eval.lead_steps)
+    last_lead = max(leads)
+    C = len(ds.variables)
+    weights = ds.lat_weights()
+    ranges = ds.store.splits[split]
+    rows = []
+    for t, w in ds.steps(0):
+        if w == 0 or not any(a <= t and t + last_lead * ds.lead < b for a, b in ranges):
+            continue
+        sample = ds.wrap(ds.read_region(t, w))
+        state = sample["input"]
+        persistence = state[:, -C:]
+        row = {"run": int(t), "leads": {}}
+        for k in range(1, last_lead + 1):
+            pred = infer(model, Batch(state, None, None), cfg)
+            if k in leads:
+                valid = t + k * ds.lead
+                truth = sample["target"] if k == 1 else ds.shard(ds.read_truth(valid))
+                clim = ds.shard(ds.read_climatology(valid)) if ds.has_climatology else torch.zeros_like(truth)
+                row["leads"][str(k)] = {name: {key: v.tolist() for key, v in forecast_terms(f, truth, clim, weights).items()}
+                                        for name, f in (("model", pred), ("persistence", persistence),
+                                                        ("climatology", clim))}
+            if k < last_lead:  # the prediction becomes the newest step of the next input window
+                state = pred if ds.history == 1 else torch.cat([state[:, C:], pred.to(state.dtype)], dim=1)
+        rows.append(row)
+    return rows
+
+
+def _summarise_grid(rows: list[dict], ds, cfg) -> dict:
+    """RMSE and ACC per variable for the model, persistence and climatology at each lead; the first lead's
+    also as the summary's ``model``/``persistence``/``climatology`` entries."""
+    from .grid_scores import summarise
+
+    std = [ds.store.stats[f"grid/{v}"]["std"][0] or 1.0 for v in ds.variables]
+    leads = [str(k) for k in cfg.eval.lead_steps]
+    by_lead = {}
+    for k in leads:
+        by_lead[k] = {name: summarise([{key: np.asarray(v) for key, v in r["leads"][k][name].items()} for r in rows],
+                                      ds.variables, std) for name in GRID_FORECASTS}
+    out = dict(by_lead[leads[0]]) if rows else {name: {} for name in GRID_FORECASTS}
+    out["samples"] = len(rows)
+    out["leads"] = by_lead
+    out["lead_steps"] = [int(k) for k in leads]
+    step_h = _step_hours(ds)
+    if step_h:
+        out["lead_hours"] = [int(k) * ds.lead * step_h for k in leads]
+    out["climatology_source"] = ("the train split's per-gridpoint climatology by day of year and hour" if
+                                 ds.has_climatology else "the train mean of each variable (the store has no "
+                                 "climatology: re-ingest it for WeatherBench anomalies)")
+    return out
+
+
+def _step_hours(ds) -> float | None:
+    """Hours between two steps of the store, when its time axis holds dates."""
+    from domainflow.preprocess.climatology import day_and_hour
+
+    time = ds.store.group["time"]
+    if time.shape[0] < 2 or day_and_hour(np.asarray(time[:1]), dict(time.attrs)) is None:
+        return None
+    from xarray.coding.times import decode_cf_datetime
+
+    d = decode_cf_datetime(np.asarray(time[:2]), time.attrs["units"], time.attrs.get("calendar"))
+    delta = d[1] - d[0]
+    seconds = delta / np.timedelta64(1, "s") if isinstance(delta, np.timedelta64) else delta.total_seconds()
+    return seconds / 3600
 
 
 def _summarise(rows: list[dict], kind: str) -> dict:
     out = {}
-    for which in ("model", "baseline", "persistence"):
+    for which in ("model", "baseline"):
         if not rows or which not in rows[0]:
             continue
         if kind == "mesh":
@@ -130,13 +193,6 @@ def _summarise(rows: list[dict], kind: str) -> dict:
                 for c in ("cd", "cl"):
                     s[f"{c}_mae_vs_csv"] = sum(abs(r[which][f"{c}_pred"] - r[which][f"{c}_csv"]) for r in rows) / len(rows)
                 s["cd_true_fields_mae_vs_csv"] = sum(abs(r[which]["cd_true"] - r[which]["cd_csv"]) for r in rows) / len(rows)
-        else:
-            s = {}
-            for v in rows[0][which]:
-                se = sum(r[which][v]["se"] for r in rows)
-                cells = sum(r[which][v]["cells"] for r in rows)
-                s[f"rmse_{v}"] = math.sqrt(se / cells)
-                s[f"acc_{v}"] = sum(r[which][v]["acc"] for r in rows) / len(rows)
         out[which] = s
     out["samples"] = len(rows)
     return out

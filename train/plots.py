@@ -1,5 +1,6 @@
 """End-of-run figures, rendered off-screen: loss curves (matplotlib), predicted vs true surface Cp side
-by side (pyvista), and for grids a map of prediction, truth and error (matplotlib)."""
+by side (pyvista), and for grids maps of prediction, truth and error in degrees with units, and RMSE against
+lead time for the model, persistence and climatology (matplotlib)."""
 
 from __future__ import annotations
 
@@ -31,12 +32,23 @@ def loss_curves(metrics_jsonl: Path, out_png: Path) -> Path:
     ax.grid(alpha=0.3)
     if evals:
         ax = axes[0, 1]
-        keys = [k for k in evals[-1][1].get("model", {}) if k.startswith(("rel_l2", "rmse"))]
+        last = evals[-1][1]
+        base = "baseline" if "baseline" in last else "climatology"  # mesh: the mean field; grid: climatology
+        keys = [k for k in last.get("model", {}) if k.startswith("rel_l2")]
+        if not keys:  # grid RMSE in each variable's own units: normalised by the climatology forecast's
+            keys = [k for k in last.get("model", {}) if k.startswith("rmse")]
         for k in keys:
-            ax.plot([s for s, _ in evals], [e["model"][k] for _, e in evals], marker="o", label=k)
-            ax.axhline(evals[-1][1]["baseline"][k], ls=":", lw=0.8, color=ax.lines[-1].get_color())
+            ref = last.get(base, {}).get(k) if k.startswith("rmse") else 1.0
+            scale = ref if k.startswith("rmse") and ref else 1.0
+            ax.plot([s for s, _ in evals], [e["model"][k] / scale for _, e in evals], marker="o", label=k)
+            if k.startswith("rel_l2") and base in last:
+                ax.axhline(last[base][k], ls=":", lw=0.8, color=ax.lines[-1].get_color())
+        if keys and keys[0].startswith("rmse"):
+            ax.axhline(1.0, ls=":", lw=0.8, color="k")
+            ax.set_ylabel("validation RMSE / climatology's (dotted: 1)")
+        else:
+            ax.set_ylabel("validation error (dotted: mean-field baseline)")
         ax.set_xlabel("step")
-        ax.set_ylabel("validation error (dotted: mean-field baseline)")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -79,20 +91,62 @@ def _field(dataset, name: str) -> np.ndarray:
     return np.asarray(dataset.point_data[name]).reshape(-1)
 
 
-def grid_maps(pred: np.ndarray, true: np.ndarray, variable: str, out_png: Path) -> Path:
-    """Prediction, truth and error maps of one variable (lat x lon arrays)."""
+def grid_maps(pred: np.ndarray, true: np.ndarray, variable: str, out_png: Path, lat=None, lon=None, units: str = "",
+              title: str = "") -> Path:
+    """Prediction, truth and error maps of one variable (lat x lon arrays) on longitude/latitude axes in
+    degrees, with the variable's units on the colour bars and the error's colours centred on zero."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    lat = np.arange(true.shape[0]) if lat is None else np.asarray(lat, dtype=float)
+    lon = np.arange(true.shape[1]) if lon is None else np.asarray(lon, dtype=float)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     lo, hi = float(np.min(true)), float(np.max(true))
-    for ax, data, name in zip(axes, (pred, true, pred - true), ("prediction", "truth", "error")):
-        kw = dict(vmin=lo, vmax=hi, cmap="viridis") if name != "error" else dict(cmap="RdBu_r")
-        im = ax.imshow(data, origin="upper", aspect="auto", **kw)
-        ax.set_title(f"{variable}: {name}")
-        fig.colorbar(im, ax=ax, fraction=0.046)
+    err = pred - true
+    bound = float(np.max(np.abs(err))) or 1.0
+    for ax, data, name in zip(axes, (pred, true, err), ("prediction", "truth", "error (prediction - truth)")):
+        kw = dict(vmin=lo, vmax=hi, cmap="viridis") if name != "error (prediction - truth)" else \
+            dict(vmin=-bound, vmax=bound, cmap="RdBu_r")
+        im = ax.pcolormesh(lon, lat, data, shading="nearest", **kw)
+        ax.set_title(f"{variable}: {name}", fontsize=10)
+        ax.set_xlabel("longitude (degrees east)")
+        ax.set_ylabel("latitude (degrees north)")
+        bar = fig.colorbar(im, ax=ax, fraction=0.046)
+        bar.set_label(units)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return Path(out_png)
+
+
+def rmse_by_lead(summary: dict, out_png: Path, units: dict | None = None) -> Path:
+    """RMSE against lead time per variable: the model, persistence and climatology (a grid evaluation's
+    ``leads``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    leads = summary.get("lead_steps", [])
+    x = summary.get("lead_hours") or leads
+    variables = [k[5:] for k in summary["leads"][str(leads[0])]["model"] if k.startswith("rmse_")]
+    cols = min(4, len(variables))
+    rows = -(-len(variables) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.0 * rows), squeeze=False)
+    for ax, v in zip(axes.ravel(), variables):
+        for name, style in (("model", "-o"), ("persistence", "--s"), ("climatology", ":")):
+            ax.plot(x, [summary["leads"][str(k)][name][f"rmse_{v}"] for k in leads], style, label=name, ms=4)
+        ax.set_title(v, fontsize=10)
+        ax.set_xlabel("lead time (h)" if summary.get("lead_hours") else "lead (steps)")
+        ax.set_ylabel(f"RMSE ({(units or {}).get(v, '')})".replace(" ()", ""))
+        ax.grid(alpha=0.3)
+    for ax in axes.ravel()[len(variables):]:
+        ax.set_visible(False)
+    axes.ravel()[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_png, dpi=100)
     plt.close(fig)

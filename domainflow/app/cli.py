@@ -159,7 +159,8 @@ def _ingest(args) -> int:
             levels = tuple(float(x) for x in args.levels.split(",") if x.strip()) if args.levels else None
         except ValueError:
             raise IngestError(f"--levels takes numbers in hPa, e.g. 500,850; got {args.levels!r}") from None
-        opts = GridOptions(variables=variables, levels=levels, time_block=args.time_block, **common)
+        opts = GridOptions(variables=variables, levels=levels, time_block=args.time_block,
+                           climatology_window=args.climatology_window, **common)
         report = ingest_climate(args.raw, args.store, opts)
     print(report.summary())
     return 0
@@ -242,6 +243,9 @@ def _add_ingest(sub):
     c.add_argument("--levels", default=None,
                    help="comma-separated pressure levels in hPa of the level variables, e.g. 500,850 (default: all)")
     c.add_argument("--time-block", type=int, default=None, help="time steps per task (default: source chunk)")
+    c.add_argument("--climatology-window", type=int, default=61,
+                   help="days around each day of year averaged into the train climatology (default 61, as "
+                        "WeatherBench 2)")
 
 
 def main(argv=None) -> int:

@@ -64,13 +64,21 @@ def _assert_same(a, b, tol):
 @pytest.mark.parametrize("kind", ["mesh", "grid"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_domain_parallel_training_equals_one_process(dist, stores, tmp_path, kind, world):
-    extra = ["train.steps=3", "train.eval_every=0"]
+    # a grid is also scored on a two-step rollout (WeatherBench's RMSE and ACC of model, persistence, climatology)
+    extra = ["train.steps=3", "train.eval_every=0"] + (["eval.lead_steps=1,2"] if kind == "grid" else [])
     ref, ref_losses, ref_eval = dist.run(1, _train, kind, stores[kind], str(tmp_path / "one"), 1, 1, extra)[0]
     for params, losses, summary in dist.run(world, _train, kind, stores[kind], str(tmp_path / "w"), 1, world, extra):
         _assert_same(params, ref, 1e-10)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
         for key, value in ref_eval["model"].items():
             assert summary["model"][key] == pytest.approx(value, rel=1e-8, abs=1e-12), key
+        for lead, forecasts in ref_eval.get("leads", {}).items():
+            for name, scores in forecasts.items():
+                for key, value in scores.items():
+                    assert summary["leads"][lead][name][key] == pytest.approx(value, rel=1e-8, abs=1e-12), (lead, key)
+    if kind == "grid":
+        assert sorted(ref_eval["leads"]) == ["1", "2"] and ref_eval["samples"] >= 1
+        assert all(abs(v) < 1e-12 for k, v in ref_eval["leads"]["2"]["climatology"].items() if k.startswith("acc_"))
 
 
 @pytest.mark.parametrize("world", [2, 3])

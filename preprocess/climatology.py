@@ -1,0 +1,108 @@
+"""Per-gridpoint climatology of a grid store's train split, by day of year and hour of day, as WeatherBench 2
+computes it: for each (day of year, hour of day, channel, grid point) the mean over the train steps of that
+hour whose day of year lies within a window of days around it (61 by default, wrapping around the year).
+It is the reference of anomalies (ACC) and the climatology forecast of the evaluation.
+
+Stored next to ``data`` as ``climatology (366, S, C, H, W)``, S the hours of day the time axis holds, chunked
+by ``data``'s spatial tiles and as many days as make about 1 MiB. Entries no train step reaches (a short series covers a few seasons only) take the
+train mean of their hour of day and are counted in the array's ``filled`` attribute, so an evaluation can say
+how much of its climatology is seasonal. A store whose time axis has no dates gets one entry (366 = S = 1):
+the train mean per grid point.
+
+One task per channel and band of latitude rows (whole tiles, so no two tasks write one chunk): it streams
+the band's train steps from ``data`` and keeps the sums per (day of year, hour) in memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+CLIMATOLOGY_WINDOW = 61       # days, as WeatherBench 2's climatology
+TASK_BYTES = 256 << 20        # float64 sums a task may hold
+DAYS = 366
+
+
+def day_and_hour(time_values: np.ndarray, attrs: dict):
+    """(day of year 1..366, hour of day) of each step, decoded as xarray decodes the units and calendar; None
+    when the time axis holds no dates."""
+    units = str(attrs.get("units", ""))
+    if "since" not in units:
+        return None
+    import pandas as pd
+    from xarray.coding.times import decode_cf_datetime
+
+    dates = decode_cf_datetime(np.asarray(time_values), units, attrs.get("calendar"))
+    if isinstance(dates, np.ndarray) and dates.dtype.kind == "M":
+        index = pd.DatetimeIndex(dates)
+        return index.day_of_year.to_numpy(np.int64), index.hour.to_numpy(np.int64)
+    return (np.array([d.timetuple().tm_yday for d in dates], np.int64), np.array([d.hour for d in dates], np.int64))
+
+
+def layout(time_values, attrs) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """(day index 0..365 of each step, hour slot of each step, the hours of the slots); one slot and day 0
+    for every step when the axis has no dates."""
+    keys = day_and_hour(time_values, attrs)
+    n = len(time_values)
+    if keys is None:
+        return np.zeros(n, np.int64), np.zeros(n, np.int64), []
+    doy, hour = keys
+    hours = sorted(set(int(h) for h in hour))
+    slot = np.searchsorted(np.array(hours), hour)
+    return doy - 1, slot, hours
+
+
+def bands(H: int, hc: int, W: int, slots: int, budget: int = TASK_BYTES) -> list[tuple[int, int]]:
+    """Latitude row bands of whole tiles (``hc`` rows each) whose sums fit ``budget`` bytes."""
+    per_row = DAYS * max(slots, 1) * W * 8 * 2  # sums and their windowed copy
+    tiles = max(1, budget // max(per_row * hc, 1))
+    step = tiles * hc
+    return [(a, min(a + step, H)) for a in range(0, H, step)]
+
+
+def climatology_band(store: str, channel: int, r0: int, r1: int, train_ranges, window: int, block: int = 64) -> dict:
+    """Compute and write ``climatology[:, :, channel, r0:r1, :]`` from the steps of ``train_ranges`` (a dask
+    task; the days and hours come from the store's own time axis)."""
+    import zarr
+
+    from .splits import time_mask
+    from .store_writer import for_writing
+
+    root = zarr.open_group(store, mode="r+")
+    data, out = root["data"], for_writing(root["climatology"])
+    time = root["time"]
+    day, slot, hours = layout(np.asarray(time[...]), dict(time.attrs))
+    train = time_mask(train_ranges, data.shape[0])
+    W = data.shape[3]
+    dated = out.shape[0] == DAYS
+    S = max(len(hours), 1)
+    sums = np.zeros((DAYS if dated else 1, S, r1 - r0, W), np.float64)
+    counts = np.zeros((DAYS if dated else 1, S), np.int64)
+    steps = np.flatnonzero(train)
+    for a in range(0, len(steps), block):  # contiguous stretches of train steps, a block at a time
+        idx = steps[a:a + block]
+        values = np.asarray(data.get_orthogonal_selection((idx, channel, slice(r0, r1), slice(None))), np.float64)
+        d = day[idx] if dated else np.zeros(len(idx), np.int64)
+        np.add.at(sums, (d, slot[idx]), values)
+        np.add.at(counts, (d, slot[idx]), 1)
+    if dated:
+        sums, counts = _windowed(sums, window), _windowed(counts, window)
+    per_slot = sums.sum(0) / np.maximum(counts.sum(0), 1)[:, None, None]   # the train mean of each hour
+    overall = sums.sum((0, 1)) / max(int(counts.sum()), 1)
+    per_slot[counts.sum(0) == 0] = overall
+    empty = counts == 0
+    clim = np.where(empty[:, :, None, None], per_slot[None], sums / np.maximum(counts, 1)[:, :, None, None])
+    out[:, :, channel, r0:r1, :] = clim.astype(np.float32)
+    return {"channel": channel, "rows": [r0, r1], "filled": int(empty.sum())}
+
+
+def _windowed(x: np.ndarray, window: int) -> np.ndarray:
+    """Sums over ``window`` days centred on each day of year (axis 0), wrapping around the year."""
+    half = window // 2
+    if half <= 0:
+        return x
+    if 2 * half + 1 >= x.shape[0]:
+        return np.broadcast_to(x.sum(0, keepdims=True), x.shape).copy()
+    padded = np.concatenate([x[-half:], x, x[:half]], axis=0)
+    c = np.cumsum(padded, axis=0, dtype=np.float64 if x.dtype.kind == "f" else np.int64)
+    c = np.concatenate([np.zeros_like(c[:1]), c], axis=0)
+    return c[2 * half + 1:] - c[:-(2 * half + 1)]
