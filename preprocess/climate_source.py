@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import time_axis
 from .errors import IngestError
 
 TIME_NAMES = ("time", "valid_time")
@@ -395,19 +396,13 @@ def _group_files(infos: list[_FileInfo]) -> list[list[_FileInfo]]:
 
 def _decoded(info: _FileInfo) -> np.ndarray:
     """A file's times as xarray decodes them (numpy datetime64, or cftime objects for other calendars)."""
-    from xarray.coding.times import decode_cf_datetime
-
-    units = info.time_attrs.get("units")
-    if not units or "since" not in str(units):
-        return np.asarray(info.time)
-    return np.asarray(decode_cf_datetime(np.asarray(info.time), units, info.time_attrs.get("calendar")))
+    dates = time_axis.decode(info.time, info.time_attrs)
+    return np.asarray(info.time) if dates is None else dates
 
 
 def _time_axis(groups) -> tuple[np.ndarray, dict, list]:
     """The source's time axis (numbers in the first file's units; re-encoded there when files differ), its
     attrs and each group's file spans; every group must have the same times, evenly spaced, no repeats."""
-    from xarray.coding.times import encode_cf_datetime
-
     axes = []
     for files in groups:
         if files[0].time is None:
@@ -425,8 +420,7 @@ def _time_axis(groups) -> tuple[np.ndarray, dict, list]:
         if same_units:
             time = np.concatenate([np.asarray(f.time) for f in ref_files])
         else:
-            time, _, _ = encode_cf_datetime(dates, first.time_attrs["units"], first.time_attrs.get("calendar"))
-            time = np.asarray(time)
+            time = time_axis.encode(dates, first.time_attrs)
         attrs = dict(first.time_attrs)
         _check_even(dates, ref_files)
     for g, (files, ax) in enumerate(zip(groups, axes)):

@@ -17,25 +17,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from .time_axis import day_and_hour
+
 CLIMATOLOGY_WINDOW = 61       # days, as WeatherBench 2's climatology
 TASK_BYTES = 256 << 20        # float64 sums a task may hold
 DAYS = 366
-
-
-def day_and_hour(time_values: np.ndarray, attrs: dict):
-    """(day of year 1..366, hour of day) of each step, decoded as xarray decodes the units and calendar; None
-    when the time axis holds no dates."""
-    units = str(attrs.get("units", ""))
-    if "since" not in units:
-        return None
-    import pandas as pd
-    from xarray.coding.times import decode_cf_datetime
-
-    dates = decode_cf_datetime(np.asarray(time_values), units, attrs.get("calendar"))
-    if isinstance(dates, np.ndarray) and dates.dtype.kind == "M":
-        index = pd.DatetimeIndex(dates)
-        return index.day_of_year.to_numpy(np.int64), index.hour.to_numpy(np.int64)
-    return (np.array([d.timetuple().tm_yday for d in dates], np.int64), np.array([d.hour for d in dates], np.int64))
 
 
 def layout(time_values, attrs) -> tuple[np.ndarray, np.ndarray, list[int]]:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import time_axis
 from .climate_source import ClimateSource, SourceReader, open_source
 from .climatology import CLIMATOLOGY_WINDOW, DAYS, bands, climatology_band, layout
 from .errors import IngestError, RunError
@@ -120,16 +121,8 @@ def _where(root, channel, bad: np.ndarray, t0: int) -> str:
 
 def _date(time_array, k: int) -> str | None:
     """Time step ``k`` of the store as a date, when its units say how."""
-    units = time_array.attrs.get("units", "")
-    if "since" not in str(units):
-        return None
-    from xarray.coding.times import decode_cf_datetime
-
-    try:
-        value = decode_cf_datetime(np.asarray(time_array[k:k + 1]), units, time_array.attrs.get("calendar"))[0]
-    except Exception:  # noqa: BLE001  (a date is a courtesy in an error message)
-        return None
-    return str(value)[:19].replace("T", " ")
+    dates = time_axis.decode(np.asarray(time_array[k:k + 1]), dict(time_array.attrs))
+    return None if dates is None else time_axis.label(dates[0])
 
 
 def ingest_climate(raw, store, opts: GridOptions | None = None, **kw):

@@ -138,22 +138,13 @@ def _describe_grid(root, config, domains) -> list[str]:
 
 def _time_range(time) -> str:
     """First .. last time step: dates (with the step) when the units say how to decode them, else numbers."""
-    units, calendar = str(time.attrs.get("units", "")), time.attrs.get("calendar")
+    from . import time_axis
+
+    attrs = dict(time.attrs)
     first, last = np.asarray(time[:1])[0], np.asarray(time[-1:])[0]
-    if "since" in units:
-        from xarray.coding.times import decode_cf_datetime
-
-        try:
-            dates = decode_cf_datetime(np.asarray(time[:2] if time.shape[0] > 1 else time[:1]), units, calendar)
-            ends = decode_cf_datetime(np.array([first, last]), units, calendar)
-            step = f", every {_step(dates[1] - dates[0])}" if len(dates) > 1 else ""
-            return f"{str(ends[0])[:19].replace('T', ' ')} .. {str(ends[1])[:19].replace('T', ' ')}{step}"
-        except Exception:  # noqa: BLE001  (shown as numbers below)
-            pass
-    return f"{first} .. {last} {units}"
-
-
-def _step(delta) -> str:
-    seconds = delta / np.timedelta64(1, "s") if isinstance(delta, np.timedelta64) else delta.total_seconds()
-    hours = seconds / 3600
-    return f"{hours:g} h" if hours < 48 or hours % 24 else f"{hours / 24:g} days"
+    ends = time_axis.decode(np.array([first, last]), attrs)
+    if ends is None:
+        return f"{first} .. {last} {attrs.get('units', '')}"
+    hours = time_axis.step_hours(np.asarray(time[:2]), attrs)
+    step = "" if hours is None else f", every {hours:g} h" if hours < 48 or hours % 24 else f", every {hours / 24:g} days"
+    return f"{time_axis.label(ends[0])} .. {time_axis.label(ends[1])}{step}"

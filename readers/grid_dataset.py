@@ -140,6 +140,14 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
         self.store.check_unchanged()  # a store replaced mid-read would mix two stores in one sample
         return {"time": t, "weight": weight, "window": window, "target": target}
 
+    def read_window(self, t: int) -> np.ndarray:
+        """This rank's input window ending at step ``t`` (steps ``t - history + 1 .. t``), z-scored, without
+        reading a target (a forecast may start at the store's last step)."""
+        if t - self.history + 1 < 0 or t >= self.data.shape[0]:
+            raise StoreError(f"{self.store.path}: an input window of {self.history} step(s) ending at step {t} is "
+                             f"outside its {self.data.shape[0]} steps")
+        return self._prepare(self._read(t - self.history + 1, t + 1, halo=False))
+
     def read_truth(self, t: int) -> np.ndarray:
         """This rank's (1, C, h, w) block of step ``t``, z-scored like a target (for rollouts' later leads)."""
         return self._prepare(self._read(t, t + 1, halo=False))
@@ -188,6 +196,13 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
         t = t.reshape(1, -1, t.shape[2], t.shape[3])
         return ShardTensor.from_local(t, self.axes.domain, [Shard(DIMS[d]) for d in self.shard_dims],
                                       sharding_shapes=self.sizes)
+
+    def relayout(self, x):
+        """A (1, C, H, W) ShardTensor in this reader's layout (a model's output may come out split otherwise, e.g.
+        after a UNet's down- and up-sampling of rows that do not halve evenly)."""
+        from domainflow import Shard
+
+        return x.redistribute([Shard(DIMS[d]) for d in self.shard_dims], sharding_shapes=self.sizes)
 
     def _prepare(self, block: np.ndarray) -> np.ndarray:
         """(steps, C, h, w) -> the dataset's dtype, normalised per variable."""

@@ -24,3 +24,21 @@ def infer(model, batch, cfg: Config):
         return blocks(batch.x, batch.globals, block_points=block)
     finally:
         model.train(was)
+
+
+@torch.no_grad()
+def rollout(model, state, steps: int, channels: int, cfg: Config, relayout=None):
+    """An autoregressive forecast: yields ``(k, prediction)`` for k = 1..``steps``, each prediction
+    (1, C, H, W) fed back as the newest step of the next input window (``state``: (1, history * C, H, W),
+    oldest step first, as the grid readers stack it). ``relayout``: puts each prediction in the input's layout
+    (a grid reader's ``relayout``) before it is yielded and fed back."""
+    from .data import Batch
+
+    for k in range(1, steps + 1):
+        pred = infer(model, Batch(state, None, None), cfg)
+        if relayout is not None:
+            pred = relayout(pred)
+        yield k, pred
+        if k < steps:
+            newest = pred.to(state.dtype)
+            state = newest if state.shape[1] == channels else torch.cat([state[:, channels:], newest], dim=1)

@@ -328,13 +328,10 @@ def _checkpointed(model, batch):
 
 def _time_label(time, k: int) -> str:
     """Step ``k`` of a store's time axis as a date when its units give one, else its index."""
-    from domainflow.preprocess.climatology import day_and_hour
+    from domainflow.preprocess import time_axis
 
-    if day_and_hour(time[k:k + 1], dict(time.attrs)) is None:
-        return f"step {k}"
-    from xarray.coding.times import decode_cf_datetime
-
-    return str(decode_cf_datetime(time[k:k + 1], time.attrs["units"], time.attrs.get("calendar"))[0])[:16]
+    dates = time_axis.decode(time[k:k + 1], dict(time.attrs))
+    return f"step {k}" if dates is None else time_axis.label(dates[0])[:16]
 
 
 def _value(t) -> torch.Tensor:

@@ -110,9 +110,8 @@ def _grid_rows(ds, model, cfg, split: str) -> list[dict]:
     out autoregressively to the largest of ``eval.lead_steps`` (its prediction fed back as the newest input
     step), and at each of those leads the scores of the model, of persistence (the last input step) and of
     the climatology of the valid time, against the truth of the valid time (``grid_scores``)."""
-    from .data import Batch
     from .grid_scores import forecast_terms
-    from .inference import infer
+    from .inference import rollout
 
     leads = list(cfg.eval.lead_steps)
     last_lead = max(leads)
@@ -124,20 +123,17 @@ def _grid_rows(ds, model, cfg, split: str) -> list[dict]:
         if w == 0 or not any(a <= t and t + last_lead * ds.lead < b for a, b in ranges):
             continue
         sample = ds.wrap(ds.read_region(t, w))
-        state = sample["input"]
-        persistence = state[:, -C:]
+        persistence = sample["input"][:, -C:]
         row = {"run": int(t), "leads": {}}
-        for k in range(1, last_lead + 1):
-            pred = infer(model, Batch(state, None, None), cfg)
-            if k in leads:
-                valid = t + k * ds.lead
-                truth = sample["target"] if k == 1 else ds.shard(ds.read_truth(valid))
-                clim = ds.shard(ds.read_climatology(valid)) if ds.has_climatology else torch.zeros_like(truth)
-                row["leads"][str(k)] = {name: {key: v.tolist() for key, v in forecast_terms(f, truth, clim, weights).items()}
-                                        for name, f in (("model", pred), ("persistence", persistence),
-                                                        ("climatology", clim))}
-            if k < last_lead:  # the prediction becomes the newest step of the next input window
-                state = pred if ds.history == 1 else torch.cat([state[:, C:], pred.to(state.dtype)], dim=1)
+        for k, pred in rollout(model, sample["input"], last_lead, C, cfg, relayout=ds.relayout):
+            if k not in leads:
+                continue
+            valid = t + k * ds.lead
+            truth = sample["target"] if k == 1 else ds.shard(ds.read_truth(valid))
+            clim = ds.shard(ds.read_climatology(valid)) if ds.has_climatology else torch.zeros_like(truth)
+            row["leads"][str(k)] = {name: {key: v.tolist() for key, v in forecast_terms(f, truth, clim, weights).items()}
+                                    for name, f in (("model", pred), ("persistence", persistence),
+                                                    ("climatology", clim))}
         rows.append(row)
     return rows
 
@@ -168,17 +164,10 @@ def _summarise_grid(rows: list[dict], ds, cfg) -> dict:
 
 def _step_hours(ds) -> float | None:
     """Hours between two steps of the store, when its time axis holds dates."""
-    from domainflow.preprocess.climatology import day_and_hour
+    from domainflow.preprocess.time_axis import step_hours
 
     time = ds.store.group["time"]
-    if time.shape[0] < 2 or day_and_hour(np.asarray(time[:1]), dict(time.attrs)) is None:
-        return None
-    from xarray.coding.times import decode_cf_datetime
-
-    d = decode_cf_datetime(np.asarray(time[:2]), time.attrs["units"], time.attrs.get("calendar"))
-    delta = d[1] - d[0]
-    seconds = delta / np.timedelta64(1, "s") if isinstance(delta, np.timedelta64) else delta.total_seconds()
-    return seconds / 3600
+    return step_hours(np.asarray(time[:2]), dict(time.attrs))
 
 
 def _summarise(rows: list[dict], kind: str) -> dict:

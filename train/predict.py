@@ -114,6 +114,15 @@ def as_mesh(store, result: dict):
     return cloud
 
 
+def checkpoint_kind(checkpoint: str) -> str:
+    """``mesh`` or ``grid``: what the checkpoint's model was trained on (its recorded config)."""
+    path = ckpt.latest(Path(checkpoint))
+    if path is None:
+        raise FileNotFoundError(f"{checkpoint}: no checkpoint there (expected a step_<n> folder or a checkpoints "
+                                f"folder with one)")
+    return str(ckpt.meta(path)["config"].get("data", {}).get("kind", "mesh"))
+
+
 class PredictionError(df.DomainflowError, RuntimeError):
     """A prediction file could not be written; raised on every rank, naming the rank and the file."""
 
@@ -217,7 +226,7 @@ def write_prediction(model, cfg: Config, mesh, run: str, stats, out: Path, piece
     def piece():
         folder.mkdir(parents=True, exist_ok=True)
         write_piece(files[rank], local["ids"], local["arrays"], raw if use_raw else None, local["coords"])
-    _together(comm, group, m, piece, f"piece {files[rank]}")
+    together(comm, group, piece, f"piece {files[rank]}")
 
     def finish():
         if rank != 0:
@@ -232,7 +241,7 @@ def write_prediction(model, cfg: Config, mesh, run: str, stats, out: Path, piece
             for f in files:
                 f.unlink()
             folder.rmdir()
-    _together(comm, group, m, finish, str(out))
+    together(comm, group, finish, str(out))
     names = list(local["sums"])  # one all-reduce for every field's two sums, on the mesh's device (NCCL: the GPU)
     sums = comm.all_reduce(torch.tensor([local["sums"][f] for f in names], dtype=torch.float64,
                                         device=comm.mesh_device(group)), "sum", group, m).cpu()
@@ -241,17 +250,18 @@ def write_prediction(model, cfg: Config, mesh, run: str, stats, out: Path, piece
             "geometry": "raw surface" if use_raw else "cell centres"}
 
 
-def _together(comm, group, m: int, step, what: str) -> None:
-    """Run ``step`` on this rank, then raise the first rank's error on every rank (or go on on all)."""
-    error = None
+def together(comm, group, step, what: str, error=None) -> None:
+    """Run ``step`` on this rank, then raise the first rank's error on every rank of the mesh ``group`` (or go
+    on on all), as ``error`` (default ``PredictionError``) naming the rank and ``what`` it was writing."""
+    message = None
     try:
         step()
     except Exception as exc:  # noqa: BLE001  (sent to every rank, which all raise it)
-        error = f"{type(exc).__name__}: {exc}"
-    failed = [(r, e) for r, e in enumerate(comm.all_gather_object(error, group, m)) if e is not None]
+        message = f"{type(exc).__name__}: {exc}"
+    failed = [(r, e) for r, e in enumerate(comm.all_gather_object_mesh(message, group)) if e is not None]
     if failed:
         r, e = failed[0]
-        raise PredictionError(f"rank {r} could not write the prediction ({what}): {e}")
+        raise (error or PredictionError)(f"rank {r} could not write the prediction ({what}): {e}")
 
 
 def _local(t):
@@ -283,7 +293,7 @@ def predict_main(checkpoint: str, store: str, runs, out: str, domain: int = 1, b
 
         from .predict_output import write_collection
 
-        _together(comm, ds.axes.domain, 0, lambda: write_collection(Path(out), done) if rank0 else None, str(out))
+        together(comm, ds.axes.domain, lambda: write_collection(Path(out), done) if rank0 else None, str(out))
         if rank0:
             print(f"wrote {out}: a collection of {len(done)} runs")
     return 0

@@ -80,8 +80,22 @@ def _plan(args) -> int:
 
 def _predict(args) -> int:
     from domainflow.app.launch import launch_local, under_launcher
-    from domainflow.train.predict import predict_config, predict_main
+    from domainflow.train.predict import checkpoint_kind, predict_config, predict_main
 
+    if checkpoint_kind(args.checkpoint) == "grid":
+        from domainflow.train.forecast import forecast_config, forecast_main
+
+        if args.init is None or args.run:
+            raise ValueError("a grid checkpoint forecasts from --init DATE[,DATE...] (or step indices) for --steps K "
+                             "steps" + ("; --run names a run of a mesh store" if args.run else ""))
+        call = (args.checkpoint, args.store, args.init, args.steps, args.out, args.domain, args.lon)
+        if args.domain * args.lon == 1 or under_launcher():
+            return forecast_main(*call)
+        forecast_config(*call)  # errors known before ranks start
+        launch_local(forecast_main, args.domain * args.lon, *call)
+        return 0
+    if not args.run or args.init is not None:
+        raise ValueError("a mesh checkpoint predicts runs: give --run run_<i> (--init is for grid checkpoints)")
     runs = [r.strip() for item in args.run for r in item.split(",") if r.strip()]
     call = (args.checkpoint, args.store, runs, args.out, args.domain, args.block_points, args.pieces)
     if args.domain == 1 or under_launcher():
@@ -288,13 +302,19 @@ def main(argv=None) -> int:
     plan.add_argument("--headroom", type=float, default=None,
                       help="share of the prediction added for the allocator when deciding what fits (default 0.2)")
     plan.add_argument("--json", default=None, help="also write the plan to this JSON file")
-    pred = sub.add_parser("predict", help="write runs' predicted, true and error surface fields for ParaView")
+    pred = sub.add_parser("predict", help="write runs' predicted, true and error surface fields for ParaView, or a "
+                                          "grid model's forecast as a Zarr / netCDF dataset")
     pred.add_argument("checkpoint", help="a step_<n> checkpoint folder, or the checkpoints folder (latest)")
     pred.add_argument("store")
-    pred.add_argument("--run", required=True, action="append", help="run id in the store, e.g. run_3; repeat it "
-                                                                   "(or give run_1,run_2) for several: OUT is a .pvd")
-    pred.add_argument("out", help="run_3.vtp (one file, assembled on one rank), run_3.pvtp (a piece per rank and "
-                                  "their index) or runs.pvd (a collection, one file per run in the folder runs/)")
+    pred.add_argument("--run", action="append", help="mesh: run id in the store, e.g. run_3; repeat it "
+                                                     "(or give run_1,run_2) for several: OUT is a .pvd")
+    pred.add_argument("out", help="mesh: run_3.vtp (one file, assembled on one rank), run_3.pvtp (a piece per rank "
+                                  "and their index) or runs.pvd (a collection, one file per run in the folder runs/); "
+                                  "grid: forecast.zarr or forecast.nc")
+    pred.add_argument("--init", default=None, help="grid: initial time(s), dates such as 2020-03-01T06 or step "
+                                                   "indices, comma-separated")
+    pred.add_argument("--steps", type=int, default=1, help="grid: steps of the rollout (each data.lead store steps)")
+    pred.add_argument("--lon", type=int, default=1, help="grid: ranks over longitude too (a domain x lon mesh)")
     pred.add_argument("--pieces", action="store_true", help="with a .pvd: each run as a .pvtp of per-rank pieces")
     pred.add_argument("--domain", type=int, default=1, help="ranks to split the surface over (default 1)")
     pred.add_argument("--block-points", type=int, default=None,

@@ -265,6 +265,14 @@ def all_gather_object(obj, mesh: DeviceMesh, mesh_dim: int) -> list:
     return out
 
 
+def all_gather_object_mesh(obj, mesh: DeviceMesh) -> list:
+    """Gather a small picklable object from every rank of the whole mesh, in mesh (row-major) order."""
+    out = [obj]
+    for m in reversed(range(mesh.ndim)):  # the last dim first, then outward: row-major order
+        out = [x for part in all_gather_object(out, mesh, m) for x in part]
+    return out
+
+
 def all_gather_ints(values: Sequence[int], mesh: DeviceMesh) -> list[list[int]]:
     """Gather a short int vector from every rank of the whole mesh, in mesh (row-major) order."""
     ranks = mesh.mesh.flatten().tolist()

@@ -1,0 +1,120 @@
+"""``domainflow predict`` of a grid checkpoint: an autoregressive forecast written as an xarray-readable Zarr or
+netCDF, every rank writing its own block; the same values at domain 1, 3 and on a 2 x 2 lat x lon mesh, equal to
+the model applied by hand to the store's data; errors known before ranks start in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+xr = pytest.importorskip("xarray")
+zarr = pytest.importorskip("zarr")
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "DOMAINFLOW_COLLECTIVE_TIMEOUT": "60"}
+INITS = "2020-01-05T00,2020-01-06T12"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from domainflow.app.cli import main
+    from domainflow.preprocess.ingest_grid import ingest_climate
+    from domainflow.preprocess.synth_climate import synth_climate
+
+    root = tmp_path_factory.mktemp("forecast")
+    synth_climate(root / "era5.zarr", grid=(8, 16), steps=40, seed=2, progress=False)
+    ingest_climate(root / "era5.zarr", root / "g.zarr", progress=False, split=(0.6, 0.2, 0.2))
+    assert main(["train", "--out", str(root / "train"), f"data.store={root / 'g.zarr'}", "data.kind=grid",
+                 "model.name=unet", "model.base=4", "train.steps=2", "train.dtype=float64", "output.plots=false",
+                 "output.progress=false", "data.prefetch=0"]) == 0
+    return {"root": root, "store": root / "g.zarr", "ckpt": root / "train" / "checkpoints"}
+
+
+def _predict(trained, out, *args):
+    cmd = [sys.executable, "-m", "domainflow.app.cli", "predict", str(trained["ckpt"]), str(trained["store"]), str(out),
+           *args]
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def _by_hand(store, ckpt_dir, steps):
+    """The checkpoint's model applied by one process to plain tensors of the store's data, rolled out."""
+    import torch
+
+    from domainflow.train import checkpoint as ckpt
+    from domainflow.train.build import build_model
+    from domainflow.train.config import from_dict
+    from domainflow.train.data import build_dataset
+    from sharded_check import get_mesh
+
+    path = ckpt.latest(ckpt_dir)
+    cfg = from_dict(dict(ckpt.meta(path)["config"]))
+    cfg.data.store = str(store)
+    mesh = get_mesh((1, 1), ("dp", "domain"))
+    ds = build_dataset(cfg, mesh, "train", shuffle=False)
+    model = build_model(cfg, ds)
+    ckpt.load(path, model)
+    model.eval()
+    root = zarr.open_group(store, mode="r")
+    stats = root.attrs["stats"]
+    names = root.attrs["grid"]["variables"]
+    mean = np.array([stats[f"grid/{v}"]["mean"][0] for v in names]).reshape(1, -1, 1, 1)
+    std = np.array([stats[f"grid/{v}"]["std"][0] for v in names]).reshape(1, -1, 1, 1)
+    times = xr.coding.times.decode_cf_datetime(root["time"][...], root["time"].attrs["units"])
+    out = []
+    for init in INITS.split(","):
+        t = int(np.flatnonzero(times == np.datetime64(init))[0])
+        x = torch.as_tensor((np.asarray(root["data"][t:t + 1], np.float64) - mean) / std)
+        leads = []
+        with torch.no_grad():
+            for _ in range(steps):
+                x = model(x)
+                leads.append(x.numpy() * std + mean)
+        out.append(np.concatenate(leads))  # (steps, C, H, W)
+    return np.stack(out), names
+
+
+def test_forecasts_are_the_same_on_every_domain_and_equal_the_model_by_hand(trained, tmp_path, dist):
+    outs = {"one": (tmp_path / "one.zarr", []), "three": (tmp_path / "three.nc", ["--domain", "3"]),
+            "latlon": (tmp_path / "latlon.zarr", ["--domain", "2", "--lon", "2"])}
+    for name, (out, extra) in outs.items():
+        r = _predict(trained, out, "--init", INITS, "--steps", "3", *extra)
+        assert r.returncode == 0, r.stderr
+        assert f"wrote {out}" in r.stdout
+        assert not list(tmp_path.glob(".*tmp*")), list(tmp_path.iterdir())  # the scratch folder is gone
+    ref = xr.open_zarr(outs["one"][0])
+    expected, names = dist.run(1, _by_hand, trained["store"], trained["ckpt"], 3)[0]
+    assert list(ref.data_vars) == names
+    for c, v in enumerate(names):
+        assert ref[v].dims == ("time", "lead_time", "latitude", "longitude") and ref[v].dtype == np.float64
+        np.testing.assert_allclose(ref[v].values, expected[:, :, c], rtol=1e-10, atol=1e-9)
+        assert ref[v].attrs["units"] == zarr.open_group(trained["store"]).attrs["fields"][f"grid/{v}"]["units"]
+    with xr.open_dataset(outs["three"][0]) as three, xr.open_zarr(outs["latlon"][0]) as latlon:
+        for other in (three, latlon):
+            for v in names:
+                np.testing.assert_allclose(other[v].values, ref[v].values, rtol=1e-12, atol=1e-9)
+    np.testing.assert_array_equal(ref["time"].values, np.array(INITS.split(","), dtype="datetime64[ns]"))
+    np.testing.assert_array_equal(ref["lead_time"].values, np.array([6, 12, 18], dtype="timedelta64[h]"))
+    store = zarr.open_group(trained["store"], mode="r")
+    np.testing.assert_array_equal(ref["latitude"].values, store["lat"][...])
+    np.testing.assert_array_equal(ref["longitude"].values, store["lon"][...])
+
+
+def test_forecast_errors_are_one_line_before_ranks_start(trained, tmp_path):
+    for args, msg in [(["--init", "1999-01-01", "--domain", "2"], "holds no step at that time; its steps run from"),
+                      (["--init", INITS, "--steps", "0", "--domain", "2"], "--steps must be at least 1"),
+                      (["--run", "run_1", "--domain", "2"], "--run names a run of a mesh store"),
+                      (["--init", "0", "--domain", "9"], "leaves a rank without any")]:
+        r = _predict(trained, tmp_path / "f.zarr", *args)
+        lines = [x for x in r.stderr.splitlines() if x.strip()]
+        assert r.returncode != 0 and len(lines) == 1 and msg in lines[0], r.stderr
+    r = _predict(trained, tmp_path / "f.txt", "--init", INITS)
+    assert r.returncode != 0 and "a .zarr store or a .nc file" in r.stderr
+    assert not (tmp_path / "f.zarr").exists()
+    # the output's folder is a file: the first rank cannot create the dataset, and every rank says so
+    (tmp_path / "taken").write_text("a file, not a folder")
+    r = _predict(trained, tmp_path / "taken" / "f.zarr", "--init", INITS, "--domain", "2")
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode != 0 and len(lines) == 1 and "rank 0 could not write the prediction" in lines[0], r.stderr
