@@ -96,9 +96,23 @@ class SourceReader:
                     if out is None:
                         out = np.empty((t1 - t0, len(self.channels)) + values.shape[1:], dtype=np.float64)
                     out[:, k] = values
-                    fills[k] = [(key, x) for key in CF_MASK_KEYS for x in np.atleast_1d(da.encoding.get(key, []))
-                                if x is not None and x == x]
+                    fills[k] = _mask_keys(da)
         return out, fills
+
+
+@dataclass(frozen=True)
+class StaticField:
+    """A constant field (land-sea mask, orography) taken from the source as an input channel: a (lat, lon)
+    variable of ``paths[0]``, or a (time, lat, lon) one whose steps must all be the same map."""
+
+    name: str
+    paths: tuple                 # the files holding it (every one is checked to hold the same map)
+    timed: bool                  # False: a (lat, lon) variable
+    attrs: dict = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def variable(self) -> str:   # the missing-value policies select by variable or channel name
+        return self.name
 
 
 @dataclass
@@ -114,6 +128,7 @@ class ClimateSource:
     time_attrs: dict
     time_chunk: int
     channel_attrs: dict = field(default_factory=dict)   # {channel: {"units", "long_name", ...}}
+    statics: list = field(default_factory=list)         # [StaticField, ...] (--static)
     levels: dict = field(default_factory=dict)          # {variable: [hPa, ...]} of the level variables kept
     files: int = 1
 
@@ -231,6 +246,12 @@ def gridded_variables(ds) -> dict[str, tuple[str | None, object]]:
     return out
 
 
+def flat_variables(ds) -> dict:
+    """{variable: variable} of a dataset's (lat, lon) variables (constant fields: land-sea mask, orography)."""
+    return {str(n): v for n, v in ds.variables.items()
+            if n not in ds.coords and len(v.dims) == 2 and v.dims[0] in LAT_NAMES and v.dims[1] in LON_NAMES}
+
+
 def level_hpa(ds, dim: str) -> np.ndarray:
     """A level coordinate's values in hPa (Pa when its units say so, e.g. CMIP's plev)."""
     values = np.asarray(ds[dim].values, dtype=np.float64) if dim in ds.variables else np.arange(ds.sizes[dim])
@@ -255,6 +276,7 @@ class _FileInfo:
     attrs: dict
     time_chunk: int
     steps: int
+    flat: dict = field(default_factory=dict)   # {variable: attrs} of its (lat, lon) variables
 
 
 def _scan_file(path: str, kind: str, variables=None) -> _FileInfo:
@@ -284,10 +306,21 @@ def _scan_file(path: str, kind: str, variables=None) -> _FileInfo:
         raise IngestError(f"{path} is not readable as {what} ({type(exc).__name__}: {exc}); {WHAT}") from None
     with ds:
         found = gridded_variables(ds)
-        if not found:
+        flat = flat_variables(ds)
+        if not found and not flat:
             shown = {str(n): tuple(a.dims) for n, a in ds.variables.items()}
             raise IngestError(f"{path} holds no (time, latitude, longitude) or (time, level, latitude, longitude) "
                               f"variables; arrays and their dims: {shown}")
+        if not found:  # only constant fields (an "invariant" download): named with --static
+            var = next(iter(flat.values()))
+            latd, lond = var.dims
+            lat = _coord_values(ds, path, latd, var.shape[0])[0]
+            lon = _coord_values(ds, path, lond, var.shape[1])[0]
+            if lat is None or lon is None:
+                raise IngestError(f"{path}: coordinate arrays {latd!r} and {lond!r} are required")
+            return _FileInfo(path, {}, {}, None, {}, lat.astype(np.float64), lon.astype(np.float64),
+                             {"time": None, "lat": latd, "lon": lond}, {}, 1, 0,
+                             {n: dict(v.attrs) for n, v in flat.items()})
         first = next(iter(found.values()))[1]
         tdim, latd, lond = first.dims[0], first.dims[-2], first.dims[-1]
         for name, (_, var) in found.items():
@@ -296,16 +329,7 @@ def _scan_file(path: str, kind: str, variables=None) -> _FileInfo:
         T, H, W = first.shape[0], first.shape[-2], first.shape[-1]
 
         def coord(name, n):
-            if name not in ds.variables:
-                return None, {}
-            var = ds.variables[name]
-            values = np.asarray(var.values)
-            if values.shape != (n,):
-                raise IngestError(f"{path}: coordinate {name!r} has shape {values.shape}, expected ({n},)")
-            packed = [k for k in ("scale_factor", "add_offset") if k in var.attrs]
-            if packed:
-                raise IngestError(f"{path}: coordinate {name!r} is CF-packed ({', '.join(packed)}); store it unpacked")
-            return values, {k: v for k, v in var.attrs.items() if k not in CF_MASK_KEYS}
+            return _coord_values(ds, path, name, n)
 
         (lat, _), (lon, _), (t, t_attrs) = coord(latd, H), coord(lond, W), coord(tdim, T)
         if lat is None or lon is None:
@@ -318,9 +342,24 @@ def _scan_file(path: str, kind: str, variables=None) -> _FileInfo:
         enc = first.encoding
         chunk = enc["chunks"][0] if enc.get("chunks") else enc.get("preferred_chunks", {}).get(tdim, T)
         attrs = {n: dict(v.attrs) for n, (_, v) in found.items()}  # xarray moved the CF keys to .encoding
+        flat = {n: dict(v.attrs) for n, v in flat.items() if v.dims == (latd, lond)}
         return _FileInfo(path, {n: d for n, (d, _) in found.items()}, levels, t, t_attrs,
                          lat.astype(np.float64), lon.astype(np.float64),
-                         {"time": tdim, "lat": latd, "lon": lond}, attrs, int(chunk or T), int(T))
+                         {"time": tdim, "lat": latd, "lon": lond}, attrs, int(chunk or T), int(T), flat)
+
+
+def _coord_values(ds, path, name, n):
+    """(values, attrs) of a 1-D coordinate of length ``n`` (None when absent); CF-packed ones are refused."""
+    if name not in ds.variables:
+        return None, {}
+    var = ds.variables[name]
+    values = np.asarray(var.values)
+    if values.shape != (n,):
+        raise IngestError(f"{path}: coordinate {name!r} has shape {values.shape}, expected ({n},)")
+    packed = [k for k in ("scale_factor", "add_offset") if k in var.attrs]
+    if packed:
+        raise IngestError(f"{path}: coordinate {name!r} is CF-packed ({', '.join(packed)}); store it unpacked")
+    return values, {k: v for k, v in var.attrs.items() if k not in CF_MASK_KEYS}
 
 
 def _zarr_shapes(path) -> dict:
@@ -338,9 +377,10 @@ def _zarr_shapes(path) -> dict:
 
 
 # -- the source -------------------------------------------------------------------------------------------
-def open_source(items, variables=None, levels=None) -> ClimateSource:
+def open_source(items, variables=None, levels=None, static=None) -> ClimateSource:
     """Resolve, scan and check a climate source; ``variables`` selects variables (all their levels) or
-    channels (``z500``); ``levels`` (hPa) selects the pressure levels of level variables."""
+    channels (``z500``); ``levels`` (hPa) selects the pressure levels of level variables; ``static`` names
+    constant fields (``lsm``, ``z`` of the surface) kept apart from the time-dependent channels."""
     kind, paths = resolve(items)
     shown = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} more files)"
     infos = [_scan_file(p, kind, variables) for p in paths]
@@ -350,6 +390,12 @@ def open_source(items, variables=None, levels=None) -> ClimateSource:
             if a.shape != b.shape or not np.array_equal(a, b):
                 raise IngestError(f"{info.path}: its {name}s differ from those of {first.path}; every file of a "
                                   f"source must be on the same grid")
+    statics = _statics(infos, static or (), variables)
+    infos = [i for i in infos if i.variables]  # files of constant fields only are no part of the time axis
+    if not infos:
+        raise IngestError(f"{shown}: no time-dependent (time, latitude, longitude) variable besides the --static "
+                          f"fields {list(static or ())}")
+    first = infos[0]
     groups = _group_files(infos)
     time, time_attrs, spans = _time_axis(groups)
     channels, levels_kept, attrs = _channels(groups, variables, levels)
@@ -367,7 +413,76 @@ def open_source(items, variables=None, levels=None) -> ClimateSource:
                          lon=first.lon, time=time, time_attrs=time_attrs,
                          time_chunk=min(i.time_chunk for i in infos) if kind == "zarr" else max(
                              b.t1 - b.t0 for files in spans for b in files),
-                         channel_attrs=attrs, levels=levels_kept, files=len(paths))
+                         channel_attrs=attrs, levels=levels_kept, files=len(paths), statics=statics)
+
+
+def _statics(infos: list[_FileInfo], names, variables) -> list[StaticField]:
+    """The ``--static`` fields, found among the files' (lat, lon) and single-level (time, lat, lon) variables,
+    and taken out of the files' time-dependent variables. A file of (lat, lon) fields that are not named is an
+    error (they would be dropped without a word)."""
+    names = list(names)
+    if len(set(names)) != len(names):
+        raise IngestError(f"--static names a field more than once: {names}")
+    both = sorted(set(names) & set(variables or ()))
+    if both:
+        raise IngestError(f"{both} named both by --static and --variables; a field is an input channel of one kind")
+    out = []
+    for name in names:
+        flat = [i for i in infos if name in i.flat]
+        # a (lat, lon) field wins: ERA5's surface geopotential ``z`` comes next to the pressure levels' ``z``
+        timed = [] if flat else [i for i in infos if name in i.variables]
+        if any(i.variables[name] is not None for i in timed):
+            raise IngestError(f"--static {name}: a pressure-level variable is not a constant field")
+        holders = flat or timed
+        if not holders:
+            known = sorted({v for i in infos for v in (*i.variables, *i.flat)})
+            raise IngestError(f"--static {name}: no file holds a (latitude, longitude) or (time, latitude, longitude) "
+                              f"variable {name!r}; the variables are {known}")
+        attrs = holders[0].flat[name] if flat else holders[0].attrs[name]
+        out.append(StaticField(name, tuple(i.path for i in holders), not flat, dict(attrs)))
+        for i in timed:
+            i.variables.pop(name)
+    for info in infos:
+        if not info.variables and not info.flat:  # every variable was a static (time, lat, lon) one
+            continue
+        unnamed = sorted(set(info.flat) - set(names))
+        if not info.variables and unnamed:
+            raise IngestError(f"{info.path} holds only constant (latitude, longitude) fields {unnamed}: name the ones "
+                              f"to use with --static (e.g. --static {','.join(unnamed)}), or leave the file out")
+    return out
+
+
+def read_static(field_: StaticField, kind: str, dims: dict) -> tuple[np.ndarray, list]:
+    """A static field's (H, W) map as float64 (missing values NaN) and the mask keys xarray read as missing.
+    A field given with a time axis must hold one map: the first and last step of every file holding it are
+    compared with the first (to 1e-4 of its range, above int16 packing's rounding) and a difference is an
+    error naming the file and step."""
+    ref, keys = None, []
+    for path in field_.paths:
+        with open_dataset(path, kind, only=[field_.name]) as ds:
+            da = ds[field_.name]
+            if not field_.timed:
+                return np.asarray(da.transpose(*da.dims[-2:]).values, np.float64), _mask_keys(da)
+            tdim = da.dims[0]
+            n = da.sizes[tdim]
+            for step in sorted({0, n - 1}):
+                m = np.asarray(da.isel({tdim: step}).values, np.float64)
+                if ref is None:
+                    ref, keys = m, _mask_keys(da)
+                    continue
+                span = np.nanmax(ref) - np.nanmin(ref) if np.isfinite(ref).any() else 0.0
+                same = np.isnan(ref) == np.isnan(m)
+                close = np.abs(np.nan_to_num(m - ref)) <= 1e-4 * span + 1e-12 * np.abs(np.nan_to_num(ref))
+                if not (same & close).all():
+                    i, j = (int(v[0]) for v in np.nonzero(~(same & close)))
+                    raise IngestError(f"--static {field_.name}: {path} step {step} differs from the first map at "
+                                      f"row {i}, column {j} ({m[i, j]:g} against {ref[i, j]:g}): it varies in time, "
+                                      f"so it is not a constant field; ingest it as a variable")
+    return ref, keys
+
+
+def _mask_keys(da) -> list:
+    return [(key, x) for key in CF_MASK_KEYS for x in np.atleast_1d(da.encoding.get(key, [])) if x is not None and x == x]
 
 
 def _group_files(infos: list[_FileInfo]) -> list[list[_FileInfo]]:

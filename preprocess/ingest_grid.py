@@ -27,9 +27,11 @@ from pathlib import Path
 import numpy as np
 
 from . import time_axis
-from .climate_source import ClimateSource, SourceReader, open_source
+from .climate_source import ClimateSource, SourceReader, open_source, read_static
 from .climatology import CLIMATOLOGY_WINDOW, DAYS, bands, climatology_band, layout
 from .errors import IngestError, RunError
+from .missing_values import EXAMPLE as FILL_EXAMPLE
+from .missing_values import fill_block, fill_value, first_missing, parse_fill, policies
 from .parallel import peak_memory, reset_peak_memory, run_tasks
 from .report import IngestReport
 from .splits import check_fractions, read_split_file, split_times, time_mask
@@ -42,6 +44,8 @@ class GridOptions:
     variables: tuple[str, ...] | None = None
     levels: tuple[float, ...] | None = None
     climatology_window: int = CLIMATOLOGY_WINDOW
+    fill: dict | str | None = None       # missing values: None (refuse), "mean", a number, or per variable
+    static: tuple[str, ...] | None = None  # constant fields (land-sea mask, orography) kept as input channels
     time_block: int | None = None
     chunk_bytes: int = TARGET_CHUNK_BYTES
     split: tuple[float, float, float] = (0.8, 0.1, 0.1)
@@ -63,6 +67,7 @@ class GridOptions:
             raise IngestError(f"--variables names a variable more than once: {list(self.variables)}")
         if self.climatology_window < 1:
             raise IngestError(f"--climatology-window must be at least 1 day, got {self.climatology_window}")
+        self.fill = parse_fill(self.fill)
         if self.levels is not None and len(set(self.levels)) != len(self.levels):
             raise IngestError(f"--levels names a level more than once: {list(self.levels)}")
 
@@ -81,7 +86,9 @@ def spatial_tile(H: int, W: int, itemsize: int, target: int) -> tuple[int, int]:
 
 
 def ingest_block(reader: SourceReader, store: str, shown: str, t0: int, t1: int, train: list) -> dict:
-    """Copy time steps ``[t0, t1)`` of every channel into ``data`` and mark the block done (a dask task)."""
+    """Copy time steps ``[t0, t1)`` of every channel into ``data`` and mark the block done (a dask task).
+    Missing values (NaN after decoding) are written as NaN and counted; the coordinator refuses or fills them
+    once it knows the whole source's count (``missing_values.py``). Inf is refused here."""
     import zarr
 
     start, rss0 = time.perf_counter(), reset_peak_memory()
@@ -93,30 +100,39 @@ def ingest_block(reader: SourceReader, store: str, shown: str, t0: int, t1: int,
     with np.errstate(over="ignore"):  # values beyond float32 become inf and are reported below
         block = values.astype(np.float32)
     del values
+    missing = {}
     for c, channel in enumerate(reader.channels):
-        bad = ~np.isfinite(block[:, c])
-        if bad.any():
-            raise RunError(f"time block {t0}..{t1}", f"{shown}: {_where(root, channel, bad, t0)}"
-                           + "".join(f" (values equal to its {k} {x} read as missing)" for k, x in fills[c])
-                           + "; fill or mask them before ingest")
+        inf = np.isinf(block[:, c])
+        if inf.any():
+            raise RunError(f"time block {t0}..{t1}", f"{shown}: " + _where(
+                root, channel, int(inf.sum()), [int(v[0]) + t0 if k == 0 else int(v[0])
+                                                for k, v in enumerate(np.nonzero(inf))],
+                "infinite values or values beyond float32") + "; fix them before ingest")
+        count, first = first_missing(block[:, c])
+        if count:
+            missing[channel.name] = {"count": count, "first": [first[0] + t0, first[1], first[2]],
+                                     "keys": fills[c]}
     out[t0:t1] = block
     mask = time_mask(train, out.shape[0])[t0:t1]
-    stats = {c.name: RunningStats.of(block[mask, k].reshape(-1)).to_attrs() for k, c in enumerate(reader.channels)}
-    info = {"block": [t0, t1], "stats": stats}
+    stats = {}
+    for k, c in enumerate(reader.channels):
+        v = block[mask, k].reshape(-1)
+        stats[c.name] = RunningStats.of(v[~np.isnan(v)] if c.name in missing else v).to_attrs()
+    info = {"block": [t0, t1], "stats": stats, "missing": missing}
     StoreWriter(store).mark_block(name, info)
     return {**info, "name": name, "cells": {"grid": int(block.size)}, "raw_bytes": int(block.nbytes),
             "seconds": time.perf_counter() - start,
             "peak_rss": peak_memory(), "start_rss": rss0}
 
 
-def _where(root, channel, bad: np.ndarray, t0: int) -> str:
-    """``variable 'x' holds N NaN/Inf/missing values ... first at time index k (date), lat, lon``."""
-    step, i, j = (int(v[0]) for v in np.nonzero(bad))
-    what = f"variable {channel.variable!r}" + (f" at {channel.hpa:g} hPa" if channel.hpa is not None else "")
-    when = _date(root["time"], t0 + step)
+def _where(root, channel, count: int, first, what: str) -> str:
+    """``variable 'x' holds N <what> (first at time index k (date), latitude .., longitude ..)``."""
+    step, i, j = first
+    name = f"variable {channel.variable!r}" + (f" at {channel.hpa:g} hPa" if channel.hpa is not None else "")
+    when = _date(root["time"], step)
     lat, lon = float(root["lat"][i]), float(root["lon"][j])
-    return (f"{what} holds {int(bad.sum())} NaN/Inf/missing values or values beyond float32 (first at time "
-            f"index {t0 + step}{f' ({when})' if when else ''}, latitude {lat:g}, longitude {lon:g})")
+    return (f"{name} holds {count} {what} (first at time index {step}{f' ({when})' if when else ''}, "
+            f"latitude {lat:g}, longitude {lon:g})")
 
 
 def _date(time_array, k: int) -> str | None:
@@ -133,7 +149,7 @@ def ingest_climate(raw, store, opts: GridOptions | None = None, **kw):
     opts.validate()
     t0 = time.perf_counter()
     items = [raw] if isinstance(raw, (str, Path)) else list(raw)
-    src = open_source(items, opts.variables, opts.levels)
+    src = open_source(items, opts.variables, opts.levels, opts.static)
     T, H, W = src.shape
     C = len(src.channels)
     # default: the source's time chunks for a Zarr (each task decodes whole source chunks), a file's steps for
@@ -143,6 +159,7 @@ def ingest_climate(raw, store, opts: GridOptions | None = None, **kw):
     hc, wc = spatial_tile(H, W, 4, opts.chunk_bytes)
     files = sorted({f.path for group in src.reader.groups for f in group})
     source = files[0] if len(files) == 1 else os.path.commonpath([str(Path(f).resolve()) for f in files])
+    fill = policies(opts.fill, [*src.reader.channels, *src.statics])
     config = {"variables": src.channels, "time_block": block, "chunk_bytes": opts.chunk_bytes,
               "climatology_window": opts.climatology_window,
               "split": list(opts.split), "split_file": read_split_file(opts.split_file), "shape": [T, H, W]}
@@ -150,20 +167,27 @@ def ingest_climate(raw, store, opts: GridOptions | None = None, **kw):
         config["files"] = [os.path.relpath(Path(f).resolve(), source) for f in files]
     if opts.levels:
         config["levels"] = sorted(float(x) for x in opts.levels)
+    if fill:
+        config["fill"] = fill
+    if src.statics:
+        config["static"] = [f.name for f in src.statics]
     with StoreWriter(store) as writer:  # holds the store's writer lock until the end
         return _ingest_blocks(writer, Path(source).resolve(), Path(store).resolve(), src, opts, block, splits,
-                              (hc, wc), config, t0)
+                              (hc, wc), config, t0, fill)
 
 
 def _ingest_blocks(writer: StoreWriter, source: Path, store: Path, src: ClimateSource, opts: GridOptions,
-                   block: int, splits: dict, tile: tuple[int, int], config: dict, t0: float) -> IngestReport:
-    """The locked part of :func:`ingest_climate`: open or resume, run the block tasks, complete."""
+                   block: int, splits: dict, tile: tuple[int, int], config: dict, t0: float,
+                   fill: dict) -> IngestReport:
+    """The locked part of :func:`ingest_climate`: open or resume, run the block tasks, fill or refuse missing
+    values, write the climatology, complete."""
     import zarr
 
     T, H, W = src.shape
     hc, wc = tile
     channels = src.channels
-    state = writer.open("grid", str(source), None, config, overwrite=opts.overwrite)
+    # a store refused for its missing values resumes with a --fill: the blocks hold NaN whatever the policy
+    state = writer.open("grid", str(source), None, config, overwrite=opts.overwrite, resumable=("fill",))
     report = IngestReport(store=store, state=state)
     if state == "complete":
         report.seconds = time.perf_counter() - t0
@@ -178,6 +202,7 @@ def _ingest_blocks(writer: StoreWriter, source: Path, store: Path, src: ClimateS
             name, shape=values.shape, dtype=values.dtype, chunks=values.shape, dimension_names=[name],
             attributes=attrs, **chunk_options())
         for_writing(arr)[...] = values
+    static_stats, static_missing = _statics(root, src, fill, tile)
     if "data" not in root:
         root.create_array("data", shape=(T, len(channels), H, W), chunks=(1, 1, hc, wc), dtype="float32",
                           dimension_names=["time", "channel", "lat", "lon"], **chunk_options())
@@ -199,7 +224,14 @@ def _ingest_blocks(writer: StoreWriter, source: Path, store: Path, src: ClimateS
     stats = {}
     for v in channels:
         merged = merge_all(RunningStats.from_attrs(summaries[n]["stats"][v]) for n in names)
+        if not merged.count:
+            raise IngestError(f"{shown}: channel {v!r} has no valid value in the train split (all missing); "
+                              f"leave it out with --variables")
         stats[f"grid/{v}"] = merged.to_attrs()
+    missing = _missing_values(writer, root, store, src, opts, fill, stats, [summaries[n] for n in names], done,
+                              report)
+    missing.update(static_missing)
+    stats.update(static_stats)
     climatology = _climatology(writer, root, store, src, opts, splits, (hc, wc), done, report)
     fields = {}
     for c, v in enumerate(channels):
@@ -208,13 +240,105 @@ def _ingest_blocks(writer: StoreWriter, source: Path, store: Path, src: ClimateS
                                "long_name": str(a.get("long_name", v))}
         if "level_hpa" in a:
             fields[f"grid/{v}"].update({"level_hpa": a["level_hpa"], "source_variable": a["source_variable"]})
+    for k, f in enumerate(src.statics):
+        fields[f"static/{f.name}"] = {"location": "static", "components": 1, "channel": k,
+                                      "units": str(f.attrs.get("units", "")),
+                                      "long_name": str(f.attrs.get("long_name", f.name))}
     writer.complete({"fields": fields, "stats": stats, "splits": splits,
                      "grid": {"variables": channels, "shape": [T, H, W], "tile": [hc, wc],
                               "periodic_lon": _periodic(src.lon), "levels": src.levels,
-                              "source": {"kind": src.reader.kind, "files": src.files},
+                              "source": {"kind": src.reader.kind, "files": src.files}, "missing": missing,
+                              "static": [f.name for f in src.statics],
                               "climatology": climatology}})
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _statics(root, src: ClimateSource, fill: dict, tile: tuple[int, int]) -> tuple[dict, dict]:
+    """Write ``static (S, H, W)``, the ``--static`` fields (missing values refused or filled like a channel's,
+    from the map's own valid values); returns their statistics and filled counts. Small and idempotent: a
+    resume writes it again."""
+    if not src.statics:
+        return {}, {}
+    T, H, W = src.shape
+    maps, stats, missing = np.empty((len(src.statics), H, W), np.float32), {}, {}
+    for k, f in enumerate(src.statics):
+        values, keys = read_static(f, src.reader.kind, src.reader.dims)
+        with np.errstate(over="ignore"):
+            m = values.astype(np.float32)
+        inf = np.isinf(m)
+        if inf.any():
+            raise IngestError(f"--static {f.name}: {int(inf.sum())} infinite values or values beyond float32 (first "
+                              f"at latitude {src.lat[np.nonzero(inf)[0][0]]:g}); fix them before ingest")
+        count, first = first_missing(m[None])
+        valid = m[~np.isnan(m)]
+        if count and f.name not in fill:
+            raise IngestError(f"--static {f.name}: {count} missing values (first at latitude {src.lat[first[1]]:g}, "
+                              f"longitude {src.lon[first[2]]:g})"
+                              + "".join(f" (values equal to its {k} {x} read as missing)" for k, x in keys)
+                              + f"; fill them with a policy the store records ({FILL_EXAMPLE})")
+        if not valid.size:
+            raise IngestError(f"--static {f.name}: every value is missing")
+        st = RunningStats.of(valid.reshape(-1))
+        if count:
+            v = fill_value(fill[f.name], st.mean[0])
+            m[np.isnan(m)] = v
+            missing[f.name] = {"count": count, "policy": "mean" if fill[f.name] == "mean" else "value", "value": v}
+        maps[k] = m
+        stats[f"static/{f.name}"] = st.to_attrs()
+    hc, wc = tile
+    arr = root["static"] if "static" in root else root.create_array(
+        "static", shape=maps.shape, dtype="float32", chunks=(1, hc, wc), dimension_names=["static", "lat", "lon"],
+        **chunk_options())
+    for_writing(arr)[...] = maps
+    return stats, missing
+
+
+def _missing_values(writer: StoreWriter, root, store: Path, src: ClimateSource, opts: GridOptions, fill: dict,
+                    stats: dict, blocks: list, done: dict, report: IngestReport) -> dict:
+    """Refuse the channels with missing values and no ``--fill`` policy (every one named, with its count over
+    the whole source and its first place), or fill them block by block (resumable tasks ``fill-<block>``).
+    Returns ``grid.missing``: {channel: {"count", "policy", "value"}} of the channels filled."""
+    totals: dict = {}
+    for info in blocks:  # in time order: the first block with gaps holds a channel's first one
+        for name, m in info.get("missing", {}).items():
+            t = totals.setdefault(name, {"count": 0, "first": m["first"], "keys": m["keys"]})
+            t["count"] += m["count"]
+    refused = [c for c in src.reader.channels if c.name in totals and c.name not in fill]
+    if refused:
+        parts = [_where(root, c, totals[c.name]["count"], totals[c.name]["first"], "missing values")
+                 + "".join(f" (values equal to its {k} {x} read as missing)" for k, x in totals[c.name]["keys"])
+                 for c in refused]
+        raise IngestError(f"{src.shown}: " + "; ".join(parts) + f". Fill them with a policy the store records "
+                          f"({FILL_EXAMPLE}; rerunning keeps the blocks written), or fill or mask them before ingest")
+    values = {c: fill_value(fill[c.name], stats[f"grid/{c.name}"]["mean"][0])
+              for c in src.reader.channels if c.name in totals}
+    by_index = {str(k): values[c] for k, c in enumerate(src.reader.channels) if c in values}
+    tasks = {}
+    for info in blocks:
+        t0, t1 = info["block"]
+        mine = {k: v for k, v in by_index.items() if src.reader.channels[int(k)].name in info.get("missing", {})}
+        if mine:
+            tasks[f"fill-{t0:09d}-{t1:09d}"] = (str(store), t0, t1, mine)
+    for name in tasks:
+        if name in done and done[name]["fill"] != tasks[name][3]:
+            raise IngestError(f"{store} was being filled with {done[name]['fill']} (channel index: value) and this "
+                              f"ingest asks {tasks[name][3]}; rerun with the first --fill, or pass --overwrite")
+    todo = [(n, *args) for n, args in tasks.items() if n not in done]
+    for out in run_tasks(fill_task, todo, workers=opts.workers, scheduler=opts.scheduler, desc="fill",
+                         progress=opts.progress):
+        report.tasks.append(out)
+    return {c.name: {"count": totals[c.name]["count"], "policy": "mean" if fill[c.name] == "mean" else "value",
+                     "value": v} for c, v in values.items()}
+
+
+def fill_task(name: str, store: str, t0: int, t1: int, values: dict) -> dict:
+    """Fill one block's missing values and mark it filled (a dask task)."""
+    start, rss0 = time.perf_counter(), reset_peak_memory()
+    filled = fill_block(store, t0, t1, values)
+    StoreWriter(store).mark_block(name, {"fill": values})
+    return {"name": name, "filled": filled, "seconds": time.perf_counter() - start, "cells": {}, "raw_bytes": 0,
+            "peak_rss": peak_memory(), "start_rss": rss0}
 
 
 def _climatology(writer: StoreWriter, root, store: Path, src: ClimateSource, opts: GridOptions, splits: dict,

@@ -114,6 +114,17 @@ def _describe_grid(root, config, domains) -> list[str]:
         lines.append("  pressure levels (hPa): " + "; ".join(f"{v}: {', '.join(f'{x:g}' for x in ls)}"
                                                           for v, ls in levels.items()))
     lines.append(f"  time: {T} steps, {_time_range(root['time'])}")
+    grid = root.attrs.get("grid", {})
+    statics = grid.get("static", [])
+    if statics:
+        fields = root.attrs.get("fields", {})
+        lines.append(f"  static fields {tuple(root['static'].shape)} (constant input channels): " + ", ".join(
+            f"{n} [{fields.get(f'static/{n}', {}).get('units', '')}]" for n in statics))
+    for v, m in grid.get("missing", {}).items():
+        how = "the train mean of its valid values" if m["policy"] == "mean" else "a fixed value"
+        size = H * W if v in statics else T * H * W
+        lines.append(f"  {v}: {m['count']} missing values ({100 * m['count'] / size:.2g}% of its values) "
+                     f"filled with {m['value']:g}, {how} (--fill); its statistics are of the valid values")
     clim = root.attrs.get("grid", {}).get("climatology")
     if clim:
         if clim.get("dated"):

@@ -104,12 +104,14 @@ class StoreWriter:
             self._locks.pop().release()
 
     # -- opening -----------------------------------------------------------------------------------
-    def open(self, kind: str, source: str, parts: int, config: dict, overwrite: bool = False) -> str:
+    def open(self, kind: str, source: str, parts: int, config: dict, overwrite: bool = False,
+             resumable: tuple = ()) -> str:
         """Start or resume; returns "new", "resume" or "complete" (nothing to do).
 
         ``config`` holds every option that changes the store's contents; resuming or re-running with
-        different options is refused, so one store never mixes two ingests. A second writer of the same
-        store is refused at once, naming the one at work.
+        different options is refused, so one store never mixes two ingests, except that the ``resumable``
+        keys may change while the store is incomplete (the caller checks what was done under the old value).
+        A second writer of the same store is refused at once, naming the one at work.
         """
         import zarr
 
@@ -132,9 +134,12 @@ class StoreWriter:
                                       f"the original RAW to resume, or pass --overwrite to start again")
                 root = zarr.open_group(self.path, mode="r+")
                 old = dict(root.attrs.get("ingest", {}).get("config", {}))
-                if old != config:
-                    diff = {k: (old.get(k), config.get(k)) for k in sorted(set(old) | set(config))
-                            if old.get(k) != config.get(k)}
+                diff = {k: (old.get(k), config.get(k)) for k in sorted(set(old) | set(config))
+                        if old.get(k) != config.get(k)}
+                if diff and not head.get("complete") and set(diff) <= set(resumable):
+                    root.attrs["ingest"] = {**dict(root.attrs.get("ingest", {})), "config": config}
+                    diff = {}
+                if diff:
                     what = "; ".join(f"{k}: store has {a!r}, this ingest asks {b!r}" for k, (a, b) in diff.items())
                     raise IngestError(f"{self.path} was written by an ingest with different options ({what}); rerun "
                                       f"with the store's options to resume, or pass --overwrite to start again")

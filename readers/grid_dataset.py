@@ -26,8 +26,9 @@ DIMS = {"lat": 2, "lon": 3}  # tensor dims of (1, C, lat, lon) samples
 class GridDataset(torch.utils.data.IterableDataset, EpochStream):
     """Iterates this dp rank's samples; each is a dict with
 
-    - ``input``: ShardTensor (1, history * C, H, W), the steps ``t - history + 1 .. t`` stacked on channels
-      (oldest first), and ``target``: ShardTensor (1, C, H, W) at ``t + lead``; sharded over lat (tensor
+    - ``input``: ShardTensor (1, history * C + S, H, W), the steps ``t - history + 1 .. t`` stacked on
+      channels (oldest first), then the store's S static fields (land-sea mask, orography; ``static=False``
+      leaves them out), and ``target``: ShardTensor (1, C, H, W) at ``t + lead``; sharded over lat (tensor
       dim 2) and, on a 2-D domain, lon (dim 3); z-scored per variable when ``normalize``;
     - ``input_halo`` (only when ``halo > 0``): this rank's input block widened by up to ``halo`` rows per
       side as a plain tensor, with ``halo_widths`` {dim: (before, after)} saying how many were added;
@@ -39,7 +40,8 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
 
     def __init__(self, store, mesh, split: str = "train", shard_dims=("lat",), lead: int = 1, history: int = 1,
                  halo: int = 0, variables=None, normalize: bool = True, shuffle: bool = True, seed: int = 0,
-                 prefetch: int = 2, domain_axes=None, dp_axis: str = "dp", dtype: torch.dtype = torch.float32):
+                 prefetch: int = 2, domain_axes=None, dp_axis: str = "dp", dtype: torch.dtype = torch.float32,
+                 static: bool = True):
         torch.utils.data.IterableDataset.__init__(self)
         EpochStream.__init__(self)
         self.store = store if isinstance(store, Store) else open_store(store)
@@ -67,6 +69,8 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
         if unknown:
             raise StoreError(f"{self.store.path}: no variable(s) {unknown}; it has {all_vars}")
         self.channels = [all_vars.index(v) for v in self.variables]
+        self.statics = list(grid.get("static", [])) if static else []
+        self._static_blocks: dict = {}
         self.periodic = bool(grid.get("periodic_lon", False))
         if split not in self.store.splits:
             raise StoreError(f"{self.store.path} has no split {split!r}; its splits are {sorted(self.store.splits)}")
@@ -90,6 +94,11 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
         self._mean = np.array([s["mean"][0] for s in stats], self._np_dtype).reshape(1, -1, 1, 1)
         self._inv_std = np.array([1.0 / (s["std"][0] if s["std"][0] > 0 else 1.0) for s in stats],
                                  self._np_dtype).reshape(1, -1, 1, 1)
+
+    @property
+    def in_channels(self) -> int:
+        """Channels of an input: history * C dynamic ones, then the static fields."""
+        return self.history * len(self.variables) + len(self.statics)
 
     def steps(self, epoch: int | None = None) -> list[tuple[int, float]]:
         """(time index, weight) of each step this dp rank takes in ``epoch`` (default: the current one)."""
@@ -135,7 +144,8 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
         prefetch thread, so the training loop only wraps them). ``epoch`` is accepted like
         ``MeshDataset.read_region``'s and unused: a grid sample is always read whole."""
         self.store.check_unchanged()
-        window = self._prepare(self._read(t - self.history + 1, t + 1, halo=self.halo > 0))
+        window = self._with_static(self._prepare(self._read(t - self.history + 1, t + 1, halo=self.halo > 0)),
+                                   halo=self.halo > 0)
         target = self._prepare(self._read(t + self.lead, t + self.lead + 1, halo=False))
         self.store.check_unchanged()  # a store replaced mid-read would mix two stores in one sample
         return {"time": t, "weight": weight, "window": window, "target": target}
@@ -146,7 +156,31 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
         if t - self.history + 1 < 0 or t >= self.data.shape[0]:
             raise StoreError(f"{self.store.path}: an input window of {self.history} step(s) ending at step {t} is "
                              f"outside its {self.data.shape[0]} steps")
-        return self._prepare(self._read(t - self.history + 1, t + 1, halo=False))
+        return self._with_static(self._prepare(self._read(t - self.history + 1, t + 1, halo=False)), halo=False)
+
+    def _with_static(self, window: np.ndarray, halo: bool) -> np.ndarray:
+        """A (steps, C, h, w) window as (1, steps * C + S, h, w) with this rank's block of the static fields."""
+        window = window.reshape(1, -1, window.shape[2], window.shape[3])
+        if not self.statics:
+            return window
+        if halo not in self._static_blocks:  # read once: the fields do not change
+            arr = self.store.group["static"]
+            names = list(self.store.attrs.get("grid", {}).get("static", []))
+            idx = [names.index(n) for n in self.statics]
+            lat, lon = self.slabs["lat"], self.slabs["lon"]
+            rows = []
+            for a, b in (lat.reads if halo else ((lat.start, lat.stop),)):
+                cols = [self.store.read(arr, (idx, slice(a, b), slice(c, d)), orthogonal=True)
+                        for c, d in (lon.reads if halo else ((lon.start, lon.stop),))]
+                rows.append(np.concatenate(cols, axis=2))
+            block = np.concatenate(rows, axis=1).astype(np.float64)
+            st = [self.store.stats[f"static/{n}"] for n in self.statics]
+            mean = np.array([x["mean"][0] for x in st]).reshape(-1, 1, 1)
+            std = np.array([x["std"][0] if x["std"][0] > 0 else 1.0 for x in st]).reshape(-1, 1, 1)
+            if self.normalize:
+                block = (block - mean) / std
+            self._static_blocks[halo] = block.astype(self._np_dtype)[None]
+        return np.concatenate([window, self._static_blocks[halo]], axis=1)
 
     def read_truth(self, t: int) -> np.ndarray:
         """This rank's (1, C, h, w) block of step ``t``, z-scored like a target (for rollouts' later leads)."""
@@ -189,7 +223,8 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
                                       sharding_shapes={lat_axis: self.sizes[lat_axis]})
 
     def shard(self, block: np.ndarray):
-        """A (steps, C, h, w) block of this rank as the (1, steps * C, H, W) ShardTensor of the whole grid."""
+        """A (steps, C, h, w) (or (1, K, h, w)) block of this rank as the (1, steps * C, H, W) ShardTensor of the
+        whole grid."""
         from domainflow import Shard, ShardTensor
 
         t = torch.from_numpy(np.ascontiguousarray(block)).to(self.device)

@@ -28,7 +28,7 @@ def build_model(cfg: Config, ds) -> torch.nn.Module:
         model = Transolver(io.in_dim, io.out_dim, io.global_dim, dim=m.dim, layers=m.layers, heads=m.heads,
                            slices=m.slices, mlp_ratio=m.mlp_ratio, dropout=m.dropout)
     else:
-        model = UNet(io.in_dim, io.out_dim, base=m.base, levels=m.levels)
+        model = UNet(io.in_dim, io.out_dim, base=m.base, levels=m.levels, statics=len(ds.statics))
     return model.to(dtype=dtype_of(cfg), device=comm.mesh_device(ds.axes.domain))
 
 

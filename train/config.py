@@ -35,6 +35,7 @@ class DataConfig:
     shard_dims: list = field(default_factory=lambda: ["lat"])   # grid: lat or lat, lon
     lead: int = 1
     history: int = 1
+    static: bool = True                  # grid: the store's static fields (land-sea mask, ...) as extra inputs
     prefetch: int = 2
     sample_points: int = 0               # mesh: points of each sample per training step, drawn uniformly (0: all)
 

@@ -3,7 +3,7 @@
 Mesh (surface) samples: per-point inputs (e.g. cell centre and normal, z-scored by the store's train
 statistics) concatenated to (1, N, C_in), the run's design parameters z-scored over the training runs as
 per-sample globals, and the fields to predict concatenated to (1, N, C_out). Grid samples: the readers'
-(1, history * C, H, W) window and (1, C, H, W) target as they are.
+(1, history * C + S, H, W) window (S static fields last) and (1, C, H, W) target as they are.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def build_dataset(cfg: Config, mesh, split: str, shuffle: bool, runs=None, extra
                            prefetch=0, dtype=dtype, runs=runs, sample_points=sample_points)
     axes = ("domain",) if len(d.shard_dims) == 1 else ("domain", "lon")
     return GridDataset(d.store, mesh, split=split, shard_dims=tuple(d.shard_dims), lead=d.lead, history=d.history,
-                       shuffle=shuffle, seed=cfg.train.seed, prefetch=0, dtype=dtype, domain_axes=axes)
+                       shuffle=shuffle, seed=cfg.train.seed, prefetch=0, dtype=dtype, domain_axes=axes,
+                       static=d.static)
 
 
 def model_io(cfg: Config, ds) -> ModelIO:
@@ -59,8 +60,7 @@ def model_io(cfg: Config, ds) -> ModelIO:
         out = sum(int(ds.store.fields[f"{ds.location}/{f}"].get("components", 1)) for f in ds.fields)
         globals_ = len(ds.param_names) if cfg.data.use_params else 0
         return ModelIO(sum(_WIDTH[i] for i in cfg.data.inputs), out, globals_)
-    c = len(ds.variables)
-    return ModelIO(c * cfg.data.history, c, 0)
+    return ModelIO(ds.in_channels, len(ds.variables), 0)
 
 
 def param_stats(ds) -> tuple[np.ndarray, np.ndarray] | None:

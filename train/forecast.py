@@ -127,7 +127,7 @@ def forecast_main(checkpoint: str, store: str, inits, steps: int, out: str, doma
         together(comm, group, lambda: writer.create() if first else None, str(scratch), PredictionError)
         for i, t in enumerate(index):
             state = ds.shard(ds.read_window(t))
-            for k, pred in rollout(model, state, steps, C, cfg, relayout=ds.relayout):
+            for k, pred in rollout(model, state, steps, C, cfg, relayout=ds.relayout, statics=len(ds.statics)):
                 block = ds.denormalize(pred).to_local()[0].cpu().numpy()
                 # each write is checked on every rank before the next step's collectives: a rank that cannot
                 # write stops every rank here, never one rank waiting in the model for the others

@@ -27,13 +27,16 @@ def infer(model, batch, cfg: Config):
 
 
 @torch.no_grad()
-def rollout(model, state, steps: int, channels: int, cfg: Config, relayout=None):
+def rollout(model, state, steps: int, channels: int, cfg: Config, relayout=None, statics: int = 0):
     """An autoregressive forecast: yields ``(k, prediction)`` for k = 1..``steps``, each prediction
-    (1, C, H, W) fed back as the newest step of the next input window (``state``: (1, history * C, H, W),
-    oldest step first, as the grid readers stack it). ``relayout``: puts each prediction in the input's layout
-    (a grid reader's ``relayout``) before it is yielded and fed back."""
+    (1, C, H, W) fed back as the newest step of the next input window (``state``: (1, history * C + S, H, W),
+    oldest step first, then the ``statics`` S constant fields, as the grid readers stack it; the static
+    fields stay). ``relayout``: puts each prediction in the input's layout (a grid reader's ``relayout``)
+    before it is yielded and fed back."""
     from .data import Batch
 
+    dynamic = state.shape[1] - statics
+    window, static = (state[:, :dynamic], state[:, dynamic:]) if statics else (state, None)
     for k in range(1, steps + 1):
         pred = infer(model, Batch(state, None, None), cfg)
         if relayout is not None:
@@ -41,4 +44,5 @@ def rollout(model, state, steps: int, channels: int, cfg: Config, relayout=None)
         yield k, pred
         if k < steps:
             newest = pred.to(state.dtype)
-            state = newest if state.shape[1] == channels else torch.cat([state[:, channels:], newest], dim=1)
+            window = newest if dynamic == channels else torch.cat([window[:, channels:], newest], dim=1)
+            state = window if static is None else torch.cat([window, static], dim=1)

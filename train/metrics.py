@@ -123,9 +123,11 @@ def _grid_rows(ds, model, cfg, split: str) -> list[dict]:
         if w == 0 or not any(a <= t and t + last_lead * ds.lead < b for a, b in ranges):
             continue
         sample = ds.wrap(ds.read_region(t, w))
-        persistence = sample["input"][:, -C:]
+        newest = ds.history * C  # the static fields follow the window's steps
+        persistence = sample["input"][:, newest - C:newest]
         row = {"run": int(t), "leads": {}}
-        for k, pred in rollout(model, sample["input"], last_lead, C, cfg, relayout=ds.relayout):
+        for k, pred in rollout(model, sample["input"], last_lead, C, cfg, relayout=ds.relayout,
+                               statics=len(ds.statics)):
             if k not in leads:
                 continue
             valid = t + k * ds.lead
@@ -159,6 +161,9 @@ def _summarise_grid(rows: list[dict], ds, cfg) -> dict:
     out["climatology_source"] = ("the train split's per-gridpoint climatology by day of year and hour" if
                                  ds.has_climatology else "the train mean of each variable (the store has no "
                                  "climatology: re-ingest it for WeatherBench anomalies)")
+    T, _, H, W = ds.data.shape
+    missing = ds.store.attrs.get("grid", {}).get("missing", {})
+    out["filled"] = {v: missing[v]["count"] / (T * H * W) for v in ds.variables if v in missing}
     return out
 
 

@@ -137,6 +137,13 @@ def _synth(args) -> int:
                                 volume_cells=args.volume_cells, volume_pieces=args.volume_pieces,
                                 first_run=args.first_run, progress=not args.quiet)
         print(f"wrote {len(paths)} DrivaerML-layout runs under {args.out}")
+    elif args.cds:
+        from domainflow.preprocess.synth_cds import synth_cds
+
+        path = synth_cds(args.out, grid=tuple(args.grid), steps=args.steps, seed=args.seed, dt_hours=args.dt_hours,
+                         overwrite=args.overwrite)
+        print(f"wrote {len(list(path.glob('*.nc')))} CDS-style netCDF files of a {args.grid[0]}x{args.grid[1]} climate "
+              f"time series of {args.steps} steps to {path}")
     else:
         from domainflow.preprocess.synth_climate import synth_climate
 
@@ -173,7 +180,8 @@ def _ingest(args) -> int:
             levels = tuple(float(x) for x in args.levels.split(",") if x.strip()) if args.levels else None
         except ValueError:
             raise IngestError(f"--levels takes numbers in hPa, e.g. 500,850; got {args.levels!r}") from None
-        opts = GridOptions(variables=variables, levels=levels, time_block=args.time_block,
+        opts = GridOptions(variables=variables, levels=levels, time_block=args.time_block, fill=args.fill,
+                           static=tuple(x for x in args.static.split(",") if x) if args.static else None,
                            climatology_window=args.climatology_window, **common)
         report = ingest_climate(args.raw, args.store, opts)
     print(report.summary())
@@ -200,7 +208,10 @@ def _add_synth(sub):
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     c = kinds.add_parser("climate", help="an ERA5-like (time, latitude, longitude) Zarr from a small simulation")
-    c.add_argument("out", help="path of the Zarr store to write")
+    c.add_argument("out", help="path of the Zarr store to write (with --cds: a folder of netCDF files)")
+    c.add_argument("--cds", action="store_true",
+                   help="write monthly netCDF files as the CDS delivers ERA5 (valid_time, packed int16, pressure "
+                        "levels, SST missing over land, a land-sea mask) instead of an analysis-ready Zarr")
     c.add_argument("--grid", type=int, nargs=2, metavar=("H", "W"), default=(32, 64))
     c.add_argument("--steps", type=int, default=120)
     c.add_argument("--dt-hours", type=float, default=6)
@@ -216,7 +227,7 @@ def _add_ingest(sub):
     ingest = sub.add_parser("ingest", help="raw files -> a spatially partitioned Zarr store (resumable)")
     kinds = ingest.add_subparsers(dest="kind", required=True)
     parsers = [kinds.add_parser("drivaerml", help="DrivaerML-layout run folders -> a mesh store"),
-               kinds.add_parser("climate", help="a (time, lat, lon) climate Zarr -> a grid store")]
+               kinds.add_parser("climate", help="netCDF / GRIB files or a Zarr of climate data -> a grid store")]
     for p in parsers:
         if p is parsers[0]:
             p.add_argument("raw", help="the folder of run_<i>/ folders")
@@ -257,6 +268,14 @@ def _add_ingest(sub):
     c.add_argument("--levels", default=None,
                    help="comma-separated pressure levels in hPa of the level variables, e.g. 500,850 (default: all)")
     c.add_argument("--time-block", type=int, default=None, help="time steps per task (default: source chunk)")
+    c.add_argument("--static", default=None,
+                   help="comma-separated constant fields (e.g. lsm,z: land-sea mask, orography), from (lat, lon) "
+                        "variables or (time, lat, lon) ones that never change; stored apart and added to the model's "
+                        "inputs")
+    c.add_argument("--fill", default=None,
+                   help="missing values (NaN, _FillValue): refused by default; 'mean' (the train mean of the valid "
+                        "values), a number, or per variable/channel, e.g. sst=mean or sst=271.46,tcwv=0; the store "
+                        "records the policy and count")
     c.add_argument("--climatology-window", type=int, default=61,
                    help="days around each day of year averaged into the train climatology (default 61, as "
                         "WeatherBench 2)")

@@ -107,7 +107,11 @@ def _rank_entry(fn: Callable, *args):
         path.with_suffix(".tmp").write_text(json.dumps(record))
         os.replace(path.with_suffix(".tmp"), path)
         _drop_pending_reads_quietly()
-        sys.exit(1)
+        # out without the interpreter's teardown: with a process group still up, destroying gloo's threads at
+        # exit sometimes aborts ("terminate called without an active exception") under the one-line message
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     except Exception:
         # a bug, not a user error: its traceback is what "its output above says why" points at, so print it
         # here (the elastic agent's own report of it is silenced above, and spawn's is not always shown)

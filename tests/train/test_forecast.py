@@ -63,15 +63,23 @@ def _by_hand(store, ckpt_dir, steps):
     mean = np.array([stats[f"grid/{v}"]["mean"][0] for v in names]).reshape(1, -1, 1, 1)
     std = np.array([stats[f"grid/{v}"]["std"][0] for v in names]).reshape(1, -1, 1, 1)
     times = xr.coding.times.decode_cf_datetime(root["time"][...], root["time"].attrs["units"])
+    statics = root.attrs["grid"].get("static", []) if cfg.data.static else []
+    static = np.zeros((1, 0) + root["data"].shape[2:])
+    if statics:  # the constant fields, z-scored by their own statistics, after the window's channels
+        s_mean = np.array([stats[f"static/{v}"]["mean"][0] for v in statics]).reshape(1, -1, 1, 1)
+        s_std = np.array([stats[f"static/{v}"]["std"][0] for v in statics]).reshape(1, -1, 1, 1)
+        static = (np.asarray(root["static"][...], np.float64)[None] - s_mean) / s_std
     out = []
     for init in INITS.split(","):
         t = int(np.flatnonzero(times == np.datetime64(init))[0])
-        x = torch.as_tensor((np.asarray(root["data"][t:t + 1], np.float64) - mean) / std)
+        x = (np.asarray(root["data"][t:t + 1], np.float64) - mean) / std
         leads = []
         with torch.no_grad():
             for _ in range(steps):
-                x = model(x)
-                leads.append(x.numpy() * std + mean)
+                y = model(torch.as_tensor(np.concatenate([x, static], axis=1))).numpy()
+                assert y.shape[1] == len(names)
+                leads.append(y * std + mean)
+                x = y
         out.append(np.concatenate(leads))  # (steps, C, H, W)
     return np.stack(out), names
 
@@ -118,3 +126,28 @@ def test_forecast_errors_are_one_line_before_ranks_start(trained, tmp_path):
     r = _predict(trained, tmp_path / "taken" / "f.zarr", "--init", INITS, "--domain", "2")
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode != 0 and len(lines) == 1 and "rank 0 could not write the prediction" in lines[0], r.stderr
+
+
+def test_static_fields_are_inputs_and_stay_through_the_rollout(tmp_path, dist):
+    """A store of CDS-style files with the land-sea mask as a static field and SST filled: the model takes
+    C + 1 inputs, and the forecast at domain 1 and 2 equals the model fed the mask at every step by hand."""
+    from domainflow.app.cli import main
+    from domainflow.preprocess.ingest_grid import ingest_climate
+    from domainflow.preprocess.synth_cds import synth_cds
+
+    synth_cds(tmp_path / "cds", grid=(8, 16), steps=40, seed=3)
+    ingest_climate(str(tmp_path / "cds" / "*.nc"), tmp_path / "g.zarr", progress=False, split=(0.6, 0.2, 0.2),
+                   static=("lsm",), fill={"sst": "mean"}, variables=("t2m", "sst", "z500"))
+    assert main(["train", "--out", str(tmp_path / "train"), f"data.store={tmp_path / 'g.zarr'}", "data.kind=grid",
+                 "model.name=unet", "model.base=4", "train.steps=2", "train.dtype=float64", "output.plots=false",
+                 "output.progress=false", "data.prefetch=0", "eval.lead_steps=1,2"]) == 0
+    trained = {"store": tmp_path / "g.zarr", "ckpt": tmp_path / "train" / "checkpoints"}
+    expected, names = dist.run(1, _by_hand, trained["store"], trained["ckpt"], 2)[0]
+    assert names == ["t2m", "sst", "z500"]
+    for out, extra in ((tmp_path / "one.zarr", []), (tmp_path / "two.zarr", ["--domain", "2"])):
+        r = _predict(trained, out, "--init", INITS, "--steps", "2", *extra)
+        assert r.returncode == 0, r.stderr
+        with xr.open_zarr(out) as got:
+            assert sorted(got.data_vars) == sorted(names)  # the static field is an input, not a forecast variable
+            for c, v in enumerate(names):
+                np.testing.assert_allclose(got[v].values, expected[:, :, c], rtol=1e-10, atol=1e-9)

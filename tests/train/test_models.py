@@ -119,3 +119,16 @@ def test_transolver_block_inference_equals_the_whole_forward(dist, world, sizes,
         assert local[1] == sizes[rank] and [s[1] for s in shapes[0]] == sizes
         if block > 1:
             assert calls == (3 if world > 1 else 0)
+
+
+def test_unet_residual_adds_the_last_input_step_not_the_static_fields():
+    """With the head zeroed the residual UNet returns its input's last step: the C channels before the static
+    fields appended after the window (history 2, C 3, S 2)."""
+    from domainflow.train.models import UNet
+
+    C, S = 3, 2
+    model = UNet(2 * C + S, C, base=4, levels=2, statics=S).double()
+    torch.nn.init.zeros_(model.head.weight)
+    torch.nn.init.zeros_(model.head.bias)
+    x = torch.randn(1, 2 * C + S, 8, 16, dtype=torch.float64)
+    torch.testing.assert_close(model(x), x[:, C:2 * C], rtol=0, atol=0)

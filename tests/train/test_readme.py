@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,7 @@ def test_readme_data_commands_run(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     for command in commands:
-        args = command.split()[1:]
+        args = shlex.split(command)[1:]  # as a shell passes them: a quoted glob reaches domainflow whole
         out = subprocess.run([sys.executable, "-m", "domainflow.app.cli", *args, *(
             ["--quiet"] if args[0] in ("synth", "ingest") else [])], cwd=tmp_path, env=env, capture_output=True,
             text=True, timeout=300)

@@ -291,6 +291,14 @@ def test_tiny_climate_demo_runs_end_to_end(tmp_path):
     report = run_demo(str(tmp_path / "demo"), climate=True, tiny=True)
     summary = report["result"]["eval"]["summary"]
     assert any(k.startswith("rmse_") for k in summary["model"]) and any(k.startswith("acc_") for k in summary["model"])
+    # ingested from the CDS-style netCDF files: the mask static, SST's land gaps filled, levels as channels
+    assert sorted((tmp_path / "demo" / "era5_cds").glob("era5_*_levels_*.nc"))
+    import zarr
+
+    store = zarr.open_group(tmp_path / "demo" / "grid.zarr", mode="r")
+    assert store.attrs["grid"]["static"] == ["lsm"] and {"z500", "t850", "sst"} <= set(store.attrs["grid"]["variables"])
+    assert store.attrs["grid"]["missing"]["sst"]["count"] > 0 and 0 < summary["filled"]["sst"] < 1
+    assert {"rmse_z500", "acc_t850", "rmse_sst"} <= set(summary["model"])
     assert (tmp_path / "demo" / "train" / "loss.png").exists()
     assert list((tmp_path / "demo" / "train").glob("map_*.png"))
 

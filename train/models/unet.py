@@ -40,11 +40,12 @@ class ConvBlock(nn.Module):
 class UNet(nn.Module):
     """(B, in_channels, H, W) -> (B, out_channels, H, W); H and W divisible by 2**(levels-1).
 
-    Predicts the change from the last input step when ``residual`` (the usual choice for forecasting).
+    Predicts the change from the last input step when ``residual`` (the usual choice for forecasting); the
+    input's last ``statics`` channels are constant fields, so the last step is the ``out_channels`` before them.
     """
 
     def __init__(self, in_channels: int, out_channels: int, base: int = 16, levels: int = 2,
-                 residual: bool = True):
+                 residual: bool = True, statics: int = 0):
         super().__init__()
         chans = [base * 2 ** k for k in range(levels)]
         self.down = nn.ModuleList()
@@ -59,8 +60,9 @@ class UNet(nn.Module):
             self.fuse.append(ConvBlock(c + ch, ch))
             c = ch
         self.head = nn.Conv2d(c, out_channels, 1)
-        self.residual = residual and in_channels >= out_channels
+        self.residual = residual and in_channels - statics >= out_channels
         self.out_channels = out_channels
+        self.newest = in_channels - statics - out_channels  # first channel of the last input step
 
     def forward(self, x):
         skips = []
@@ -74,5 +76,5 @@ class UNet(nn.Module):
             h = fuse(torch.cat([up(h), skips.pop()], dim=1))
         out = self.head(h)
         if self.residual:
-            out = out + x[:, -self.out_channels:]
+            out = out + x[:, self.newest:self.newest + self.out_channels]
         return out
