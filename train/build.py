@@ -7,9 +7,9 @@ import torch
 import domainflow as df
 from domainflow import comm
 
-from .config import Config
+from . import model_target
+from .config import Config, ConfigError
 from .data import model_io
-from .models import Transolver, UNet
 
 
 def build_mesh(cfg: Config):
@@ -24,11 +24,20 @@ def build_model(cfg: Config, ds) -> torch.nn.Module:
     torch.manual_seed(cfg.train.seed)
     m = cfg.model
     io = model_io(cfg, ds)
-    if m.name == "transolver":
-        model = Transolver(io.in_dim, io.out_dim, io.global_dim, dim=m.dim, layers=m.layers, heads=m.heads,
-                           slices=m.slices, mlp_ratio=m.mlp_ratio, dropout=m.dropout)
-    else:
-        model = UNet(io.in_dim, io.out_dim, base=m.base, levels=m.levels, statics=len(ds.statics))
+    sizes = {"in": io.in_dim, "out": io.out_dim, "global": io.global_dim}
+    if cfg.data.kind == "grid":
+        sizes["statics"] = len(ds.statics)
+    if m.target:
+        model = model_target.build(m.target, m.kwargs, sizes)
+        if io.global_dim and not model_target.takes_globals(model):
+            raise ConfigError(f"model.target={m.target}: its forward takes one input, but the store's {io.global_dim} "
+                              f"design parameters are passed as a second (globals); set data.use_params=false or "
+                              f"accept forward(x, globals)")
+    else:  # the built-ins through the same path, sized by their config keys
+        own = {"transolver": {"dim": m.dim, "layers": m.layers, "heads": m.heads, "slices": m.slices,
+                              "mlp_ratio": m.mlp_ratio, "dropout": m.dropout},
+               "unet": {"base": m.base, "levels": m.levels}}[m.name]
+        model = model_target.build(model_target.BUILTIN[m.name], {**own, **m.kwargs}, sizes)
     return model.to(dtype=dtype_of(cfg), device=comm.mesh_device(ds.axes.domain))
 
 

@@ -42,7 +42,9 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = "transolver"             # transolver | unet
+    name: str = "transolver"             # transolver | unet (built-in; ignored when target is set)
+    target: str = ""                     # your own model: "package.module:Class" or "path/to/file.py:Class"
+    kwargs: dict = field(default_factory=dict)   # passed to the model (target's, or a built-in's extra ones)
     dim: int = 64
     layers: int = 4
     heads: int = 4
@@ -207,6 +209,15 @@ def _convert(section: str, key: str, value, default):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where} must be a number, got {value!r}")
         return float(value)
+    if isinstance(default, dict):
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ConfigError(f"{where} must be a table, e.g. {where}='{{\"width\": 32}}', got {value!r}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a table of keyword arguments, got {value!r}")
+        return dict(value)
     if isinstance(default, list):
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
@@ -230,7 +241,11 @@ def _check(cfg: Config) -> None:
                           f"is trained whole (set data.sample_points=0)")
     if cfg.eval.block_points < 0:
         raise ConfigError(f"eval.block_points must be >= 0 (0: the whole sample at once), got {cfg.eval.block_points}")
-    if cfg.eval.block_points and cfg.model.name != "transolver":
+    if cfg.model.target:
+        module, sep, name = cfg.model.target.rpartition(":")
+        if sep and module.endswith(".py"):  # a checkpoint must rebuild it from any working folder
+            cfg.model.target = f"{Path(module).resolve()}:{name}"
+    if cfg.eval.block_points and cfg.model.name != "transolver" and not cfg.model.target:
         raise ConfigError(f"eval.block_points={cfg.eval.block_points}: model {cfg.model.name!r} has no block "
                           f"inference (only transolver does); set eval.block_points=0")
     try:
@@ -256,9 +271,11 @@ def _check(cfg: Config) -> None:
     if t.batch and t.batch % cfg.mesh.dp:
         raise ConfigError(f"train.batch={t.batch} must be a multiple of mesh.dp={cfg.mesh.dp} (each dp rank takes "
                           f"batch/dp samples per step)")
-    if cfg.data.kind == "grid" and cfg.model.name != "unet" or cfg.data.kind == "mesh" and cfg.model.name != "transolver":
+    if cfg.model.target:
+        pass  # the user's model: its sizes come from the data, its contract is checked when it is built
+    elif cfg.data.kind == "grid" and cfg.model.name != "unet" or cfg.data.kind == "mesh" and cfg.model.name != "transolver":
         raise ConfigError(f"model.name={cfg.model.name!r} does not fit data.kind={cfg.data.kind!r}: use transolver for "
-                          f"mesh stores and unet for grid stores")
+                          f"mesh stores and unet for grid stores, or your own with model.target=package.module:Class")
 
 
 def _parse_scalar(text: str):

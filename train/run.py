@@ -60,6 +60,10 @@ def preflight(cfg: Config, resume: bool) -> None:
                 raise ConfigError(f"{store.path} has no split(s) {missing}; its splits are {sorted(store.splits)}")
     finally:
         store.close()
+    if cfg.model.target:  # importable, and the kwargs are its parameters
+        from . import model_target
+
+        model_target.check_kwargs(cfg.model.target, model_target.resolve(cfg.model.target), cfg.model.kwargs)
     if resume:
         folder = Path(cfg.output.dir) / "checkpoints"
         try:

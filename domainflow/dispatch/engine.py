@@ -24,6 +24,8 @@ from domainflow.tensor import consistency as _consistency
 from domainflow.tensor.shard_tensor import ShardTensor
 
 _POINTWISE = torch.Tag.pointwise
+# elementwise ops torch does not tag pointwise: building complex numbers (e.g. for an FFT's input)
+_UNTAGGED_POINTWISE = frozenset({torch.ops.aten.complex.default, torch.ops.aten.polar.default})
 _INPLACE = torch.Tag.inplace
 _OUT = torch.Tag.out
 # runs ``func`` with __torch_function__ disabled for subclasses (the C implementation torch uses)
@@ -102,7 +104,8 @@ def _route(func):
     handler = REGISTRY.aten.get(func)
     if handler is not None:
         route = handler
-    elif _OUT not in func.tags and (_POINTWISE in func.tags or _inplace_of_pointwise(func)):
+    elif _OUT not in func.tags and (_POINTWISE in func.tags or func in _UNTAGGED_POINTWISE
+                                    or _inplace_of_pointwise(func)):
         route = REGISTRY.pointwise or _generic
     else:
         route = _generic

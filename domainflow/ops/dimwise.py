@@ -1,5 +1,5 @@
 """Ops that work along one dim (or trailing dims) independently of the others: softmax, cumsum,
-sort, topk, flip, roll, layer_norm. When the dims they work along are not sharded they run on local
+sort, topk, flip, roll, layer_norm (FFTs: ``fft.py``). When the dims they work along are not sharded they run on local
 chunks (rule 2: no communication); along a sharded dim they need a dedicated handler."""
 
 from __future__ import annotations

@@ -37,7 +37,10 @@ def complex_views(func, args, kwargs):
     x = args[0]
     spec = x._spec
     if func is aten.view_as_real.default:
-        return ShardTensor(func(x._local), spec.with_(shape=tuple(spec.shape) + (2,)))
+        # a local chunk can carry torch's lazy conjugate bit that the wrapper does not (an op's result seen
+        # through the engine); view_as_real refuses it, so it is resolved first (a copy, the same values)
+        local = x._local.resolve_conj() if x._local.is_conj() else x._local
+        return ShardTensor(func(local), spec.with_(shape=tuple(spec.shape) + (2,)))
     if spec.mesh_dim_of(spec.ndim - 1) is not None:
         return unsupported_or_fallback(func, args, kwargs, "its last dim (real, imaginary) is sharded")
     return ShardTensor(func(x._local), spec.with_(shape=tuple(spec.shape[:-1])))

@@ -1,0 +1,111 @@
+"""A model named by import path: ``model.target = "package.module:Class"`` (or ``"path/to/file.py:Class"``) with
+``model.kwargs``, built on every rank the same way; the built-in models are targets too.
+
+The data's sizes are passed to the parameters the constructor names and the kwargs leave unset: the input
+width as ``in_dim``, ``in_channels`` or ``in_features``, the output width as ``out_dim``, ``out_channels`` or
+``out_features``, the number of per-sample globals as ``global_dim`` and a grid's static fields as
+``statics``. So ``torch.nn:Conv2d`` with ``{"kernel_size": 3, "padding": 1}`` is a (tiny) grid model.
+
+The forward contract (docs/architecture.md has an example): a mesh model gets ``x`` (1, N, C_in) and, when
+the store's design parameters are used (``data.use_params``), ``globals`` (1, G), and returns (1, N, C_out);
+a grid model gets (1, history * C + S, H, W) and returns (1, C, H, W). Inputs are ShardTensors: plain torch
+code runs on them, domainflow supplies the halos and collectives.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+
+from torch import nn
+
+from .config import ConfigError
+
+BUILTIN = {"transolver": "domainflow.train.models.transolver:Transolver",
+           "unet": "domainflow.train.models.unet:UNet"}
+SIZE_NAMES = {"in": ("in_dim", "in_channels", "in_features"), "out": ("out_dim", "out_channels", "out_features"),
+              "global": ("global_dim",), "statics": ("statics",)}
+
+
+def resolve(target: str):
+    """The class or function ``target`` names; a ConfigError naming what is missing otherwise."""
+    module, sep, name = target.rpartition(":")
+    if not sep:
+        module, _, name = target.rpartition(".")
+    if not module or not name:
+        raise ConfigError(f"model.target={target!r} is not an import path; write package.module:Class (e.g. "
+                          f"torch.nn:Conv2d) or path/to/file.py:Class")
+    try:
+        if module.endswith(".py"):
+            path = Path(module)
+            if not path.is_file():
+                raise ConfigError(f"model.target={target!r}: no file {path}")
+            key = f"domainflow_user_model_{abs(hash(str(path.resolve())))}"
+            mod = sys.modules.get(key)
+            if mod is None:
+                spec = importlib.util.spec_from_file_location(key, path)
+                mod = importlib.util.module_from_spec(spec)
+                sys.modules[key] = mod
+                spec.loader.exec_module(mod)
+        else:
+            mod = importlib.import_module(module)
+    except ConfigError:
+        raise
+    except ImportError as exc:
+        raise ConfigError(f"model.target={target!r}: cannot import {module!r} ({exc}); is it installed or on "
+                          f"PYTHONPATH?") from None
+    except Exception as exc:  # noqa: BLE001  (the user's module fails on import: name it)
+        raise ConfigError(f"model.target={target!r}: importing {module!r} failed: {type(exc).__name__}: {exc}") from None
+    obj = getattr(mod, name, None)
+    if obj is None or not callable(obj):
+        public = sorted(n for n in dir(mod) if not n.startswith("_"))[:20]
+        raise ConfigError(f"model.target={target!r}: {module!r} has no callable {name!r}; it has {public}")
+    return obj
+
+
+def build(target: str, kwargs: dict, sizes: dict) -> nn.Module:
+    """``target(**kwargs)`` with the data's ``sizes`` ({"in", "out", "global", "statics"}) filled into the size
+    parameters its signature names and ``kwargs`` leaves unset."""
+    fn = resolve(target)
+    params = check_kwargs(target, fn, kwargs)
+    kw = dict(kwargs)
+    for key, names in SIZE_NAMES.items():
+        for n in names:
+            if n in params and n not in kw and key in sizes:
+                kw[n] = sizes[key]
+                break
+    try:
+        model = fn(**kw)
+    except TypeError as exc:
+        raise ConfigError(f"model.target={target!r} with {kw}: {exc}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model.target={target!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def check_kwargs(target: str, fn, kwargs: dict) -> dict:
+    """``fn``'s parameters; a kwarg it does not take (and no ``**kwargs`` to catch it) is a ConfigError."""
+    try:
+        params = dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return params
+    unknown = [k for k in kwargs if k not in params]
+    if unknown:
+        raise ConfigError(f"model.kwargs {unknown} are not parameters of {target}; it takes {list(params)}")
+    return params
+
+
+def takes_globals(model: nn.Module) -> bool:
+    """Whether the model's forward accepts a second argument (the per-sample globals)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return True
+    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 2
