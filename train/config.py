@@ -97,6 +97,7 @@ class OutputConfig:
     plots: bool = True
     progress: bool = True
     reference_area: float = 2.15         # m^2, the constant reference area of force_mom_constref
+    loggers: list = field(default_factory=lambda: ["jsonl"])   # jsonl | tensorboard | mlflow (rank 0 logs)
 
 
 @dataclass

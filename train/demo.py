@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from .config import load_config
+from .tables import eval_table
 
 SIZES = {
     # runs, cells per run, steps, model width, layers, slices
@@ -110,13 +111,7 @@ def format_report(report: dict) -> str:
     summ = res.get("eval", {}).get("summary", {})
     lines = [f"\n== domainflow demo ({'climate UNet' if report['kind'] == 'grid' else 'surface Transolver'}, "
              f"domain = {report['domain']} CPU ranks) =="]
-    if report["kind"] == "grid":
-        lines += grid_table(summ)
-    else:
-        lines.append(f"{'metric':<28}{'model':>12}{'mean field':>12}")
-        model, base = summ.get("model", {}), summ.get("baseline", {})
-        for k in model:
-            lines.append(f"{k:<28}{model[k]:>12.4f}{base.get(k, float('nan')):>12.4f}")
+    lines += eval_table(summ, report["kind"])
     lines.append(f"validation samples: {summ.get('samples', 0)};  final training loss {res.get('loss')}")
     lines.append("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in report["timings_s"].items()))
     lines.append(f"store: {report['store']}")
@@ -124,21 +119,3 @@ def format_report(report: dict) -> str:
     for f in res.get("figures", []):
         lines.append(f"figure: {f}")
     return "\n".join(lines)
-
-
-def grid_table(summ: dict) -> list[str]:
-    """WeatherBench-style lines: RMSE and ACC per variable and lead for the model, persistence and climatology."""
-    leads = summ.get("lead_steps", [])
-    hours = summ.get("lead_hours") or [None] * len(leads)
-    lines = [f"{'lead':>6}  {'metric':<16}{'model':>12}{'persistence':>13}{'climatology':>13}"]
-    for k, h in zip(leads, hours):
-        entry = summ["leads"][str(k)]
-        label = f"{h:g} h" if h is not None else f"{k} st"
-        for key in entry["model"]:
-            lines.append(f"{label:>6}  {key:<16}{entry['model'][key]:>12.4f}{entry['persistence'][key]:>13.4f}"
-                         f"{entry['climatology'][key]:>13.4f}")
-    lines.append("RMSE latitude-weighted, in each variable's units; ACC against " + summ.get("climatology_source", ""))
-    for v, share in summ.get("filled", {}).items():
-        lines.append(f"{v}: {100 * share:.3g}% of its values were missing and are filled (ingest --fill); its scores "
-                     f"include those points")
-    return lines

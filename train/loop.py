@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from domainflow import comm
 from . import checkpoint as ckpt
 from .config import Config
 from .data import Batch, build_dataset
+from .loggers import Loggers
 from .metrics import evaluate
 from .build import build_mesh, build_model
 
@@ -208,21 +208,25 @@ class Trainer:
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-        log = _MetricsLog(self.out / "metrics.jsonl", self.rank == 0, truncate_after=self.step)
+        log = Loggers(self.out, cfg.output.loggers, self.rank == 0, self.step, cfg.to_dict())
         bar = _progress(cfg, self.rank, self.step)
         try:
-            for _, samples, waited in self._stream(self.step, cfg.train.steps):
-                self._after_step(self.train_step(samples), log, bar, waited)
+            try:
+                for _, samples, waited in self._stream(self.step, cfg.train.steps):
+                    self._after_step(self.train_step(samples), log, bar, waited)
+            finally:
+                if bar is not None:
+                    bar.close()
+            if cfg.train.checkpoint_every == 0 or self.step % cfg.train.checkpoint_every:
+                self.save()
+            result = {"steps": self.step, "loss": self.history[-1]["loss"] if self.history else None,
+                      "out": str(self.out)}
+            result["eval"] = self.evaluate(log)
+            if cfg.output.plots:
+                result["figures"] = self.figures(result["eval"])
+                log.figures(result["figures"], self.step)
         finally:
-            if bar is not None:
-                bar.close()
-        if cfg.train.checkpoint_every == 0 or self.step % cfg.train.checkpoint_every:
-            self.save()
-        result = {"steps": self.step, "loss": self.history[-1]["loss"] if self.history else None,
-                  "out": str(self.out)}
-        result["eval"] = self.evaluate(log)
-        if cfg.output.plots:
-            result["figures"] = self.figures(result["eval"])
+            log.close()
         if self.rank == 0:
             (self.out / "result.json").write_text(json.dumps(result, indent=1, default=str))
         return result
@@ -275,7 +279,7 @@ class Trainer:
     def _after_step(self, entry: StepLog, log, bar, waited: float = 0.0):
         rec = {"step": entry.step, "loss": entry.loss, "lr": entry.lr,
                "samples_per_s": entry.samples * self.dp / max(entry.seconds + waited, 1e-9), "seconds": entry.seconds,
-               "data_wait_s": waited}
+               "data_wait_s": waited, "memory_mib": _peak_memory_mib(comm.mesh_device(self.mesh))}
         self.history.append(rec)
         log.write(rec)
         if bar is not None:
@@ -340,35 +344,18 @@ def _value(t) -> torch.Tensor:
     return t.detach()
 
 
+def _peak_memory_mib(device) -> float:
+    """This rank's peak memory so far: the accelerator's peak allocation, or the process's peak resident size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
 def _progress(cfg: Config, rank: int, start: int):
     if rank != 0 or not cfg.output.progress:
         return None
     from tqdm import tqdm
 
     return tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
-
-
-class _MetricsLog:
-    """JSON lines on rank 0; a resumed run first drops the lines of steps after its checkpoint."""
-
-    def __init__(self, path: Path, active: bool, truncate_after: int):
-        self.path, self.active = path, active
-        if not active:
-            return
-        keep = []
-        if truncate_after and path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if rec.get("step", 0) <= truncate_after:
-                    keep.append(line)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, path)
-
-    def write(self, rec: dict) -> None:
-        if self.active:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(rec) + "\n")

@@ -60,6 +60,9 @@ def preflight(cfg: Config, resume: bool) -> None:
                 raise ConfigError(f"{store.path} has no split(s) {missing}; its splits are {sorted(store.splits)}")
     finally:
         store.close()
+    from .loggers import check_available
+
+    check_available(cfg.output.loggers)
     if cfg.model.target:  # importable, and the kwargs are its parameters
         from . import model_target
 

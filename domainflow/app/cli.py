@@ -45,11 +45,25 @@ def _train(args) -> int:
     if args.nproc and cfg.mesh.size == 1 and args.nproc > 1:
         cfg.mesh.domain = args.nproc  # --nproc alone: all ranks on one sample's domain
     result = run_training(cfg, nproc=args.nproc, resume=args.resume)
-    summary = result.get("eval", {}).get("summary")
-    print(f"trained {result['steps']} steps; final loss {result['loss']}; output in {result['out']}")
-    if summary:
-        print(json.dumps(summary, indent=1))
+    print(train_report(result, cfg))
     return 0
+
+
+def train_report(result: dict, cfg) -> str:
+    """What ``train`` prints at the end: the evaluation table, the figures and where everything is (the whole
+    result stays in result.json)."""
+    from domainflow.train.tables import eval_table
+
+    summ = result.get("eval", {}).get("summary") or {}
+    lines = [f"trained {result['steps']} steps; final training loss {result['loss']}"]
+    if summ:
+        lines.append(f"evaluation on {cfg.data.val_split} ({summ.get('samples', 0)} samples):")
+        lines += ["  " + line for line in eval_table(summ, cfg.data.kind)]
+    lines += [f"figure: {f}" for f in result.get("figures", [])]
+    out = Path(result["out"])
+    lines.append(f"output: {out} (result.json, metrics.jsonl, checkpoints/"
+                 + "".join(f", {n}/" for n in ("tensorboard", "mlruns") if (out / n).exists()) + ")")
+    return "\n".join(lines)
 
 
 def _plan(args) -> int:

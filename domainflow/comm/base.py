@@ -74,8 +74,19 @@ def _named(op: str, mesh: DeviceMesh | None, mesh_dim: int | None, detail: str =
         raise CollectiveError(f"rank {rank}: {op}{where}{detail} failed: {e}\nLikely cause: {hint}.") from e
 
 
-STALL_WAIT_S = 5.0  # how long a timed-out rank waits to hear which of its peers timed out too
+# how long a timed-out rank waits to hear which of its peers timed out too (DOMAINFLOW_STALL_WAIT_S: raise it
+# where ranks drift apart by more, e.g. on a busy machine, or a peer is called silent that was only late)
+STALL_WAIT_S = 5.0
 _STALL_REPORTS = 0
+
+
+def _stall_wait() -> float:
+    import os
+
+    try:
+        return float(os.environ.get("DOMAINFLOW_STALL_WAIT_S", STALL_WAIT_S))
+    except ValueError:
+        return STALL_WAIT_S
 
 
 def _stall_report(what: str, mesh, mesh_dim) -> str:
@@ -95,7 +106,8 @@ def _stall_report(what: str, mesh, mesh_dim) -> str:
         key = f"domainflow/stalled/{_STALL_REPORTS}/{{}}"  # the n-th timeout of each rank: a fresh set of keys
         _STALL_REPORTS += 1
         store.set(key.format(me), json.dumps(mine))
-        posts, deadline = {}, time.monotonic() + STALL_WAIT_S
+        wait = _stall_wait()
+        posts, deadline = {}, time.monotonic() + wait
         while time.monotonic() < deadline and len(posts) < len(peers) - 1:
             for r in peers:
                 if r != me and r not in posts and store.check([key.format(r)]):
@@ -107,7 +119,7 @@ def _stall_report(what: str, mesh, mesh_dim) -> str:
     elsewhere = {r: post for r, post in posts.items() if post != mine}
     out = ""
     if silent:
-        out += (f". Likely culprit: rank(s) {silent}, which had not timed out in a collective {STALL_WAIT_S:g} s "
+        out += (f". Likely culprit: rank(s) {silent}, which had not timed out in a collective {_stall_wait():g} s "
                 f"after this rank did (stalled in computation or I/O, hung, dead, or finished without this "
                 f"collective)")
     if elsewhere:

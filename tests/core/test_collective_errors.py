@@ -112,7 +112,10 @@ def _item_on_rank0_before_backward():
     return loss.item()
 
 
-def test_item_of_a_pending_value_on_one_rank_is_a_collective_error_not_an_abort():
+def test_item_of_a_pending_value_on_one_rank_is_a_collective_error_not_an_abort(monkeypatch):
+    # both ranks time out, in different collectives; on a busy machine one may do so seconds after the other,
+    # so each waits longer than the default 5 s for the other's report (else it names the other as silent)
+    monkeypatch.setenv("DOMAINFLOW_STALL_WAIT_S", "20")
     with WorkerPool(2, timeout=90, pg_timeout=5, grace=40) as pool:
         t0 = time.monotonic()
         with pytest.raises(RankFailure) as info:
