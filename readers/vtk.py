@@ -72,7 +72,7 @@ class _Header:
 # public entry point
 # --------------------------------------------------------------------------------------------
 def read_vtk(path, arrays=None, mesh=None, axis: str = "domain", association: str = "cell",
-             src: int = 0) -> VtkRead:
+             src: int = 0, blocks=None) -> VtkRead:
     """Read the ``arrays`` (None: all of them) of ``association`` ("cell" or "point") from a VTK file.
 
     ``mesh``: a DeviceMesh (1-D, or N-D with a dim named ``axis``); the results are Shard(0) over the
@@ -80,6 +80,10 @@ def read_vtk(path, arrays=None, mesh=None, axis: str = "domain", association: st
     read piecewise (rank r of W reads pieces [r*K//W, (r+1)*K//W)); monolithic files are read whole by
     rank ``src`` of the axis and scattered in balanced row ranges, which is the slow path for data not
     yet ingested: prefer ``domainflow ingest`` and the region readers for repeated reads.
+
+    ``blocks``: the names of the blocks of a ``.vtm`` to read (e.g. ``["internalMesh"]`` of an OpenFOAM case,
+    or a boundary patch): a data set is read when its own name or the name of a block around it is listed.
+    None reads every data set of the index as pieces of one.
     """
     path = os.fspath(path)
     if association not in _ASSOCIATIONS:
@@ -92,8 +96,12 @@ def read_vtk(path, arrays=None, mesh=None, axis: str = "domain", association: st
         raise ValueError(f"read_vtk({path}): src={src} is not a rank of the {world}-rank axis {axis!r}")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"read_vtk: {path} does not exist")
+    if blocks is not None:
+        blocks = [blocks] if isinstance(blocks, str) else list(blocks)
+        if not path.lower().endswith(".vtm"):
+            raise ValueError(f"read_vtk({path}): blocks={blocks} selects blocks of a .vtm multi-block index")
     if path.lower().endswith(PARTITIONED_SUFFIXES):
-        return _read_partitioned(path, arrays, domain, association)
+        return _read_partitioned(path, arrays, domain, association, blocks)
     return _read_monolithic(path, arrays, domain, association, src)
 
 
@@ -113,9 +121,9 @@ def _domain_mesh(mesh, axis):
 # --------------------------------------------------------------------------------------------
 # partitioned files
 # --------------------------------------------------------------------------------------------
-def _read_partitioned(path, arrays, domain, association) -> VtkRead:
+def _read_partitioned(path, arrays, domain, association, blocks=None) -> VtkRead:
     """Each rank reads its contiguous range of pieces; one all-gather agrees on success and row counts."""
-    pieces, declared, nbytes = _piece_files(path)
+    pieces, declared, nbytes = _piece_files(path, blocks)
     headers = []
     for p in pieces:
         h, n = _piece_header(p)
@@ -146,7 +154,18 @@ def _read_partitioned(path, arrays, domain, association) -> VtkRead:
     return out
 
 
-def _piece_files(path) -> tuple[list[str], dict | None, int]:
+def _vtm_datasets(node, around=()) -> list[tuple[str, set]]:
+    """(file, the names of the data set and of every block around it) of each data set of a .vtm, in order."""
+    out = []
+    for child in node:
+        names = set(around) | ({child.get("name")} if child.get("name") else set())
+        if child.tag == "DataSet" and child.get("file"):
+            out.append((child.get("file"), names))
+        out += _vtm_datasets(child, names if child.tag in ("Block", "Piece") else around)
+    return out
+
+
+def _piece_files(path, blocks=None) -> tuple[list[str], dict | None, int]:
     """Piece paths listed by a .pvtu / .pvtp / .vtm index, in document order, each checked to exist;
     plus the arrays a .pvtu / .pvtp declares ({association: {name: VTK type} or None where it has no
     P*Data element}; None for .vtm) and the index's size."""
@@ -159,7 +178,15 @@ def _piece_files(path) -> tuple[list[str], dict | None, int]:
                          f"the pieces one by one") from None
     declared = None
     if path.lower().endswith(".vtm"):
-        files = [e.get("file") for e in root.iter("DataSet") if e.get("file")]
+        found = _vtm_datasets(root)
+        if blocks is not None:
+            known = sorted({n for _, names in found for n in names})
+            unknown = [b for b in blocks if b not in known]
+            if unknown:
+                raise ValueError(f"read_vtk: {path} has no block(s) named {unknown}; its blocks and data sets are "
+                                 f"{known}")
+            found = [(f, names) for f, names in found if names & set(blocks)]
+        files = [f for f, _ in found]
     else:
         declared = {assoc: None if root.find(f"./*/P{tag}") is None else
                     {e.get("Name"): e.get("type") for e in root.iterfind(f"./*/P{tag}/PDataArray")}

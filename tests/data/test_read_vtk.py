@@ -419,3 +419,33 @@ def test_2d_mesh_shards_over_the_domain_sub_mesh(dist, files):
         assert got["mesh_names"] == ("domain",) and got["mesh_ranks"] == [2 * dp, 2 * dp + 1], got
         assert got["pieces"] == pieces[dom * 3 // 2:(dom + 1) * 3 // 2], f"rank {r}: {got['pieces']}"
         _assert_equal(*got["full"], want, want_coords, f"2-D mesh rank {r}")
+
+
+def test_vtm_blocks_are_chosen_by_name(tmp_path):
+    """An OpenFOAM-style multi-block case (the volume as "internalMesh", the boundary patches in a "boundary"
+    block), written by pyvista/VTK: ``blocks=`` reads the named ones only, equal to pyvista's own read of them,
+    instead of joining the volume and the patches into one array."""
+    import pyvista as pv
+
+    from domainflow.readers import read_vtk
+
+    volume = pv.ImageData(dimensions=(4, 3, 3)).cast_to_unstructured_grid()
+    volume.cell_data["p"] = np.arange(volume.n_cells, dtype=np.float64)
+    inlet = pv.Plane(i_resolution=2, j_resolution=2)
+    inlet.cell_data["p"] = 100.0 + np.arange(inlet.n_cells, dtype=np.float64)
+    wall = pv.Plane(i_resolution=3, j_resolution=1)
+    wall.cell_data["p"] = 200.0 + np.arange(wall.n_cells, dtype=np.float64)
+    case = pv.MultiBlock({"internalMesh": volume, "boundary": pv.MultiBlock({"inlet": inlet, "wall": wall})})
+    case.save(tmp_path / "case.vtm")
+    back = pv.read(tmp_path / "case.vtm")
+    got = read_vtk(tmp_path / "case.vtm", ["p"], blocks=["internalMesh"])
+    np.testing.assert_array_equal(got.arrays["p"].numpy(), back["internalMesh"].cell_data["p"])
+    got = read_vtk(tmp_path / "case.vtm", ["p"], blocks="boundary")  # a block of blocks: all its patches
+    np.testing.assert_array_equal(got.arrays["p"].numpy(), np.concatenate([inlet.cell_data["p"], wall.cell_data["p"]]))
+    got = read_vtk(tmp_path / "case.vtm", ["p"], blocks=["wall"])
+    np.testing.assert_array_equal(got.arrays["p"].numpy(), wall.cell_data["p"])
+    with pytest.raises(ValueError, match=r"has no block\(s\) named \['walls'\]; its blocks and data sets are "
+                                         r"\['boundary', 'inlet', 'internalMesh', 'wall'\]"):
+        read_vtk(tmp_path / "case.vtm", ["p"], blocks=["walls"])
+    with pytest.raises(ValueError, match="selects blocks of a .vtm"):
+        read_vtk(next(tmp_path.rglob("*.vtu")), ["p"], blocks=["internalMesh"])
