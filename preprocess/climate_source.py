@@ -429,9 +429,10 @@ def _statics(infos: list[_FileInfo], names, variables) -> list[StaticField]:
     out = []
     for name in names:
         flat = [i for i in infos if name in i.flat]
-        # a (lat, lon) field wins: ERA5's surface geopotential ``z`` comes next to the pressure levels' ``z``
-        timed = [] if flat else [i for i in infos if name in i.variables]
-        if any(i.variables[name] is not None for i in timed):
+        # single-level (time, lat, lon) copies only: ERA5's surface geopotential ``z`` (an invariant download)
+        # comes next to the pressure levels' ``z``, which stays a variable
+        timed = [i for i in infos if name in i.variables and i.variables[name] is None]
+        if not flat and not timed and any(name in i.variables for i in infos):
             raise IngestError(f"--static {name}: a pressure-level variable is not a constant field")
         holders = flat or timed
         if not holders:
@@ -440,7 +441,7 @@ def _statics(infos: list[_FileInfo], names, variables) -> list[StaticField]:
                               f"variable {name!r}; the variables are {known}")
         attrs = holders[0].flat[name] if flat else holders[0].attrs[name]
         out.append(StaticField(name, tuple(i.path for i in holders), not flat, dict(attrs)))
-        for i in timed:
+        for i in timed:  # also when a (lat, lon) copy wins: the field is an input, never a predicted channel
             i.variables.pop(name)
     for info in infos:
         if not info.variables and not info.flat:  # every variable was a static (time, lat, lon) one

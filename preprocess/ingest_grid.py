@@ -320,10 +320,14 @@ def _missing_values(writer: StoreWriter, root, store: Path, src: ClimateSource, 
         mine = {k: v for k, v in by_index.items() if src.reader.channels[int(k)].name in info.get("missing", {})}
         if mine:
             tasks[f"fill-{t0:09d}-{t1:09d}"] = (str(store), t0, t1, mine)
-    for name in tasks:
-        if name in done and done[name]["fill"] != tasks[name][3]:
-            raise IngestError(f"{store} was being filled with {done[name]['fill']} (channel index: value) and this "
-                              f"ingest asks {tasks[name][3]}; rerun with the first --fill, or pass --overwrite")
+    # the values are fixed before the first fill task starts: a task killed mid-way has filled some chunks
+    # already, so a rerun with other values would mix two fills in one channel
+    plan = done.get("fill-plan")
+    if plan is not None and plan["fill"] != by_index:
+        raise IngestError(f"{store} was being filled with {plan['fill']} (channel index: value) and this ingest "
+                          f"asks {by_index}; rerun with the first --fill, or pass --overwrite to start again")
+    if tasks and plan is None:
+        StoreWriter(store).mark_block("fill-plan", {"fill": by_index})
     todo = [(n, *args) for n, args in tasks.items() if n not in done]
     for out in run_tasks(fill_task, todo, workers=opts.workers, scheduler=opts.scheduler, desc="fill",
                          progress=opts.progress):

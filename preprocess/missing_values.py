@@ -51,8 +51,11 @@ def _policy(sel: str, value) -> str | float:
     except (TypeError, ValueError):
         raise IngestError(f"--fill {sel}={value}: a policy is 'mean' or a number in the variable's units "
                           f"({EXAMPLE})") from None
-    if not math.isfinite(number):
-        raise IngestError(f"--fill {sel}={value}: the fill value must be a finite number ({EXAMPLE})")
+    with np.errstate(over="ignore"):
+        as_stored = np.float32(number)
+    if not math.isfinite(number) or not np.isfinite(as_stored):
+        raise IngestError(f"--fill {sel}={value}: the fill value must be a finite number within float32's range, "
+                          f"as the store holds it ({EXAMPLE})")
     return number
 
 

@@ -115,7 +115,7 @@ def _who_sees_what(views: list[tuple]) -> list[str]:
     return lines[:8] + ([f"and {len(lines) - 8} more groups of ranks"] if len(lines) > 8 else [])
 
 
-def save(folder: Path, step: int, model, optimizer, cfg=None) -> Path:
+def save(folder: Path, step: int, model, optimizer, cfg=None, inputs: dict | None = None) -> Path:
     """Save ``step`` under ``folder`` on every rank; published as ``latest`` only once every rank sees every
     rank's files there, else every rank raises a ``CheckpointError`` naming who misses what."""
     folder = Path(folder)
@@ -138,7 +138,7 @@ def save(folder: Path, step: int, model, optimizer, cfg=None) -> Path:
             f"every rank sees every rank's files in {where}: {'; '.join(_who_sees_what(views))}. Set output.dir "
             f"(--out) to a folder on shared storage")
     if _rank() == 0:
-        meta = {"step": step, "config": cfg.to_dict() if cfg is not None else None}
+        meta = {"step": step, "config": cfg.to_dict() if cfg is not None else None, "inputs": inputs}
         (scratch / "meta.json").write_text(json.dumps(meta, indent=1))
         if final.exists():
             shutil.rmtree(final)

@@ -46,7 +46,8 @@ def forecast_config(checkpoint: str, store: str, inits, steps: int, out: str, do
     if path is None:
         raise FileNotFoundError(f"{checkpoint}: no checkpoint there (expected a step_<n> folder or a checkpoints "
                                 f"folder with one)")
-    cfg = from_dict(dict(ckpt.meta(path)["config"]))
+    meta = ckpt.meta(path)
+    cfg = from_dict(dict(meta["config"]))
     if cfg.data.kind != "grid":
         raise ValueError(f"--init forecasts a grid; the checkpoint was trained on a {cfg.data.kind} store (predict it "
                          f"with --run)")
@@ -66,6 +67,15 @@ def forecast_config(checkpoint: str, store: str, inits, steps: int, out: str, do
             raise ValueError(f"{store} has {H} latitudes and {W} longitudes; --domain {domain} --lon {lon} leaves a "
                              f"rank without any")
         index = [_step_of(i, time, store) for i in inits]
+        trained = meta.get("inputs")
+        if trained:  # the same channels and static fields, in the same order, or the inputs would be mixed up
+            grid = handle.attrs.get("grid", {})
+            here = {"variables": list(grid.get("variables", [])),
+                    "statics": list(grid.get("static", [])) if cfg.data.static else []}
+            if here != trained:
+                raise ValueError(f"{store} holds channels {here['variables']} and static fields {here['statics']}, "
+                                 f"but the checkpoint's model was trained on {trained['variables']} and "
+                                 f"{trained['statics']}; forecast from a store ingested the same way")
     finally:
         handle.close()
     early = [(i, k) for i, k in zip(inits, index) if k - cfg.data.history + 1 < 0]

@@ -3,12 +3,16 @@ plot reads it), ``tensorboard`` (``<out>/tensorboard``, through ``torch.utils.te
 local ``<out>/mlruns`` folder unless ``MLFLOW_TRACKING_URI`` names a server or database). Each gets the
 training records (loss, lr, step time, data wait, memory), the evaluation summaries and the figures; a
 resumed run drops what was logged after its checkpoint (TensorBoard's ``purge_step``; MLflow continues the
-same run, whose id ``<out>/mlflow_run.json`` keeps)."""
+same run, whose id ``<out>/mlflow_run.json`` keeps, and logs the steps after the checkpoint again: MLflow keeps
+both values of such a step). Logging never stops training: only rank 0 logs, so a logger that fails (an
+unreachable tracking server, a full disk) is dropped with a warning instead of leaving the other ranks
+waiting in the next collective."""
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 from .config import ConfigError
@@ -44,22 +48,34 @@ class Loggers:
         self._sinks.append(JsonlLog(self.out / "metrics.jsonl", truncate_after=start_step))
         names = [n for n in dict.fromkeys(names) if n != "jsonl"]
         check_available(names)
-        if "tensorboard" in names:
-            self._sinks.append(TensorBoardLog(self.out / "tensorboard", start_step))
-        if "mlflow" in names:
-            self._sinks.append(MLflowLog(self.out, start_step, config))
+        makers = {"tensorboard": lambda: TensorBoardLog(self.out / "tensorboard", start_step),
+                  "mlflow": lambda: MLflowLog(self.out, start_step, config)}
+        for n in names:
+            try:
+                self._sinks.append(makers[n]())
+            except Exception as exc:  # noqa: BLE001  (any backend's error: named, then training goes on)
+                warnings.warn(f"output.loggers: {n} could not start ({type(exc).__name__}: {exc}); training goes on "
+                              f"without it", stacklevel=2)
+
+    def _each(self, call) -> None:
+        for s in list(self._sinks):
+            try:
+                call(s)
+            except Exception as exc:  # noqa: BLE001
+                if isinstance(s, JsonlLog):
+                    raise  # metrics.jsonl is the run's own record
+                warnings.warn(f"output.loggers: {type(s).__name__} failed ({type(exc).__name__}: {exc}); dropped, "
+                              f"training goes on", stacklevel=3)
+                self._sinks.remove(s)
 
     def write(self, rec: dict) -> None:
-        for s in self._sinks:
-            s.write(rec)
+        self._each(lambda s: s.write(rec))
 
     def figures(self, paths, step: int) -> None:
-        for s in self._sinks:
-            s.figures([Path(p) for p in paths], step)
+        self._each(lambda s: s.figures([Path(p) for p in paths], step))
 
-    def close(self) -> None:
-        for s in self._sinks:
-            s.close()
+    def close(self, failed: bool = False) -> None:
+        self._each(lambda s: s.close(failed))
         self._sinks = []
 
 
@@ -110,7 +126,7 @@ class JsonlLog:
     def figures(self, paths, step: int) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         pass
 
 
@@ -136,7 +152,7 @@ class TensorBoardLog:
                                       dataformats="HWC")
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.close()
 
 
@@ -176,5 +192,5 @@ class MLflowLog:
             if p.exists():
                 self.mlflow.log_artifact(str(p), artifact_path="figures")
 
-    def close(self) -> None:
-        self.mlflow.end_run()
+    def close(self, failed: bool = False) -> None:
+        self.mlflow.end_run(status="FAILED" if failed else "FINISHED")

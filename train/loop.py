@@ -210,6 +210,7 @@ class Trainer:
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         log = Loggers(self.out, cfg.output.loggers, self.rank == 0, self.step, cfg.to_dict())
         bar = _progress(cfg, self.rank, self.step)
+        failed = True
         try:
             try:
                 for _, samples, waited in self._stream(self.step, cfg.train.steps):
@@ -225,8 +226,9 @@ class Trainer:
             if cfg.output.plots:
                 result["figures"] = self.figures(result["eval"])
                 log.figures(result["figures"], self.step)
+            failed = False
         finally:
-            log.close()
+            log.close(failed)
         if self.rank == 0:
             (self.out / "result.json").write_text(json.dumps(result, indent=1, default=str))
         return result
@@ -299,7 +301,10 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def save(self) -> Path:
-        return ckpt.save(self.ckpt_dir, self.step, self.model, self.opt, self.cfg)
+        # what the model's input channels are, so a forecast on another store can be checked against them
+        inputs = ({"variables": list(self.ds.variables), "statics": list(self.ds.statics)}
+                  if self.cfg.data.kind == "grid" else None)
+        return ckpt.save(self.ckpt_dir, self.step, self.model, self.opt, self.cfg, inputs)
 
     def resume(self) -> None:
         """Continue from the latest checkpoint, or the newest older complete one if it is corrupt (warned)."""

@@ -59,7 +59,9 @@ def _handler(name: str):
             d = next(k for k, n in enumerate(local.shape) if n == 0)
             probe = local.new_zeros([1 if k == d else n for k, n in enumerate(local.shape)])
             y = func(probe, *rest, **call).narrow(d, 0, 0)
-            return like(spec, y + local.sum() * 0)  # joined to the graph: its backward takes part in the all-to-all
+            # joined to the graph (a real zero: a complex one would turn an irfft's real result complex), so its
+            # backward takes part in the all-to-all
+            return like(spec, y + (local.real if local.is_complex() else local).sum() * 0)
         return like(spec, func(local, *rest, **call))
     return handler
 

@@ -135,3 +135,49 @@ def test_a_field_that_changes_is_not_static(cds, tmp_path):
         ingest_climate(str(cds), tmp_path / "a.zarr", progress=False, static=("z",))
     with pytest.raises(IngestError, match=r"named both by --static and --variables"):
         ingest_climate(str(cds), tmp_path / "a.zarr", progress=False, variables=("lsm", "t2m"), static=("lsm",))
+
+
+def test_a_fill_killed_midway_is_not_resumed_with_other_values(cds, tmp_path, monkeypatch):
+    """The first fill task writes its chunks and dies before marking itself done: a rerun with another value
+    would fill the rest with it, two values in one channel. The values are fixed before any task starts."""
+    import domainflow.preprocess.ingest_grid as ingest_grid
+
+    real = ingest_grid.fill_block
+
+    def killed_after_writing(*args):
+        real(*args)
+        raise KeyboardInterrupt  # the process dies here, before the task's marker
+
+    store = tmp_path / "g.zarr"
+    monkeypatch.setattr(ingest_grid, "fill_block", killed_after_writing)
+    with pytest.raises(KeyboardInterrupt):
+        ingest_climate(str(cds), store, progress=False, variables=("sst",), time_block=20, fill="sst=111")
+    monkeypatch.undo()
+    with pytest.raises(IngestError, match=r"was being filled with \{'0': 111.0\}.*asks \{'0': 222.0\}"):
+        ingest_climate(str(cds), store, progress=False, variables=("sst",), time_block=20, fill="sst=222")
+    ingest_climate(str(cds), store, progress=False, variables=("sst",), time_block=20, fill="sst=111")
+    data = np.asarray(zarr.open_group(store, mode="r")["data"][...])
+    assert not np.isnan(data).any() and not (data == 222).any() and (data == 111).any()
+    with pytest.raises(IngestError, match="within float32's range"):
+        ingest_climate(str(cds), tmp_path / "x.zarr", progress=False, variables=("sst",), fill="sst=1e40")
+
+
+def test_a_static_field_given_twice_and_surface_geopotential_next_to_pressure_levels(cds, tmp_path):
+    """ERA5 as downloaded: lsm at every step in the monthly files and in an invariant file; the surface
+    geopotential ``z`` (one step) next to the pressure levels' ``z``. The static fields are inputs only (never
+    predicted channels), and the pressure-level ``z`` stays channels."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    for f in cds.glob("*.nc"):
+        (folder / f.name).symlink_to(f)
+    with xr.open_dataset(cds / "era5_single_levels_2020-01.nc") as ds:
+        lsm = ds["lsm"].isel(valid_time=0)
+        xr.Dataset({"lsm": lsm.drop_vars(["valid_time", "expver"], errors="ignore")}).to_netcdf(folder / "lsm.nc")
+        surface = (9.81 * 300 * lsm).expand_dims(valid_time=ds["valid_time"][:1]).astype(np.float32)
+        xr.Dataset({"z": surface}).to_netcdf(folder / "invariant_z.nc")
+    ingest_climate(str(folder), tmp_path / "g.zarr", progress=False, static=("lsm", "z"), fill={"sst": "mean"})
+    root = zarr.open_group(tmp_path / "g.zarr", mode="r")
+    channels = root.attrs["grid"]["variables"]
+    assert root.attrs["grid"]["static"] == ["lsm", "z"] and "lsm" not in channels
+    assert {"z500", "z850", "t2m"} <= set(channels) and "z" not in channels
+    np.testing.assert_allclose(np.asarray(root["static"][1]), surface.values[0], rtol=1e-6)

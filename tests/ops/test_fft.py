@@ -49,3 +49,19 @@ def _fft_rank(seed, case):
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_ffts_match_single_device(dist, world, case):
     assert all(dist.run(world, _fft_rank, 40 + world, case))
+
+
+def _empty_chunk_rank(seed):
+    """irfft2(rfft2(x)) with 2 channels over 3 ranks: the shard moves to the channels, one rank's chunk is empty
+    (its result must still be real, or the all-to-all back mixes dtypes)."""
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    x = torch.randn(1, 2, 6, 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    check_sharded(lambda t: torch.fft.irfft2(torch.fft.rfft2(t), s=t.shape[-2:]) * 2,
+                  [Sharded(x, [Shard(2)], {0: (2, 2, 2)})], mesh)
+    return True
+
+
+@pytest.mark.filterwarnings("ignore:domainflow")
+def test_an_inverse_fft_on_an_empty_chunk(dist):
+    assert all(dist.run(3, _empty_chunk_rank, 5))

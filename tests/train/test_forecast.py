@@ -118,6 +118,14 @@ def test_forecast_errors_are_one_line_before_ranks_start(trained, tmp_path):
         r = _predict(trained, tmp_path / "f.zarr", *args)
         lines = [x for x in r.stderr.splitlines() if x.strip()]
         assert r.returncode != 0 and len(lines) == 1 and msg in lines[0], r.stderr
+    # another store, ingested with other channels: the model's inputs would be mixed up
+    from domainflow.preprocess.ingest_grid import ingest_climate
+
+    ingest_climate(trained["root"] / "era5.zarr", tmp_path / "other.zarr", progress=False, split=(0.6, 0.2, 0.2),
+                   variables=("v10", "u10", "t2m", "msl", "tcwv"))
+    r = _predict({**trained, "store": tmp_path / "other.zarr"}, tmp_path / "o.zarr", "--init", INITS, "--domain", "2")
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode != 0 and len(lines) == 1 and "but the checkpoint's model was trained on" in lines[0], r.stderr
     r = _predict(trained, tmp_path / "f.txt", "--init", INITS)
     assert r.returncode != 0 and "a .zarr store or a .nc file" in r.stderr
     assert not (tmp_path / "f.zarr").exists()
