@@ -100,3 +100,27 @@ def test_a_wrong_target_is_one_line_before_ranks_start(store, tmp_path):
              "--domain", "2")
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode != 0 and len(lines) == 1 and "not a torch.nn.Module" in lines[0], r.stderr[-2000:]
+
+
+def test_a_torch_nn_model_on_a_mesh_store_and_the_globals_contract(tmp_path):
+    """torch.nn.Linear on the surface points (in_features/out_features from the store): with the store's design
+    parameters passed as globals its one-argument forward is refused by name; without them it trains on two
+    ranks and predicts."""
+    from domainflow.preprocess.ingest_mesh import MeshOptions, ingest_drivaerml
+    from domainflow.preprocess.synth_drivaerml import synth_drivaerml
+
+    synth_drivaerml(tmp_path / "raw", runs=4, cells=400, seed=3, volume_cells=200, volume_pieces=1, progress=False)
+    ingest_drivaerml(tmp_path / "raw", tmp_path / "cars.zarr",
+                     MeshOptions(parts=4, locations=("surface",), progress=False, split=(0.75, 0.25, 0.0)))
+    mesh = [f"data.store={tmp_path / 'cars.zarr'}", "data.kind=mesh", "model.target=torch.nn:Linear",
+            "train.steps=2", "output.plots=false", "output.progress=false", "data.prefetch=0", "--domain", "2"]
+    r = _cli("train", "--out", tmp_path / "refused", *mesh)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode != 0 and len(lines) == 1 and "its forward takes one input" in lines[0] \
+        and "data.use_params=false" in lines[0], r.stderr[-2000:]
+    r = _cli("train", "--out", tmp_path / "linear", *mesh, "data.use_params=false")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "relative L2" in r.stdout or "rel_l2" in r.stdout, r.stdout[-2000:]
+    r = _cli("predict", tmp_path / "linear" / "checkpoints", tmp_path / "cars.zarr", tmp_path / "run.pvtp", "--run",
+             "run_4", "--domain", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
