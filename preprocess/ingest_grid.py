@@ -135,6 +135,11 @@ def _where(root, channel, count: int, first, what: str) -> str:
             f"latitude {lat:g}, longitude {lon:g})")
 
 
+def _read_as_missing(keys) -> str:
+    """`` (values equal to its _FillValue -32767 read as missing)`` for each mask key xarray applied."""
+    return "".join(f" (values equal to its {k} {x} read as missing)" for k, x in keys)
+
+
 def _date(time_array, k: int) -> str | None:
     """Time step ``k`` of the store as a date, when its units say how."""
     dates = time_axis.decode(np.asarray(time_array[k:k + 1]), dict(time_array.attrs))
@@ -275,7 +280,7 @@ def _statics(root, src: ClimateSource, fill: dict, tile: tuple[int, int]) -> tup
         if count and f.name not in fill:
             raise IngestError(f"--static {f.name}: {count} missing values (first at latitude {src.lat[first[1]]:g}, "
                               f"longitude {src.lon[first[2]]:g})"
-                              + "".join(f" (values equal to its {k} {x} read as missing)" for k, x in keys)
+                              + _read_as_missing(keys)
                               + f"; fill them with a policy the store records ({FILL_EXAMPLE})")
         if not valid.size:
             raise IngestError(f"--static {f.name}: every value is missing")
@@ -307,7 +312,7 @@ def _missing_values(writer: StoreWriter, root, store: Path, src: ClimateSource, 
     refused = [c for c in src.reader.channels if c.name in totals and c.name not in fill]
     if refused:
         parts = [_where(root, c, totals[c.name]["count"], totals[c.name]["first"], "missing values")
-                 + "".join(f" (values equal to its {k} {x} read as missing)" for k, x in totals[c.name]["keys"])
+                 + _read_as_missing(totals[c.name]["keys"])
                  for c in refused]
         raise IngestError(f"{src.shown}: " + "; ".join(parts) + f". Fill them with a policy the store records "
                           f"({FILL_EXAMPLE}; rerunning keeps the blocks written), or fill or mask them before ingest")

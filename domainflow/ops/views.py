@@ -62,7 +62,10 @@ def view(func, args, kwargs):
         # a ShardTensor reports the strides of a contiguous tensor whatever its local chunk's are, so torch
         # (einsum, matmul) may view a sliced one that cannot be viewed locally: copy it, as torch would have
         # reshaped the sliced tensor it cannot view
-        res = local.view(out.local_shape) if _viewable(local, out.local_shape) else local.reshape(out.local_shape)
+        try:
+            res = local.view(out.local_shape)
+        except RuntimeError:
+            res = local.reshape(out.local_shape)
     elif func is aten._reshape_alias.default:
         res = local.reshape(out.local_shape)
     else:
@@ -71,16 +74,6 @@ def view(func, args, kwargs):
 
 
 _view_layouts: dict = {}
-
-
-def _viewable(local: torch.Tensor, shape) -> bool:
-    if local.is_contiguous():
-        return True
-    try:
-        local.view(shape)
-        return True
-    except RuntimeError:
-        return False
 
 
 def _compatible_layout(spec: ShardSpec, out_shape) -> ShardSpec | None:
