@@ -103,6 +103,12 @@ def test_a_loss_without_parameters_is_known_after_backward_too():
 
 
 def _item_on_rank0_before_backward():
+    import os
+
+    # both ranks time out, in different collectives; on a busy machine one may do so seconds after the other,
+    # so each waits longer than the default 5 s for the other's report (else it names the other as silent).
+    # Set here, in the rank: workers fork from a server whose environment was fixed when it started.
+    os.environ["DOMAINFLOW_STALL_WAIT_S"] = "20"
     rank, world = rank_and_world()
     mesh, model, x, st = _model_and_points(world, rank)
     loss = (model(st) ** 2).mean()
@@ -112,10 +118,7 @@ def _item_on_rank0_before_backward():
     return loss.item()
 
 
-def test_item_of_a_pending_value_on_one_rank_is_a_collective_error_not_an_abort(monkeypatch):
-    # both ranks time out, in different collectives; on a busy machine one may do so seconds after the other,
-    # so each waits longer than the default 5 s for the other's report (else it names the other as silent)
-    monkeypatch.setenv("DOMAINFLOW_STALL_WAIT_S", "20")
+def test_item_of_a_pending_value_on_one_rank_is_a_collective_error_not_an_abort():
     with WorkerPool(2, timeout=90, pg_timeout=5, grace=40) as pool:
         t0 = time.monotonic()
         with pytest.raises(RankFailure) as info:
