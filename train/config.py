@@ -85,6 +85,7 @@ class MeshConfig:
     dp: int = 1
     domain: int = 1                      # ranks per sample: over the points, or over latitude on a grid
     lon: int = 1                         # grids sharded over lat and lon (data.shard_dims=lat,lon): ranks over lon
+    dp_strategy: str = "allreduce"       # allreduce (replicated parameters) | fsdp (FSDP2: sharded over dp)
 
     @property
     def size(self) -> int:
@@ -264,6 +265,9 @@ def _check(cfg: Config) -> None:
     if cfg.mesh.dp < 1 or cfg.mesh.domain < 1 or cfg.mesh.lon < 1:
         raise ConfigError(f"mesh.dp, mesh.domain and mesh.lon must be >= 1, got {cfg.mesh.dp}, {cfg.mesh.domain} and "
                           f"{cfg.mesh.lon}")
+    if cfg.mesh.dp_strategy not in ("allreduce", "fsdp"):
+        raise ConfigError(f"mesh.dp_strategy={cfg.mesh.dp_strategy!r} is not one of ['allreduce', 'fsdp'] (fsdp shards "
+                          f"parameters and optimizer state over the dp ranks with FSDP2)")
     two_d = cfg.data.kind == "grid" and list(cfg.data.shard_dims) == ["lat", "lon"]
     if cfg.mesh.lon > 1 and not two_d:
         raise ConfigError(f"mesh.lon={cfg.mesh.lon} shards longitude: it needs data.kind=grid and data.shard_dims=lat,lon")

@@ -5,7 +5,10 @@ the model is an ordinary module with replicated parameters. A step takes ``batch
 rank (gradient accumulation), each loss weighted by the sample's weight (0 for padding steps) over the
 step's number of real samples; domain partial gradients are summed by the engine once per backward
 (``deferred_param_grads``) and dp gradients in one coalesced all-reduce, which also carries a
-non-finite-loss flag, so a NaN stops every rank at the same step. Data order depends only on the seed,
+non-finite-loss flag, so a NaN stops every rank at the same step. With ``mesh.dp_strategy=fsdp`` the
+parameters and optimizer state are sharded over dp by FSDP2 instead (``fsdp.py``): each layer's gradient is
+summed over the domain as backward reaches it and reduce-scattered over dp by FSDP2; the flag and the loss
+still go in one small all-reduce. Data order depends only on the seed,
 the epoch and the step, so a resumed run reads exactly what an uninterrupted one would.
 """
 
@@ -23,6 +26,7 @@ import domainflow as df
 from domainflow import comm
 
 from . import checkpoint as ckpt
+from . import fsdp
 from .config import Config
 from .data import Batch, build_dataset
 from .loggers import Loggers
@@ -65,6 +69,9 @@ class Trainer:
         self.out = Path(cfg.output.dir)
         self.ds = build_dataset(cfg, self.mesh, "train", shuffle=True, sample_points=cfg.data.sample_points)
         self.model = build_model(cfg, self.ds)
+        self.sharded = cfg.mesh.dp_strategy == "fsdp"
+        if self.sharded:
+            fsdp.shard_model(self.model, self.mesh)
         t = cfg.train
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(cfg, s))
@@ -149,10 +156,12 @@ class Trainer:
         """Sum gradients over dp in one coalesced all-reduce, which also carries the non-finite flag and the
         step's loss sum and count (for the log); returns the mean loss of the step's real samples."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        # under FSDP2 the gradients are summed over dp already (its reduce-scatter): only the flag and loss go
+        grads = [] if self.sharded else [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         finite = [v for v in losses if math.isfinite(v)]
-        extra = torch.tensor([float(bad), sum(finite), float(len(losses))], dtype=grads[0].dtype,
-                             device=grads[0].device)
+        # coalesced with the gradients (their dtype), or alone under FSDP2 (float64: the logged loss keeps its digits)
+        dtype, device = (grads[0].dtype, grads[0].device) if grads else (torch.float64, comm.mesh_device(self.mesh))
+        extra = torch.tensor([float(bad), sum(finite), float(len(losses))], dtype=dtype, device=device)
         dp_dim = 0
         if self.dp > 1:
             out = comm.all_reduce_coalesced(grads + [extra], "sum", self.mesh, dp_dim)
@@ -169,8 +178,9 @@ class Trainer:
                 f"the loss is NaN/Inf at step {self.step + 1} on sample(s) {culprits}; stopping. The last good "
                 f"checkpoint is {last or 'none (none was saved yet)'}; check those samples (domainflow inspect) "
                 f"or lower train.lr / set train.clip_grad")
-        for p, g in zip(params, grads):
-            p.grad = g
+        if not self.sharded:
+            for p, g in zip(params, grads):
+                p.grad = g
         return float(extra[1] / extra[2]) if float(extra[2]) else float("nan")
 
     def train_step(self, samples) -> StepLog:
@@ -183,8 +193,11 @@ class Trainer:
             # d(mse * w/total): backward from mse itself with that seed, so mse is the pending sum that rides
             # on the backward pass's first all-reduce and reading its value below needs no collective
             seed = torch.ones_like(mse) * (w / max(total, 1))
-            with df.deferred_param_grads():
+            if self.sharded:  # each layer's domain sum before FSDP2 reduce-scatters it
                 mse.backward(seed)
+            else:
+                with df.deferred_param_grads():
+                    mse.backward(seed)
             value = float(_value(mse))
             if not math.isfinite(value):
                 bad = True
@@ -221,10 +234,12 @@ class Trainer:
             if cfg.train.checkpoint_every == 0 or self.step % cfg.train.checkpoint_every:
                 self.save()
             result = {"steps": self.step, "loss": self.history[-1]["loss"] if self.history else None,
-                      "out": str(self.out)}
+                      "out": str(self.out), "dp_strategy": cfg.mesh.dp_strategy,
+                      "state_numel": fsdp.state_numel(self.model, self.opt)}
             result["eval"] = self.evaluate(log)
             if cfg.output.plots:
-                result["figures"] = self.figures(result["eval"])
+                with fsdp.gathered(self.model):
+                    result["figures"] = self.figures(result["eval"])
                 log.figures(result["figures"], self.step)
             failed = False
         finally:
@@ -294,7 +309,8 @@ class Trainer:
             self.evaluate(log)
 
     def evaluate(self, log=None) -> dict:
-        res = evaluate(self, self.cfg.data.val_split)
+        with fsdp.gathered(self.model):  # the dp ranks evaluate different samples: no FSDP2 gather per forward
+            res = evaluate(self, self.cfg.data.val_split)
         if log is not None and res:
             log.write({"step": self.step, "eval": res["summary"]})
         return res

@@ -109,6 +109,18 @@ def _queue(mesh, mesh_dims, pairs):
                 group[key] = (p, g)
 
 
+def _check_alive(params) -> None:
+    """Before the end-of-backward sum: every parameter still holds its memory. FSDP2 (``fully_shard``)
+    reduce-scatters each gradient and frees the gathered parameter before this sum would run; writing to it
+    would crash. The same on every rank, so all raise before the collective."""
+    freed = [tuple(p.shape) for p in params if p.numel() and p.untyped_storage().nbytes() == 0]
+    if freed:
+        raise RuntimeError(f"deferred_param_grads(): {len(freed)} parameter(s) (shapes {freed[:4]}) were freed "
+                           f"before the end of backward, as FSDP2's fully_shard does after reducing their "
+                           f"gradients; call loss.backward() outside deferred_param_grads() with FSDP2 (each "
+                           f"layer's gradient is then summed over the domain before FSDP2 reduces it)")
+
+
 def _flush(task):
     """End of backward: one coalesced all-reduce per (mesh, mesh dim) for every queued gradient."""
     from domainflow import comm
@@ -119,6 +131,7 @@ def _flush(task):
         return
     for (_, mesh_dims), (mesh, group) in pending.items():
         params = [p for p, _ in group.values()]
+        _check_alive(params)
         parts = [g.contiguous() for _, g in group.values()]
         for m in mesh_dims:
             parts = comm.all_reduce_coalesced(parts, "sum", mesh, m)

@@ -75,11 +75,15 @@ def record_parameter(param: torch.Tensor, mesh) -> None:
     if getattr(param, "_domainflow_recorded", False):
         return
     param._domainflow_recorded = True
+    if all(mesh.shape[m] == 1 for m in range(mesh.ndim)):
+        return
+    # its fingerprint now, not at the check: FSDP2 frees a gathered parameter's memory after the layer's forward
+    h = param_fingerprint(param)
     with _lock:
         for m in range(mesh.ndim):
             g = _group_of(mesh, m)
             if g is not None:
-                g.items[("param", id(param))] = ("param", None, param)
+                g.items[("param", id(param))] = ("param", h, param)
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,7 +223,9 @@ def param_fingerprint(t: torch.Tensor) -> int:
         x = torch.view_as_real(x).reshape(-1)
     raw = x.view(torch.uint8)
     if raw.device.type == "cpu":
-        digest = hashlib.blake2b(raw.numpy().data, digest_size=8).hexdigest()
+        # a copy: .numpy() marks the storage it shares as never resizable, and FSDP2 frees and re-allocates
+        # the storage its gathered parameters live in by resizing it
+        digest = hashlib.blake2b(raw.clone().numpy().data, digest_size=8).hexdigest()
     else:
         digest = device_checksum(raw)
     return _digest(repr((str(t.dtype), tuple(t.shape), digest)).encode())
