@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from domainflow import remote
+
 from . import time_axis
 from .climate_source import ClimateSource, SourceReader, open_source, read_static
 from .climatology import CLIMATOLOGY_WINDOW, DAYS, bands, climatology_band, layout
@@ -53,6 +55,7 @@ class GridOptions:
     workers: int = 1
     scheduler: str | None = None
     overwrite: bool = False
+    staging: str | None = None  # a store at a URL is built here first, then uploaded (remote_upload.py)
     progress: bool = True
 
     def validate(self):
@@ -151,6 +154,10 @@ def ingest_climate(raw, store, opts: GridOptions | None = None, **kw):
     into the grid store ``store`` (resuming if partial)."""
 
     opts = opts or GridOptions(**kw)
+    if remote.is_url(store):  # built locally, then uploaded with its root metadata last
+        from .remote_upload import ingest_to_url
+
+        return ingest_to_url(ingest_climate, raw, str(store), opts)
     opts.validate()
     t0 = time.perf_counter()
     items = [raw] if isinstance(raw, (str, Path)) else list(raw)

@@ -1,4 +1,7 @@
-"""``domainflow ingest drivaerml RAW STORE``: DrivaerML-layout run folders -> a partitioned mesh store.
+"""``domainflow ingest cfd RAW STORE --layout L``: CFD run folders -> a partitioned mesh store.
+
+The layout (``cfd_layout``: DrivaerML, AhmedML, WindsorML built in, or a layout.yaml) names the run
+folders, each run's files and which arrays become which dimensionless fields.
 
 Per run, a small dask graph (``run_graph``): a start task (files present, CSVs read); per location scan
 tasks, one per ``--task-bytes`` of raw data, that stream the needed cell arrays of the surface (and volume,
@@ -21,56 +24,25 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from domainflow import remote
 
 from .errors import IngestError, RunError
 from .parallel import count_cells, peak_memory, release_free_memory, reset_peak_memory, run_graphs
 from .partition import METHODS, check_parts, partition
-from .reference import DRIVAERML, Reference
+from .cfd_layout import LOCATIONS, FieldSpec, Layout, load_layout
+from .reference import Reference
 from .report import IngestReport
 from .splits import check_fractions, read_split_file, split_runs
 from .stats import RunningStats, merge_all
-from .mesh_stream import (block_cells_for, merge_subtrees, partition_location, partition_subtree, remove_files,
-                          scan_cells, scan_tasks_for, write_column)
+from .mesh_stream import (_warn_cp, block_cells_for, merge_subtrees, partition_location, partition_subtree,
+                          remove_files, scan_cells, scan_tasks_for, write_column)
 from .store_writer import StoreWriter, write_array
 from .vtk_io import (cell_centres, check_finite, locate, pieces_of, read_cells, read_csv_row,
                      surface_geometry, whole_file)
-
-LOCATIONS = ("surface", "volume")
-
-
-@dataclass(frozen=True)
-class FieldSpec:
-    """A stored field: its name, the raw array it comes from, components, and how it is made dimensionless."""
-
-    name: str
-    source: str
-    components: int
-    quantity: str  # pressure | shear | pressure_variance | velocity | viscosity
-
-    def scale_offset(self, ref: Reference) -> tuple[float, float]:
-        """stored = (raw - offset) / scale."""
-        q = ref.q_inf
-        return {"pressure": (q, ref.p_inf), "shear": (q, 0.0), "pressure_variance": (q * q, 0.0),
-                "velocity": (ref.u_inf, 0.0), "viscosity": (ref.u_inf * ref.l_ref, 0.0)}[self.quantity]
-
-    def attrs(self, location: str, ref: Reference) -> dict:
-        scale, offset = self.scale_offset(ref)
-        return {"location": location, "components": self.components, "units": "1", "source": self.source,
-                "quantity": self.quantity, "scale": scale, "offset": offset}
-
-
-FIELDS = {
-    "surface": (FieldSpec("Cp", "pMeanTrim", 1, "pressure"),
-                FieldSpec("Cf", "wallShearStressMeanTrim", 3, "shear"),
-                FieldSpec("CpPrime2", "pPrime2MeanTrim", 1, "pressure_variance")),
-    "volume": (FieldSpec("U", "UMeanTrim", 3, "velocity"),
-               FieldSpec("Cp", "pMeanTrim", 1, "pressure"),
-               FieldSpec("nut", "nutMeanTrim", 1, "viscosity")),
-}
-_CP_CHECK = "CpMeanTrim"  # the file's own Cp, compared with ours to catch a wrong reference
-
 
 @dataclass
 class MeshOptions:
@@ -78,8 +50,9 @@ class MeshOptions:
 
     parts: int = 64
     method: str = "rcb"
-    reference: Reference = DRIVAERML
-    locations: tuple[str, ...] = ("surface", "volume")
+    reference: Reference | None = None  # None: the layout's
+    locations: tuple[str, ...] | None = None  # None: every location of the layout
+    layout: Any = "drivaerml"  # a built-in layout's name, a layout.yaml path or a Layout
     volume_points: int | None = None
     seed: int = 0
     split: tuple[float, float, float] = (0.8, 0.1, 0.1)
@@ -89,12 +62,22 @@ class MeshOptions:
     scheduler: str | None = None
     on_error: str = "stop"
     overwrite: bool = False
+    staging: str | None = None  # a store at a URL is built here first, then uploaded (remote_upload.py)
     progress: bool = True
     memory_limit: int = 2 << 30  # per worker: sets the streaming block size
     task_bytes: int = 256 << 20  # a raw file larger than this is scanned by several tasks (same store)
     reader: str = "stream"       # "stream" (bounded memory) or "vtk" (whole file through VTK: the tests' oracle)
 
     def validate(self):
+        self.layout = load_layout(self.layout)
+        if self.reference is None:
+            self.reference = self.layout.reference
+        if self.locations is None:
+            self.locations = tuple(loc for loc in LOCATIONS if loc in self.layout.files)
+        missing = [loc for loc in self.locations if loc not in self.layout.files]
+        if missing:
+            raise IngestError(f"--locations {list(missing)}: layout {self.layout.name!r} has no such files (it has "
+                              f"{sorted(self.layout.files)})")
         check_parts(self.parts)
         if self.method not in METHODS:
             raise IngestError(f"unknown partition method {self.method!r}; choose one of {METHODS}")
@@ -119,25 +102,16 @@ class MeshOptions:
 
     def config(self) -> dict:
         return {"parts": self.parts, "partition": self.method, "reference": self.reference.to_attrs(),
+                "layout": self.layout.to_attrs(),
                 "locations": list(self.locations), "volume_points": self.volume_points, "seed": self.seed,
                 "split": list(self.split), "split_file": read_split_file(self.split_file),
                 "chunk_bytes": self.chunk_bytes}
 
 
 # -- discovery ---------------------------------------------------------------------------------------
-def discover_runs(raw: Path) -> dict[str, Path]:
-    """``run_<i>`` folders under ``raw``, in numeric order."""
-    raw = Path(raw)
-    if not raw.is_dir():
-        raise IngestError(f"raw data folder {raw} does not exist")
-    found = {}
-    for p in raw.iterdir():
-        if p.is_dir() and p.name.startswith("run_") and p.name[4:].isdigit():
-            found[p.name] = p
-    if not found:
-        raise IngestError(f"{raw} holds no run_<i> folders; expected the DrivaerML layout "
-                          f"(run_<i>/boundary_<i>.vtp, ...); `domainflow synth drivaerml` writes an example")
-    return dict(sorted(found.items(), key=lambda kv: int(kv[0][4:])))
+def discover_runs(raw: Path, layout="drivaerml") -> dict[str, Path]:
+    """``run_<i>`` -> its folder, for the layout's run folders under ``raw``, in numeric order."""
+    return load_layout(layout).discover(raw)
 
 
 # -- one run: a graph of tasks (streaming) or one task (the in-memory oracle) ------------------------
@@ -150,7 +124,7 @@ def run_graph(run_dir: Path, run_id: str, store: Path, opts: MeshOptions):
     if opts.reader != "stream":
         return dask.delayed(ingest_run, pure=False)(str(run_dir), run_id, str(store), opts)
     stage = dask.delayed(_stage, pure=False)
-    files = _files(run_dir, run_id)
+    files = _files(run_dir, run_id, opts)
     block_cells = block_cells_for(opts.memory_limit)
     # names fixed here, in the graph: a stage that a cluster reruns (its worker died) reuses them
     token = uuid.uuid4().hex[:8]
@@ -169,7 +143,7 @@ def run_graph(run_dir: Path, run_id: str, store: Path, opts: MeshOptions):
         if depth:  # the RCB's subtrees as tasks of their own (when the partition task finds it out of core)
             subtrees = [stage(_subtree, run_id, o, plan, j, o) for j in range(1 << depth)]
             planned += subtrees + [stage(_merge, run_id, o, start, plan, subtrees, tag, o)]
-        columns = [stage(_column, run_id, o, planned[-1], key, loc, o) for key in column_keys(loc)]
+        columns = [stage(_column, run_id, o, planned[-1], key, loc, o) for key in column_keys(loc, opts)]
         locations.append((loc, tag, scans, planned, columns))
     return dask.delayed(_finish_run, pure=False)(run_id, str(store), o, start, locations)
 
@@ -183,10 +157,10 @@ def split_depth(pieces: int, opts: MeshOptions) -> int:
     return max(0, min(opts.parts.bit_length() - 2, (workers - 1).bit_length()))  # each subtree >= 2 parts
 
 
-def column_keys(loc: str) -> list[str]:
+def column_keys(loc: str, opts: MeshOptions) -> list[str]:
     """The row columns a location's store group holds (``field/<name>`` for fields)."""
     return ["coords", "order"] + (["normals", "areas"] if loc == "surface" else []) + \
-        [f"field/{s.name}" for s in FIELDS[loc]]
+        [f"field/{s.name}" for s in opts.layout.fields[loc]]
 
 
 def _raw_size(path: Path) -> int:
@@ -243,7 +217,7 @@ def _start_run(run_dir: str, run_id: str, store: str, token: str, opts: MeshOpti
     """The run's files are there and its CSVs parse; the run group's scratch folder (``token`` names it, so a
     rerun of this stage finds the group the later stages write into)."""
     run_dir = Path(run_dir)
-    files = _files(run_dir, run_id)
+    files = _files(run_dir, run_id, opts)
     _check_present(run_dir, run_id, files, opts)
     attrs = _run_attrs(run_id, files, opts)
     writer = StoreWriter(store)
@@ -256,16 +230,13 @@ def _start_run(run_dir: str, run_id: str, store: str, token: str, opts: MeshOpti
     return {"attrs": attrs, "folder": str(folder), "columns": str(columns)}
 
 
-def _files(run_dir: Path, run_id: str) -> dict[str, Path]:
-    i = run_id[4:]
-    return {"surface": run_dir / f"boundary_{i}.vtp", "volume": run_dir / f"volume_{i}.vtu",
-            "forces": run_dir / f"force_mom_{i}.csv", "forces_constref": run_dir / f"force_mom_constref_{i}.csv",
-            "geometry": run_dir / f"geo_parameters_{i}.csv", "stl": run_dir / f"drivaer_{i}.stl"}
+def _files(run_dir: Path, run_id: str, opts: MeshOptions) -> dict[str, Path]:
+    return opts.layout.files_of(run_dir, run_id)
 
 
 def _scan(start: dict, path: Path, loc: str, tag: str, piece: int, pieces: int, block_cells: int,
           run_id: str, opts: MeshOptions) -> dict:
-    return scan_cells(path, path, loc, FIELDS[loc], opts, run_id, Path(start["out"]["columns"]), tag, piece,
+    return scan_cells(path, path, loc, opts.layout.fields[loc], opts, run_id, Path(start["out"]["columns"]), tag, piece,
                       pieces, block_cells)
 
 
@@ -284,9 +255,14 @@ def _merge(start: dict, plan: dict, subtrees: list, tag: str, opts: MeshOptions)
 
 
 def _column(plan: dict, key: str, loc: str, opts: MeshOptions) -> dict:
-    field = next((s for s in FIELDS[loc] if key == f"field/{s.name}"), None)
-    return write_column(plan["out"], key, opts, field, _CP_CHECK if loc == "surface" and field is not None
-                        and field.name == "Cp" else None)
+    field = next((s for s in opts.layout.fields[loc] if key == f"field/{s.name}"), None)
+    return write_column(plan["out"], key, opts, field, _cp_check(loc, field, opts))
+
+
+def _cp_check(loc: str, field: FieldSpec | None, opts: MeshOptions) -> str | None:
+    """The file's own Cp array that this field's values are compared with (the layout's cp_check)."""
+    check = opts.layout.cp_check.get(loc)
+    return check if check and field is not None and field.name == "Cp" and field.quantity == "pressure" else None
 
 
 def _finish_run(run_id: str, store: str, opts: MeshOptions, start: dict, locations: list) -> dict:
@@ -298,13 +274,13 @@ def _finish_run(run_id: str, store: str, opts: MeshOptions, start: dict, locatio
         _drop_run_scratch(start, locations)
         return bad
     try:
-        return _publish_run(run_id, store, start, locations, stages)
+        return _publish_run(run_id, store, start, locations, stages, opts)
     except (IngestError, OSError) as exc:
         _drop_run_scratch(start, locations)
         return _run_failed(exc, run_id, opts)
 
 
-def _publish_run(run_id: str, store: str, start: dict, locations: list, stages: list) -> dict:
+def _publish_run(run_id: str, store: str, start: dict, locations: list, stages: list, opts: MeshOptions) -> dict:
     import zarr
 
     begun = start["out"]
@@ -317,7 +293,7 @@ def _publish_run(run_id: str, store: str, start: dict, locations: list, stages: 
         for c in columns:
             stats.update({f"{loc}/{k}": v for k, v in c["out"]["stats"].items()})
             warnings += c["out"]["warnings"]
-        for key in column_keys(loc) + ["part_boxes"]:  # every column written, in full, before it is published
+        for key in column_keys(loc, opts) + ["part_boxes"]:  # every column written, in full, before it is published
             try:  # opened by its path: one metadata read
                 rows = zarr.open_array(str(Path(begun["folder"]) / loc / key.replace("field/", "fields/")),
                                        mode="r").shape[0]
@@ -351,7 +327,7 @@ def _drop_run_scratch(start: dict, locations: list) -> None:
 
 
 def _check_present(run_dir: Path, run_id: str, files: dict, opts: MeshOptions) -> None:
-    needed = ["forces", "forces_constref", "geometry"] + list(opts.locations)
+    needed = [k for k in opts.layout.csv if k not in opts.layout.optional_csv] + list(opts.locations)
     missing = [files[k] for k in needed if locate(files[k]) is None]
     if missing:
         present = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
@@ -360,9 +336,9 @@ def _check_present(run_dir: Path, run_id: str, files: dict, opts: MeshOptions) -
 
 def _run_attrs(run_id: str, files: dict, opts: MeshOptions) -> dict:
     return {"run": int(run_id[4:]), "run_id": run_id, **opts.reference.to_attrs(),
-            "fingerprint": fingerprint(files, opts), "forces": read_csv_row(files["forces"]),
-            "forces_constref": read_csv_row(files["forces_constref"]),
-            "geometry": read_csv_row(files["geometry"])}
+            "fingerprint": fingerprint(files, opts), "folder": files[opts.locations[0]].parent.name,
+            **{k: read_csv_row(files[k]) for k in opts.layout.csv if files[k].exists()
+               or k not in opts.layout.optional_csv}}
 
 
 def ingest_run(run_dir: str, run_id: str, store: str, opts: MeshOptions) -> dict:
@@ -382,7 +358,7 @@ def _ingest_run(run_dir: Path, run_id: str, writer: StoreWriter, opts: MeshOptio
     """The in-memory path (``reader="vtk"``, the tests' oracle): VTK reads each file whole."""
     import zarr
 
-    files = _files(run_dir, run_id)
+    files = _files(run_dir, run_id, opts)
     _check_present(run_dir, run_id, files, opts)
     attrs = _run_attrs(run_id, files, opts)
     raw_bytes = 0
@@ -406,8 +382,10 @@ def fingerprint(files: dict, opts: MeshOptions) -> dict:
     """Size and modification time of every raw file a run is built from: a resume redoes a published run
     whose raw files changed since."""
     out = {}
-    for key in ["forces", "forces_constref", "geometry"] + list(opts.locations):
+    for key in list(opts.layout.csv) + list(opts.locations):
         path = files[key]
+        if key in opts.layout.csv and not path.exists():
+            continue  # an optional CSV this run lacks
         for p in ([path] if path.exists() else pieces_of(path)):
             st = p.stat()
             out[p.name] = [st.st_size, st.st_mtime_ns]
@@ -415,9 +393,10 @@ def fingerprint(files: dict, opts: MeshOptions) -> dict:
 
 
 def _read_location(loc, path, shown_as, run_id, opts, warnings):
-    specs = FIELDS[loc]
-    optional = (_CP_CHECK,) if loc == "surface" else ()
-    mesh, raw = read_cells(path, [s.source for s in specs], shown_as=shown_as, optional=optional)
+    specs = opts.layout.fields[loc]
+    cp_check = opts.layout.cp_check.get(loc)
+    mesh, raw = read_cells(path, {a: s.association for s in specs for a in s.sources}, shown_as=shown_as,
+                           optional=(cp_check,) if cp_check else ())
     rows = {}
     if loc == "surface":
         rows["coords"], rows["normals"], rows["areas"] = surface_geometry(mesh, shown_as)
@@ -427,7 +406,8 @@ def _read_location(loc, path, shown_as, run_id, opts, warnings):
     rows["order"] = np.arange(mesh.n_cells, dtype=np.int64)
     fields = {}
     for spec in specs:
-        values = np.asarray(raw[spec.source], dtype=np.float32).reshape(mesh.n_cells, -1)
+        values = np.column_stack([np.asarray(raw[a], dtype=np.float32).reshape(mesh.n_cells, -1)
+                                  for a in spec.sources])
         if values.shape[1] != spec.components:
             raise IngestError(f"{shown_as}: array {spec.source!r} has {values.shape[1]} components, "
                               f"expected {spec.components}")
@@ -437,8 +417,10 @@ def _read_location(loc, path, shown_as, run_id, opts, warnings):
         check_finite(fields[spec.name], f"{shown_as} array {spec.source!r} made dimensionless (scale {scale:g})")
     for k, v in rows.items():
         check_finite(v, f"{shown_as} {k}")
-    if _CP_CHECK in raw:
-        _compare_cp(fields["Cp"][:, 0], np.asarray(raw[_CP_CHECK], dtype=np.float64), shown_as, opts, warnings)
+    cp = next((s for s in specs if _cp_check(loc, s, opts)), None)
+    if cp is not None and cp_check in raw:
+        _compare_cp(fields[cp.name][:, 0], np.asarray(raw[cp_check], dtype=np.float64), shown_as, opts, warnings,
+                    cp.source, cp_check)
     if loc == "volume" and opts.volume_points and mesh.n_cells > opts.volume_points:
         keep = np.sort(np.random.default_rng([opts.seed, int(run_id[4:])])
                        .choice(mesh.n_cells, opts.volume_points, replace=False))
@@ -447,16 +429,11 @@ def _read_location(loc, path, shown_as, run_id, opts, warnings):
     return rows, fields
 
 
-def _compare_cp(ours, theirs, name, opts, warnings):
-    """Our Cp should match the file's CpMeanTrim; a constant ratio means the reference values differ."""
+def _compare_cp(ours, theirs, name, opts, warnings, source: str, check: str):
+    """Our Cp should match the file's own (``check``); a constant ratio means the reference values differ."""
     if not np.isfinite(theirs).all() or np.abs(ours).max() == 0:
         return
-    ratio = float(np.dot(theirs, ours) / np.dot(ours, ours))
-    if abs(ratio - 1) > 0.01:
-        u = opts.reference.u_inf / np.sqrt(ratio) if ratio > 0 else float("nan")
-        warnings.append(f"{name}: Cp from pMeanTrim with U_inf={opts.reference.u_inf} is {1 / ratio:.3f}x the "
-                        f"file's CpMeanTrim; the data were made dimensionless with U_inf ~ {u:.3f} "
-                        f"(pass --u-inf / --rho-inf to match)")
+    _warn_cp(float(np.dot(theirs, ours) / np.dot(ours, ours)), name, opts, warnings, source, check)
 
 
 def _write_location(group, loc, rows, fields, opts) -> dict:
@@ -482,13 +459,18 @@ def _write_location(group, loc, rows, fields, opts) -> dict:
 
 
 # -- the whole ingest -----------------------------------------------------------------------------
-def ingest_drivaerml(raw, store, opts: MeshOptions | None = None, **kw) -> IngestReport:
-    """Ingest every ``run_<i>`` folder of ``raw`` into the mesh store ``store`` (resuming if partial)."""
+def ingest_cfd(raw, store, opts: MeshOptions | None = None, **kw) -> IngestReport:
+    """Ingest every run folder of ``raw`` (``opts.layout``'s, DrivaerML by default) into the mesh store
+    ``store`` (resuming if partial)."""
     opts = opts or MeshOptions(**kw)
+    if remote.is_url(store):  # built locally, then uploaded with its root metadata last
+        from .remote_upload import ingest_to_url
+
+        return ingest_to_url(ingest_cfd, raw, str(store), opts)
     opts.validate()
     t0 = time.perf_counter()
     raw, store = Path(raw).resolve(), Path(store).resolve()  # tasks may run in other working directories
-    runs = discover_runs(raw)
+    runs = opts.layout.discover(raw)
     splits = split_runs(list(runs), opts.split, opts.seed, opts.split_file)
     wanted = [r for k in ("train", "val", "test") for r in splits[k]]
     wanted = [r for r in runs if r in set(wanted)]
@@ -498,7 +480,7 @@ def ingest_drivaerml(raw, store, opts: MeshOptions | None = None, **kw) -> Inges
 
 def _ingest_runs(writer: StoreWriter, raw: Path, store: Path, runs: dict, splits: dict, wanted: list,
                  opts: MeshOptions, t0: float) -> IngestReport:
-    """The locked part of :func:`ingest_drivaerml`: open or resume, run the tasks, complete."""
+    """The locked part of :func:`ingest_cfd`: open or resume, run the tasks, complete."""
     state = writer.open("mesh", str(raw.resolve()), opts.parts, opts.config(), overwrite=opts.overwrite)
     report = IngestReport(store=store, state=state)
     if state == "complete":
@@ -506,7 +488,7 @@ def _ingest_runs(writer: StoreWriter, raw: Path, store: Path, runs: dict, splits
         return report
     done = writer.finished_runs()
     for r in list(done):
-        if r not in wanted or done[r].get("fingerprint") != fingerprint(_files(runs[r], r), opts):
+        if r not in wanted or done[r].get("fingerprint") != fingerprint(_files(runs[r], r, opts), opts):
             writer.remove_run(r)  # left RAW, or its raw files changed since it was published
             why = "is no longer in RAW or the splits" if r not in wanted else "has raw files changed since ingest"
             report.warnings.append(f"{r} {why}; removed from the partial store (redone if still wanted)")
@@ -542,9 +524,13 @@ def _ingest_runs(writer: StoreWriter, raw: Path, store: Path, runs: dict, splits
                            if key in summaries[r]["stats"])
         if merged is not None:
             stats[key] = merged.to_attrs()
-    fields = {f"{loc}/{s.name}": s.attrs(loc, opts.reference) for loc in opts.locations for s in FIELDS[loc]}
+    fields = {f"{loc}/{s.name}": s.attrs(loc, opts.reference) for loc in opts.locations
+              for s in opts.layout.fields[loc]}
     writer.complete({"fields": fields, "stats": stats, "splits": ok, "reference": opts.reference.to_attrs(),
-                     "skipped": report.skipped})
+                     "layout": opts.layout.name, "skipped": report.skipped})
     report.seconds = time.perf_counter() - t0
     return report
 
+
+
+ingest_drivaerml = ingest_cfd  # the DrivaerML layout is the default

@@ -7,12 +7,16 @@ from pathlib import Path
 
 import numpy as np
 
+from domainflow import remote
 from domainflow.layout.shapes import balanced_sizes, rows_per_rank
 
 from .errors import IngestError
 
 
-def _disk_bytes(path: Path) -> int:
+def _disk_bytes(path) -> int:
+    if remote.is_url(path):
+        fs, root = remote.filesystem(str(path))
+        return int(fs.du(root))
     total = 0
     for folder, _, files in os.walk(path):
         total += sum(os.path.getsize(os.path.join(folder, f)) for f in files)
@@ -37,9 +41,10 @@ def describe(path, domains=(1, 2, 3, 4, 8)) -> str:
     """A human-readable report of the store at ``path``."""
     import zarr
 
-    path = Path(path)
+    path = str(path).rstrip("/") if remote.is_url(path) else Path(path)
+    where = remote.zarr_store(path) if remote.is_url(path) else path  # a missing backend: its own line
     try:
-        root = zarr.open_group(path, mode="r")
+        root = zarr.open_group(where, mode="r")
         head = dict(root.attrs["domainflow"])
     except Exception:
         raise IngestError(f"{path} is not a domainflow store (no zarr group with attrs['domainflow']); "

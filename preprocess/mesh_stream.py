@@ -118,7 +118,7 @@ def scan_cells(path: Path, shown_as: Path, loc: str, specs, opts, run_id: str, s
         n = f.cell_counts()[section]
         if n == 0:
             raise IngestError(f"{name}: VTK read no cells; the file is empty, truncated or not a mesh")
-        _check_arrays(f, [s.source for s in specs], name)
+        _check_arrays(f, specs, name)
         keep = _kept_cells(n, loc, opts, run_id)
         first, end = piece * n // pieces, (piece + 1) * n // pieces
         if keep is not None:
@@ -156,7 +156,9 @@ def scan_cells(path: Path, shown_as: Path, loc: str, specs, opts, run_id: str, s
                 pick = keep[a:b] - c0
             sizes, conn = f.cell_block(c0, c1, section)
             pts, local = f.points_of(conn)
-            types = f.cell_types(c0, c1) if loc == "volume" else None
+            types = f.cell_types(c0, c1) if section == "Cells" else None
+            if loc == "surface" and types is not None:
+                _check_polygons(types, c0, name)
             geo = {"coords": cell_centres(sizes, local, pts, types=types)}
             if loc == "surface":
                 geo["normals"], areas = polygon_normals_areas(sizes, local, pts)
@@ -199,7 +201,7 @@ def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, s
             _BadRows.merged([s["bad_geo"][k] for s in scans]).check()
         rows = sum(s["rows"] for s in scans)
         plan = {"rows": rows, "columns": columns, "method": opts.method, "block_cells": block_cells,
-                "group": str(Path(group_dir) / loc), "source": str(shown_as), "warnings": [],
+                "group": str(Path(group_dir) / loc), "source": str(shown_as), "warnings": [], "location": loc,
                 "raw_bytes": first["raw_bytes"], "cell_counts": first["cell_counts"]}
         with contextlib.ExitStack() as stack:
             coords = JoinedColumns.open(columns["coords"])
@@ -351,7 +353,8 @@ class FieldColumn:
             if hasattr(self, "f"):
                 self.f.close()
             raise
-        self.cp_check = cp_check if cp_check and cp_check in self.f.array_names("cell") else None
+        self.section = _check_mesh(self.f, plan["location"], self.name)
+        self.cp_check = cp_check if cp_check and cp_check in self.f.array_names(spec.association) else None
         self.cp = np.array([0.0, 0.0, 1.0])  # dot(theirs, ours), dot(ours, ours), all of theirs finite
         self.next = 0
 
@@ -382,9 +385,18 @@ class FieldColumn:
             return np.zeros((0,) + self.tail, np.float32)
         return out[0] if len(out) == 1 else np.concatenate(out)
 
+    def _raw(self, name: str, a: int, b: int) -> np.ndarray:
+        """Cells ``[a, b)`` of array ``name``, shape (cells, components): read, or averaged from its points."""
+        if self.spec.association == "cell":
+            return np.asarray(self.f.read("cell", name, a, b)).reshape(b - a, -1)
+        sizes, conn = self.f.cell_block(a, b, self.section)
+        values, local = self.f.point_rows_of(conn, lambda lo, hi: self.f.read("point", name, lo, hi))
+        return cell_means(sizes, local, np.asarray(values, dtype=np.float64).reshape(len(values), -1))
+
     def _cells(self, a: int, b: int, pick) -> np.ndarray:
         s = self.spec
-        values = np.asarray(self.f.read("cell", s.source, a, b), dtype=np.float32).reshape(b - a, -1)
+        parts = [self._raw(name, a, b) for name in s.sources]
+        values = np.asarray(parts[0] if len(parts) == 1 else np.column_stack(parts), dtype=np.float32)
         if values.shape[1] != s.components:
             raise IngestError(f"{self.name}: array {s.source!r} has {values.shape[1]} components, expected "
                               f"{s.components}")
@@ -395,7 +407,7 @@ class FieldColumn:
         scaled = (values - np.float32(self.offset)) * np.float32(1.0 / self.scale)
         self.bad_scaled.add(scaled, a, ids)
         if self.cp_check:
-            theirs = np.asarray(self.f.read("cell", self.cp_check, a, b), dtype=np.float64)
+            theirs = np.asarray(self._raw(self.cp_check, a, b), dtype=np.float64).reshape(-1)
             self.cp[2] *= float(np.isfinite(theirs).all())
             if self.cp[2]:
                 self.cp[0] += float(np.dot(theirs, scaled[:, 0]))
@@ -411,7 +423,7 @@ class FieldColumn:
         self.bad_scaled.check()
         warnings = []
         if self.cp_check and self.cp[2] and self.cp[1] > 0:
-            _warn_cp(self.cp[0] / self.cp[1], self.name, self.opts, warnings)
+            _warn_cp(self.cp[0] / self.cp[1], self.name, self.opts, warnings, self.spec.source, self.cp_check)
         return warnings
 
     def close(self, remove: bool = False) -> None:
@@ -513,12 +525,37 @@ def remove_files(files) -> None:
             Path(f[0] if isinstance(f, (tuple, list)) else f).unlink(missing_ok=True)
 
 
+POLYGON_TYPES = (5, 7, 9)  # VTK_TRIANGLE, VTK_POLYGON, VTK_QUAD: the cells a surface given as a .vtu may hold
+
+
+def _check_polygons(types: np.ndarray, first: int, name) -> None:
+    bad = np.flatnonzero(~np.isin(types, POLYGON_TYPES))
+    if len(bad):
+        raise IngestError(f"{name}: a surface must consist of polygons only; cell {first + int(bad[0])} has VTK cell "
+                          f"type {int(types[bad[0]])} (triangles 5, polygons 7 and quads 9 are surface cells)")
+
+
+def cell_means(sizes: np.ndarray, local: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Per cell, the mean of its points' ``values`` (rows indexed by the block's connectivity ``local``):
+    point data on the store's cell rows, as VTK's vtkPointDataToCellData averages it."""
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    sums = np.add.reduceat(values[local], starts, axis=0) if len(local) else np.zeros((0, values.shape[1]))
+    return sums / np.asarray(sizes, dtype=np.float64)[:, None]
+
+
 def _check_mesh(f: VtkXmlFile, loc: str, name) -> str:
-    """The topology section whose cells are the rows: Polys of a surface, Cells of a volume."""
+    """The topology section whose cells are the rows: Polys of a surface (or the 2-D Cells of a surface
+    given as an UnstructuredGrid, checked block by block), Cells of a volume."""
     if loc == "surface":
+        if f.kind == "UnstructuredGrid":
+            n = f.cell_counts()["Cells"]
+            if not n:
+                raise IngestError(f"{name}: a surface must consist of polygons only, found no cells")
+            _check_polygons(f.cell_types(0, min(n, 4096)), 0, name)  # a volume given as a surface, at once
+            return "Cells"
         if f.kind != "PolyData":
             raise IngestError(f"{name}: corrupt or truncated VTK file: it holds {f.kind}, a surface must be "
-                              f"PolyData (.vtp)")
+                              f"PolyData (.vtp) or an UnstructuredGrid (.vtu) of polygons")
         counts = f.cell_counts()
         others = {"line": counts["Lines"], "vertex": counts["Verts"], "strip": counts["Strips"]}
         if any(others.values()) or not counts["Polys"]:
@@ -531,22 +568,26 @@ def _check_mesh(f: VtkXmlFile, loc: str, name) -> str:
     return "Cells"
 
 
-def _check_arrays(f: VtkXmlFile, arrays: list[str], name) -> list[str]:
-    present_cell, present_point = f.array_names("cell"), f.array_names("point")
-    absent = [a for a in arrays if a not in present_cell]
+def _check_arrays(f: VtkXmlFile, specs, name) -> None:
+    """Every field's arrays are there, as the layout's cell or point data (one line naming what is)."""
+    present = {"cell": f.array_names("cell"), "point": f.array_names("point")}
+    absent = {}
+    for s in specs:
+        for a in s.sources:
+            if a not in present[s.association]:
+                absent.setdefault(s.association, []).append(a)
     if absent:
-        hint = ""
-        as_points = [a for a in absent if a in present_point]
-        if as_points:
-            hint = f" ({as_points} exist as POINT data; the DrivaerML layout stores them as CELL data)"
-        raise IngestError(f"{name}: missing cell array(s) {absent}{hint}; cell arrays present: "
-                          f"{present_cell}, point arrays present: {present_point}")
-    return arrays
+        other = {"cell": "point", "point": "cell"}
+        hints = [f"{[a for a in names if a in present[other[kind]]]} exist as {other[kind].upper()} data"
+                 for kind, names in absent.items() if any(a in present[other[kind]] for a in names)]
+        what = "; ".join(f"{kind} array(s) {names}" for kind, names in absent.items())
+        raise IngestError(f"{name}: missing {what}{' (' + '; '.join(hints) + ': set the layout' + chr(39) + 's data: to match)' if hints else ''}; "
+                          f"cell arrays present: {present['cell']}, point arrays present: {present['point']}")
 
 
-def _warn_cp(ratio: float, name, opts, warnings: list) -> None:
+def _warn_cp(ratio: float, name, opts, warnings: list, source: str, check: str) -> None:
     if abs(ratio - 1) > 0.01:
         u = opts.reference.u_inf / np.sqrt(ratio) if ratio > 0 else float("nan")
-        warnings.append(f"{name}: Cp from pMeanTrim with U_inf={opts.reference.u_inf} is {1 / ratio:.3f}x the "
-                        f"file's CpMeanTrim; the data were made dimensionless with U_inf ~ {u:.3f} "
+        warnings.append(f"{name}: Cp from {source} with U_inf={opts.reference.u_inf} is {1 / ratio:.3f}x the "
+                        f"file's {check}; the data were made dimensionless with U_inf ~ {u:.3f} "
                         f"(pass --u-inf / --rho-inf to match)")

@@ -19,6 +19,7 @@ class IngestReport:
     tasks: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
     seconds: float = 0.0
+    uploaded: list = field(default_factory=list)  # a store at a URL: what was uploaded (remote_upload.py)
 
     @property
     def cells(self) -> int:
@@ -39,7 +40,8 @@ class IngestReport:
 
     def summary(self) -> str:
         if self.state == "complete":
-            return f"{self.store}: already complete; nothing to do (pass --overwrite to ingest again)"
+            done = f"{self.store}: already complete; nothing to do (pass --overwrite to ingest again)"
+            return "\n".join([done] + [f"  {u}" for u in self.uploaded])
         lines = [f"{self.store}: {'resumed' if self.state == 'resume' else 'written'} in {self.seconds:.1f} s",
                  f"  tasks written {len(self.written)}, kept from before {len(self.kept)}, "
                  f"skipped {len(self.skipped)}"]
@@ -51,4 +53,5 @@ class IngestReport:
             lines.append(f"  skipped {run}: {why}")
         for w in self.warnings:
             lines.append(f"  warning: {w}")
+        lines += [f"  {u}" for u in self.uploaded]
         return "\n".join(lines)

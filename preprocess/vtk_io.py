@@ -109,9 +109,10 @@ def check_pieces_complete(path: Path, head: bytes, tail: bytes, pieces: list[Pat
                       f".{digits[-1]}.part is cut short); download them")
 
 
-def read_cells(path: Path, arrays: list[str], shown_as: Path | None = None, optional: tuple[str, ...] = ()):
-    """Read a VTK XML mesh keeping only the CELL arrays ``arrays`` (and those of ``optional`` that exist);
-    returns (mesh, {name: ndarray}).
+def read_cells(path: Path, arrays, shown_as: Path | None = None, optional: tuple[str, ...] = ()):
+    """Read a VTK XML mesh keeping only the arrays ``arrays`` (names of CELL arrays, or {name: "cell" |
+    "point"}; point arrays are averaged to cells by VTK's vtkPointDataToCellData) and those of ``optional``
+    that exist (cell data, or point data averaged); returns (mesh, {name: ndarray per cell}).
 
     ``shown_as`` is the name used in errors (the original file when ``path`` is a joined temporary).
     """
@@ -119,27 +120,33 @@ def read_cells(path: Path, arrays: list[str], shown_as: Path | None = None, opti
 
     _quiet_vtk()
     name = shown_as or path
+    wanted = dict(arrays) if isinstance(arrays, dict) else {a: "cell" for a in arrays}
     with pv.VtkErrorCatcher(raise_errors=False, send_to_logging=False) as caught:
         try:
             reader = pv.get_reader(str(path))
-            present_cell = list(reader.cell_array_names)
-            present_point = list(reader.point_array_names)
+            present = {"cell": list(reader.cell_array_names), "point": list(reader.point_array_names)}
         except Exception as exc:  # unknown extension, unreadable file
             raise IngestError(f"{name}: cannot be read as VTK ({_first_line(exc)})") from None
         _raise_caught(caught, name)
-        absent = [a for a in arrays if a not in present_cell]
+        absent = [a for a, kind in wanted.items() if a not in present[kind]]
         if absent:
             hint = ""
-            as_points = [a for a in absent if a in present_point]
-            if as_points:
-                hint = f" ({as_points} exist as POINT data; the DrivaerML layout stores them as CELL data)"
-            raise IngestError(f"{name}: missing cell array(s) {absent}{hint}; cell arrays present: "
-                              f"{present_cell}, point arrays present: {present_point}")
-        arrays = list(arrays) + [a for a in optional if a in present_cell and a not in arrays]
+            other = [a for a in absent if a in present["point" if wanted[a] == "cell" else "cell"]]
+            if other:
+                hint = f" ({other} exist as {'POINT' if wanted[other[0]] == 'cell' else 'CELL'} data: set the layout's data: to match)"
+            kinds = sorted({wanted[a] for a in absent})
+            raise IngestError(f"{name}: missing {'/'.join(kinds)} array(s) {absent}{hint}; cell arrays present: "
+                              f"{present['cell']}, point arrays present: {present['point']}")
+        for a in optional:
+            if a not in wanted:
+                if a in present["cell"]:
+                    wanted[a] = "cell"
+                elif a in present["point"]:
+                    wanted[a] = "point"
         reader.disable_all_cell_arrays()
         reader.disable_all_point_arrays()
-        for a in arrays:
-            reader.enable_cell_array(a)
+        for a, kind in wanted.items():
+            (reader.enable_cell_array if kind == "cell" else reader.enable_point_array)(a)
         try:
             mesh = reader.read()
         except Exception as exc:
@@ -147,10 +154,15 @@ def read_cells(path: Path, arrays: list[str], shown_as: Path | None = None, opti
         _raise_caught(caught, name)
     if mesh is None or mesh.n_cells == 0:
         raise IngestError(f"{name}: VTK read no cells; the file is empty, truncated or not a mesh")
+    if any(kind == "point" for kind in wanted.values()):
+        averaged = mesh.point_data_to_cell_data(pass_point_data=False)
+        for a, kind in wanted.items():
+            if kind == "point":
+                mesh.cell_data[a] = averaged.cell_data[a]
     out = {}
-    for a in arrays:
+    for a in wanted:
         if a not in mesh.cell_data:
-            raise IngestError(f"{name}: cell array {a!r} listed in the header but could not be read; the file is "
+            raise IngestError(f"{name}: array {a!r} listed in the header but could not be read; the file is "
                               f"corrupt")
         values = np.asarray(mesh.cell_data[a])
         if len(values) != mesh.n_cells:
@@ -182,7 +194,19 @@ def check_finite(values: np.ndarray, what: str) -> None:
 
 
 def surface_geometry(mesh, name) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cell centres, unit normals (from each polygon's own winding) and areas of a surface mesh."""
+    """Cell centres, unit normals (from each polygon's own winding) and areas of a surface mesh (PolyData, or
+    an UnstructuredGrid of polygons, taken as PolyData with its cells in their order)."""
+    import pyvista as pv
+
+    if not isinstance(mesh, pv.PolyData):
+        types = np.asarray(mesh.celltypes)
+        bad = np.flatnonzero(~np.isin(types, (5, 7, 9)))
+        if len(bad):
+            raise IngestError(f"{name}: a surface must consist of polygons only; cell {int(bad[0])} has VTK cell "
+                              f"type {int(types[bad[0]])} (triangles 5, polygons 7 and quads 9 are surface cells)")
+        offsets = np.asarray(mesh.cell_offsets if hasattr(type(mesh), "cell_offsets") else mesh.offset)
+        faces = np.insert(np.asarray(mesh.cell_connectivity), offsets[:-1], np.diff(offsets))
+        mesh = pv.PolyData(np.asarray(mesh.points), faces=faces)
     others = {"line": mesh.n_lines, "vertex": mesh.n_verts}
     if any(others.values()) or not mesh.n_cells:
         found = ", ".join(f"{n} {k} cells" for k, n in others.items() if n)

@@ -359,6 +359,12 @@ class VtkXmlFile:
         than ``POINT_GAP``); returns (points, connectivity re-indexed into them)."""
         if not len(conn):
             return np.zeros((0, 3), dtype=self.pieces[0]["arrays"]["points"].dtype), conn
+        return self.point_rows_of(conn, self.points)
+
+    def point_rows_of(self, conn: np.ndarray, read) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of a point array (``read(lo, hi)`` reads rows ``[lo, hi)``: coordinates or a point data array)
+        that a non-empty connectivity refers to, as :meth:`points_of`; returns (rows, connectivity re-indexed
+        into them)."""
         if conn.min() < 0 or conn.max() >= self.n_points:
             raise IngestError(f"{self.path}: the connectivity refers to point {int(conn.max())} of {self.n_points} "
                               f"(or a negative id): a corrupt file")
@@ -367,7 +373,7 @@ class VtkXmlFile:
             mask = np.zeros(span, dtype=bool)
             mask[conn - first] = True
             if mask.all():  # every point of the range used (a block of a compactly numbered mesh): one stretch
-                return self.points(first, first + span), conn - first
+                return read(first, first + span), conn - first
             used = np.flatnonzero(mask) + first
             local = (np.cumsum(mask) - 1)[conn - first]
         else:
@@ -376,7 +382,7 @@ class VtkXmlFile:
         cuts = np.flatnonzero(np.diff(used) > POINT_GAP) + 1
         parts = []
         for run in np.split(used, cuts):
-            stretch = self.points(int(run[0]), int(run[-1]) + 1)
+            stretch = read(int(run[0]), int(run[-1]) + 1)
             parts.append(stretch[run - run[0]])
         return np.concatenate(parts) if len(parts) > 1 else parts[0], local
 

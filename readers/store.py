@@ -5,6 +5,10 @@ read as data: stores of format 2 have every chunk on disk, so a missing chunk fi
 values) or one that does not decode (truncated) is a :class:`StoreError` naming the store, run, array and
 file. A reader holds a shared OS lock on the store, which makes ``ingest --overwrite`` refuse
 to replace it, and :meth:`Store.check_unchanged` tells when the store was replaced all the same.
+
+A store at a URL (``s3://``, ``gs://``, ``https://``; ``domainflow.remote``) is read through zarr's fsspec
+store with the same counting and checks (the same chunk keys, so the same region-only reads and byte
+counts); it has no OS lock, and its root metadata's ETag is the stamp that tells a replacement.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from domainflow import remote
 from domainflow.errors import DomainflowError
 from domainflow.locks import FileLock, LockHeld, store_locks
 
@@ -27,18 +32,18 @@ class StoreError(DomainflowError, ValueError):
     damaged (a chunk missing or undecodable) or was replaced while being read."""
 
 
-def describe_key(root: Path, key: str) -> str:
+def describe_key(root, key: str) -> str:
     """"run run_3, array surface/coords, chunk file <path>" for a store key (or the grid's ``data``)."""
     head, _, chunk = key.partition("/c/")
     parts = head.split("/")
     where = f"run {parts[1]}, array {'/'.join(parts[2:])}" if parts[0] == "runs" and len(parts) > 2 \
         else f"array {head}"
-    return f"{where}, chunk {chunk.replace('/', ',') or '?'} (file {root / key})"
+    return f"{where}, chunk {chunk.replace('/', ',') or '?'} (file {str(root).rstrip('/')}/{key})"
 
 
-def _counting_store(path: Path):
-    """A read-only zarr local store that counts the bytes of every chunk and metadata read, and refuses to
-    let a missing chunk file read as fill values."""
+def _counting_store(path):
+    """A read-only zarr store (local, or fsspec's for a URL) that counts the bytes of every chunk and metadata
+    read, and refuses to let a missing chunk file read as fill values."""
     from zarr.storage import LocalStore, WrapperStore
 
     class CountingStore(WrapperStore):
@@ -73,7 +78,8 @@ def _counting_store(path: Path):
             return CountingStore(self._store.with_read_only(read_only), self.counter)
 
     counter = ByteCounter()
-    return CountingStore(LocalStore(str(path), read_only=True), counter), counter
+    inner = remote.zarr_store(str(path)) if remote.is_url(path) else LocalStore(str(path), read_only=True)
+    return CountingStore(inner, counter), counter
 
 
 @dataclass
@@ -105,7 +111,7 @@ class ByteCounter:
 class Store:
     """A complete store opened for reading: kind, parts, fields, statistics, splits; ``group`` is the root."""
 
-    path: Path
+    path: Path | str  # a str for a store at a URL
     kind: str
     parts: int | None
     fields: dict
@@ -208,7 +214,9 @@ def _run_key(name: str):
     return (0, int(name[4:]), "") if name.startswith("run_") and name[4:].isdigit() else (1, 0, name)
 
 
-def _stamp(path: Path) -> tuple:
+def _stamp(path) -> tuple:
+    if remote.is_url(path):
+        return remote.stamp(str(path))
     try:
         st = os.stat(path / "zarr.json")
     except OSError:
@@ -229,7 +237,10 @@ def _reader_lock(path: Path) -> FileLock | None:
 
 
 def open_store(path) -> Store:
-    """Open a complete store; refuses partial stores, unknown formats and paths that are not stores."""
+    """Open a complete store (a folder, or a URL: s3://, gs://, https://); refuses partial stores, unknown
+    formats and paths that are not stores."""
+    if remote.is_url(path):
+        return _open(str(path).rstrip("/"), None)
     path = Path(path)
     lock = _reader_lock(path)
     try:
@@ -259,10 +270,15 @@ def _new_reader_lock(path: Path) -> FileLock | None:
 def _open(path: Path, lock) -> Store:
     import zarr
 
-    meta = path / "zarr.json"
     stamp = _stamp(path)
     try:
-        attrs = json.loads(meta.read_text()).get("attributes", {})
+        if remote.is_url(path):
+            raw = remote.read_bytes(path, "zarr.json")
+            if raw is None:
+                raise FileNotFoundError(path)
+        else:
+            raw = (path / "zarr.json").read_bytes()
+        attrs = json.loads(raw).get("attributes", {})
     except FileNotFoundError:
         raise StoreError(f"{path} is not a domainflow store (no zarr.json); create one with `domainflow ingest`") \
             from None

@@ -183,7 +183,7 @@ def _summarise(rows: list[dict], kind: str) -> dict:
         if kind == "mesh":
             keys = [k for k in rows[0][which] if k.startswith("rel_l2")]
             s = {k: sum(r[which][k] for r in rows) / len(rows) for k in keys}
-            if "cd_pred" in rows[0][which]:
+            if all("cd_pred" in r[which] and "cd_csv" in r[which] for r in rows):  # a layout without force CSVs: none
                 for c in ("cd", "cl"):
                     s[f"{c}_mae_vs_csv"] = sum(abs(r[which][f"{c}_pred"] - r[which][f"{c}_csv"]) for r in rows) / len(rows)
                 s["cd_true_fields_mae_vs_csv"] = sum(abs(r[which]["cd_true"] - r[which]["cd_csv"]) for r in rows) / len(rows)

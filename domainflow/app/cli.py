@@ -171,17 +171,27 @@ def _synth(args) -> int:
 def _ingest(args) -> int:
     common = dict(split=args.split, split_file=args.split_file, workers=args.workers,
                   scheduler=args.scheduler, overwrite=args.overwrite, progress=not args.quiet,
-                  chunk_bytes=args.chunk_bytes)
-    if args.kind == "drivaerml":
-        from domainflow.preprocess.ingest_mesh import MeshOptions, ingest_drivaerml
-        from domainflow.preprocess.reference import Reference
+                  chunk_bytes=args.chunk_bytes, staging=args.staging)
+    if args.kind in ("cfd", "drivaerml"):
+        from dataclasses import replace
 
-        ref = Reference(u_inf=args.u_inf, rho_inf=args.rho_inf, p_inf=args.p_inf, l_ref=args.l_ref)
-        locations = tuple(x for x in args.locations.split(",") if x)
-        opts = MeshOptions(parts=args.parts, method=args.partition, reference=ref, locations=locations,
+        from domainflow.preprocess.cfd_layout import load_layout, show_layout
+        from domainflow.preprocess.errors import IngestError
+        from domainflow.preprocess.ingest_mesh import MeshOptions, ingest_cfd
+
+        if getattr(args, "show_layout", None):
+            print(show_layout(args.show_layout), end="")
+            return 0
+        if args.raw is None or args.store is None:
+            raise IngestError("ingest cfd needs RAW (the folder of run folders) and STORE (the .zarr to write)")
+        layout = load_layout(getattr(args, "layout", "drivaerml"))
+        given = {k: getattr(args, k) for k in ("u_inf", "rho_inf", "p_inf", "l_ref") if getattr(args, k) is not None}
+        locations = tuple(x for x in args.locations.split(",") if x) if args.locations else None
+        opts = MeshOptions(parts=args.parts, method=args.partition, layout=layout,
+                           reference=replace(layout.reference, **given), locations=locations,
                            volume_points=args.volume_points, seed=args.seed, on_error=args.on_error,
                            memory_limit=args.memory_limit, task_bytes=args.task_bytes, **common)
-        report = ingest_drivaerml(args.raw, args.store, opts)
+        report = ingest_cfd(args.raw, args.store, opts)
     else:
         from domainflow.preprocess.errors import IngestError
         from domainflow.preprocess.ingest_grid import GridOptions, ingest_climate
@@ -235,20 +245,42 @@ def _add_synth(sub):
     c.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _add_ingest(sub):
-    from domainflow.preprocess.reference import DRIVAERML
+def _add_mesh_ingest_options(d):
+    """The options of a mesh ingest (``ingest cfd`` and its alias ``ingest drivaerml``)."""
+    d.add_argument("--parts", type=int, default=64, help="spatial parts per run, a power of two (default 64)")
+    d.add_argument("--partition", choices=("rcb", "morton", "slab"), default="rcb")
+    d.add_argument("--locations", default=None, help="surface,volume or one of them (default: the layout's)")
+    d.add_argument("--volume-points", type=int, default=None,
+                   help="cap volume cells per run (a seeded random subset; only these cells are read and checked)")
+    d.add_argument("--memory-limit", type=_bytes, default=2 << 30,
+                   help="memory per worker, e.g. 2GiB (default): sets the streaming block size")
+    d.add_argument("--task-bytes", type=_bytes, default=256 << 20,
+                   help="raw bytes per scan task, e.g. 256MiB (default): a larger file is read by several "
+                        "tasks, so one huge run uses every worker (the store is the same)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the split and the volume subsample")
+    d.add_argument("--u-inf", type=float, default=None,
+                   help="free-stream speed, m/s (default: the layout's; DrivaerML 38.889, the paper's 140 km/h)")
+    d.add_argument("--rho-inf", type=float, default=None,
+                   help="density (default: the layout's; 1 where OpenFOAM wrote kinematic pressure and shear)")
+    d.add_argument("--p-inf", type=float, default=None, help="free-stream pressure (default: the layout's)")
+    d.add_argument("--l-ref", type=float, default=None, help="reference length, m (default: the layout's)")
 
+
+def _add_ingest(sub):
     ingest = sub.add_parser("ingest", help="raw files -> a spatially partitioned Zarr store (resumable)")
     kinds = ingest.add_subparsers(dest="kind", required=True)
-    parsers = [kinds.add_parser("drivaerml", help="DrivaerML-layout run folders -> a mesh store"),
-               kinds.add_parser("climate", help="netCDF / GRIB files or a Zarr of climate data -> a grid store")]
+    parsers = [kinds.add_parser("cfd", help="CFD run folders (a layout: drivaerml, ahmedml, windsorml or a "
+                                            "layout.yaml) -> a mesh store"),
+               kinds.add_parser("climate", help="netCDF / GRIB files or a Zarr of climate data -> a grid store"),
+               kinds.add_parser("drivaerml", help="the same as `ingest cfd --layout drivaerml`")]
     for p in parsers:
-        if p is parsers[0]:
-            p.add_argument("raw", help="the folder of run_<i>/ folders")
+        if p is not parsers[1]:
+            p.add_argument("raw", nargs="?" if p is parsers[0] else None, help="the folder of run folders")
         else:
             p.add_argument("raw", nargs="+", metavar="SOURCE",
                            help="netCDF or GRIB files, folders or globs of them (e.g. 'era5/*.nc'), or one Zarr store")
-        p.add_argument("store", help="the store to write (a folder ending in .zarr)")
+        p.add_argument("store", nargs="?" if p is parsers[0] else None,
+                       help="the store to write: a folder ending in .zarr, or a URL (s3://bucket/cars.zarr)")
         p.add_argument("--workers", type=int, default=1, help="dask worker processes on this machine")
         p.add_argument("--scheduler", default=None, help="address of a running dask.distributed scheduler")
         p.add_argument("--split", default=(0.8, 0.1, 0.1), type=lambda text: _floats(text, 3, "--split"),
@@ -258,25 +290,17 @@ def _add_ingest(sub):
         p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
                        help="stop (default; the partial store resumes) or skip bad runs and record them")
         p.add_argument("--overwrite", action="store_true", help="replace an existing store")
+        p.add_argument("--staging", default=None,
+                       help="for a STORE at a URL (s3://, gs://): the local folder it is built in before the upload "
+                            "(default: a folder under the temp dir, kept for a resume)")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
-    d, c = parsers
-    d.add_argument("--parts", type=int, default=64, help="spatial parts per run, a power of two (default 64)")
-    d.add_argument("--partition", choices=("rcb", "morton", "slab"), default="rcb")
-    d.add_argument("--locations", default="surface,volume", help="surface,volume (default) or one of them")
-    d.add_argument("--volume-points", type=int, default=None,
-                   help="cap volume cells per run (a seeded random subset; only these cells are read and checked)")
-    d.add_argument("--memory-limit", type=_bytes, default=2 << 30,
-                   help="memory per worker, e.g. 2GiB (default): sets the streaming block size")
-    d.add_argument("--task-bytes", type=_bytes, default=256 << 20,
-                   help="raw bytes per scan task, e.g. 256MiB (default): a larger file is read by several "
-                        "tasks, so one huge run uses every worker (the store is the same)")
-    d.add_argument("--seed", type=int, default=0, help="seed of the split and the volume subsample")
-    d.add_argument("--u-inf", type=float, default=DRIVAERML.u_inf,
-                   help=f"free-stream speed, m/s (default {DRIVAERML.u_inf}, the DrivaerML paper's 140 km/h)")
-    d.add_argument("--rho-inf", type=float, default=DRIVAERML.rho_inf,
-                   help="density (default 1: OpenFOAM writes kinematic pressure and shear)")
-    d.add_argument("--p-inf", type=float, default=DRIVAERML.p_inf, help="free-stream pressure (default 0)")
-    d.add_argument("--l-ref", type=float, default=DRIVAERML.l_ref, help="reference length, m (default: wheelbase)")
+    cfd, c, drivaerml = parsers
+    cfd.add_argument("--layout", default="drivaerml",
+                     help="the raw data's layout: drivaerml (default), ahmedml, windsorml, or a layout.yaml of your own "
+                          "(run folders, files, arrays -> fields, units); --show-layout NAME prints one as a template")
+    cfd.add_argument("--show-layout", default=None, metavar="NAME", help="print a built-in layout as YAML and exit")
+    for d in (cfd, drivaerml):
+        _add_mesh_ingest_options(d)
     c.add_argument("--variables", default=None,
                    help="comma-separated variables (all their levels) or channels such as z500 (default: all)")
     c.add_argument("--levels", default=None,

@@ -1,0 +1,317 @@
+"""Raw CFD run-folder layouts: where a run's files are, which arrays become which stored fields, and how
+they are made dimensionless. ``domainflow ingest cfd RAW STORE --layout NAME|layout.yaml``.
+
+A layout is a YAML mapping (the built-ins below have the same form; ``domainflow ingest cfd --show-layout
+NAME`` prints one as a template)::
+
+    name: my-openfoam-cases
+    runs: case_{i}                      # run folders under RAW; {i} is the run number
+    files:                              # per location; a .vtu/.vtp or its .part pieces (name.00.part, ...)
+      surface: boundary_{i}.vtp         # polygons: PolyData, or an UnstructuredGrid of 2-D cells
+      volume: internal_{i}.vtu
+    csv:                                # optional one-row CSVs kept in the run's attrs (forces, geometry)
+      forces_constref: forces_{i}.csv   # the constant-reference coefficients (cd, cl) the metrics compare with
+      geometry: params_{i}.csv          # design parameters (the model's globals)
+    optional_csv: [geometry]            # CSVs a run may lack
+    data: {surface: point, volume: cell}   # where the arrays live (default cell)
+    reference: {u_inf: 10.0, rho_inf: 1.0, p_inf: 0.0, l_ref: 1.0}
+    fields:
+      surface:
+        - {name: Cp, source: p, quantity: pressure}
+        - {name: Cf, source: wallShearStress, components: 3, quantity: shear}
+      volume:
+        - {name: U, source: [Ux, Uy, Uz], quantity: velocity}   # scalar arrays stacked into components
+    cp_check: {surface: CpMean}          # optional: the file's own Cp, compared with ours (warns on a mismatch)
+
+Quantities and their scaling (stored = (raw - offset) / scale, recorded per field in the store):
+``pressure`` (q_inf, p_inf), ``shear`` (q_inf), ``pressure_variance`` (q_inf^2), ``velocity`` (U_inf),
+``viscosity`` (U_inf * L_ref), ``coefficient`` (already dimensionless: stored as read).
+
+Point data: each stored row is a cell (the store's rows are cells, with centres, normals and areas), so
+a field given on points is averaged to cells: a cell's value is the mean of its vertices' values, as
+VTK's ``vtkPointDataToCellData`` computes it (the in-memory oracle uses that filter).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import IngestError
+from .reference import Reference
+
+LOCATIONS = ("surface", "volume")
+QUANTITIES = ("pressure", "shear", "pressure_variance", "velocity", "viscosity", "coefficient")
+ASSOCIATIONS = ("cell", "point")
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """A stored field: its name, the raw array(s) it comes from (one array, or scalar arrays stacked as its
+    components), components, how it is made dimensionless, and whether it lives on cells or points."""
+
+    name: str
+    sources: tuple[str, ...]
+    components: int
+    quantity: str  # one of QUANTITIES
+    association: str = "cell"
+
+    @property
+    def source(self) -> str:
+        return self.sources[0] if len(self.sources) == 1 else "+".join(self.sources)
+
+    def scale_offset(self, ref: Reference) -> tuple[float, float]:
+        """stored = (raw - offset) / scale."""
+        q = ref.q_inf
+        return {"pressure": (q, ref.p_inf), "shear": (q, 0.0), "pressure_variance": (q * q, 0.0),
+                "velocity": (ref.u_inf, 0.0), "viscosity": (ref.u_inf * ref.l_ref, 0.0),
+                "coefficient": (1.0, 0.0)}[self.quantity]
+
+    def attrs(self, location: str, ref: Reference) -> dict:
+        scale, offset = self.scale_offset(ref)
+        return {"location": location, "components": self.components, "units": "1", "source": self.source,
+                "association": self.association, "quantity": self.quantity, "scale": scale, "offset": offset}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A raw data set's run-folder layout (see the module docstring)."""
+
+    name: str
+    runs: str
+    files: dict
+    fields: dict  # location -> tuple[FieldSpec, ...]
+    csv: dict = field(default_factory=dict)
+    optional_csv: tuple[str, ...] = ()
+    reference: Reference = Reference()
+    cp_check: dict = field(default_factory=dict)  # location -> the file's own Cp array (optional)
+    source: str = ""  # where it was read from (a built-in's name or a file)
+
+    # -- run folders and files ------------------------------------------------------------------
+    def run_pattern(self) -> re.Pattern:
+        head, _, tail = self.runs.partition("{i}")
+        return re.compile(re.escape(head) + r"(\d+)" + re.escape(tail) + r"$")
+
+    def discover(self, raw: Path) -> dict[str, Path]:
+        """``run_<i>`` -> the folder, for every folder of ``raw`` matching ``runs``, in numeric order."""
+        raw = Path(raw)
+        if not raw.is_dir():
+            raise IngestError(f"raw data folder {raw} does not exist")
+        pattern, found = self.run_pattern(), {}
+        for p in raw.iterdir():
+            m = pattern.match(p.name)
+            if p.is_dir() and m:
+                i = int(m.group(1))
+                if f"run_{i}" in found:
+                    raise IngestError(f"{raw}: folders {found[f'run_{i}'].name} and {p.name} are both run {i} "
+                                      f"of layout {self.name!r} ({self.runs})")
+                found[f"run_{i}"] = p
+        if not found:
+            example = " ".join(sorted(p.name for p in raw.iterdir())[:5])
+            raise IngestError(f"{raw} holds no run folders named {self.runs!r} (layout {self.name!r}); it holds: "
+                              f"{example or 'nothing'}. Pass the layout of this data set (--layout drivaerml, "
+                              f"ahmedml, windsorml or a layout.yaml)")
+        return dict(sorted(found.items(), key=lambda kv: int(kv[0][4:])))
+
+    def files_of(self, run_dir: Path, run_id: str) -> dict[str, Path]:
+        """The run's files by role: each location, then each CSV."""
+        i = run_id[4:]
+        return {**{k: Path(run_dir) / t.format(i=i) for k, t in self.files.items()},
+                **{k: Path(run_dir) / t.format(i=i) for k, t in self.csv.items()}}
+
+    def to_attrs(self) -> dict:
+        """What the store records (and a resumed ingest compares)."""
+        return {"name": self.name, "runs": self.runs, "files": dict(self.files), "csv": dict(self.csv),
+                "optional_csv": list(self.optional_csv), "cp_check": dict(self.cp_check),
+                "fields": {loc: [{"name": s.name, "source": list(s.sources), "components": s.components,
+                                  "quantity": s.quantity, "association": s.association} for s in specs]
+                           for loc, specs in self.fields.items()}}
+
+
+# -- reading a layout ---------------------------------------------------------------------------
+def parse_layout(data: dict, where: str) -> Layout:
+    """A Layout from its mapping form; every mistake is one IngestError naming ``where`` and the key."""
+    if not isinstance(data, dict):
+        raise IngestError(f"layout {where}: expected a mapping with keys runs, files, fields; got {type(data).__name__}")
+    known = {"name", "runs", "files", "csv", "optional_csv", "data", "reference", "fields", "cp_check"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise IngestError(f"layout {where}: unknown key(s) {unknown}; the keys are {sorted(known)}")
+    for key in ("runs", "files", "fields"):
+        if key not in data:
+            raise IngestError(f"layout {where}: '{key}' is missing (see `domainflow ingest cfd --show-layout drivaerml`)")
+    runs = str(data["runs"])
+    if runs.count("{i}") != 1 or "/" in runs:
+        raise IngestError(f"layout {where}: runs={runs!r} must name a folder with one '{{i}}' for the run number, "
+                          f"e.g. run_{{i}}")
+    files = _mapping(data, "files", where)
+    bad = sorted(set(files) - set(LOCATIONS))
+    if bad or not files:
+        raise IngestError(f"layout {where}: files has location(s) {bad or 'none'}; use surface and/or volume")
+    csv = {str(k): str(v) for k, v in _mapping(data, "csv", where).items()}
+    for key, template in [*files.items(), *csv.items()]:
+        if "{i}" not in str(template):
+            raise IngestError(f"layout {where}: {key} file {template!r} has no '{{i}}' for the run number")
+    optional = tuple(str(x) for x in data.get("optional_csv", []) or [])
+    if set(optional) - set(csv):
+        raise IngestError(f"layout {where}: optional_csv {sorted(set(optional) - set(csv))} are not csv keys {sorted(csv)}")
+    assoc = data.get("data", "cell")
+    assoc = {loc: assoc for loc in files} if isinstance(assoc, str) else {**{loc: "cell" for loc in files}, **assoc}
+    for loc, a in assoc.items():
+        if a not in ASSOCIATIONS:
+            raise IngestError(f"layout {where}: data.{loc}={a!r} is not one of {list(ASSOCIATIONS)}")
+    fields_in = _mapping(data, "fields", where)
+    fields = {}
+    for loc in files:
+        specs = fields_in.get(loc)
+        if not specs:
+            raise IngestError(f"layout {where}: fields.{loc} is missing: list the fields to store for the {loc}")
+        fields[loc] = tuple(_field(s, loc, assoc[loc], f"{where} fields.{loc}[{k}]") for k, s in enumerate(specs))
+        names = [s.name for s in fields[loc]]
+        if len(set(names)) != len(names):
+            raise IngestError(f"layout {where}: fields.{loc} names a field twice: {names}")
+    ref_in = _mapping(data, "reference", where)
+    bad = sorted(set(ref_in) - {"u_inf", "rho_inf", "p_inf", "l_ref"})
+    if bad:
+        raise IngestError(f"layout {where}: reference has unknown key(s) {bad}; use u_inf, rho_inf, p_inf, l_ref")
+    try:
+        reference = Reference(**{k: float(v) for k, v in ref_in.items()})
+    except (TypeError, ValueError) as exc:
+        raise IngestError(f"layout {where}: reference: {exc}") from None
+    cp_check = {str(k): str(v) for k, v in _mapping(data, "cp_check", where).items()}
+    return Layout(name=str(data.get("name", Path(where).stem)), runs=runs, files={k: str(v) for k, v in files.items()},
+                  fields=fields, csv=csv, optional_csv=optional, reference=reference, cp_check=cp_check,
+                  source=where)
+
+
+def _mapping(data: dict, key: str, where: str) -> dict:
+    value = data.get(key) or {}
+    if not isinstance(value, dict):
+        raise IngestError(f"layout {where}: '{key}' must be a mapping, got {value!r}")
+    return value
+
+
+def _field(spec, loc: str, association: str, where: str) -> FieldSpec:
+    if not isinstance(spec, dict) or "name" not in spec or "source" not in spec or "quantity" not in spec:
+        raise IngestError(f"layout {where}: a field needs name, source and quantity, got {spec!r}")
+    unknown = sorted(set(spec) - {"name", "source", "components", "quantity", "data"})
+    if unknown:
+        raise IngestError(f"layout {where}: unknown key(s) {unknown} (name, source, components, quantity, data)")
+    sources = tuple(spec["source"]) if isinstance(spec["source"], (list, tuple)) else (str(spec["source"]),)
+    if not sources or not all(isinstance(s, str) and s for s in sources):
+        raise IngestError(f"layout {where}: source must be an array name or a list of scalar array names")
+    components = int(spec.get("components", len(sources)))
+    if len(sources) > 1 and components != len(sources):
+        raise IngestError(f"layout {where}: {len(sources)} scalar sources make {len(sources)} components, not {components}")
+    if components < 1:
+        raise IngestError(f"layout {where}: components must be >= 1, got {components}")
+    if spec["quantity"] not in QUANTITIES:
+        raise IngestError(f"layout {where}: quantity {spec['quantity']!r} is not one of {list(QUANTITIES)}")
+    association = spec.get("data", association)
+    if association not in ASSOCIATIONS:
+        raise IngestError(f"layout {where}: data={association!r} is not one of {list(ASSOCIATIONS)}")
+    return FieldSpec(str(spec["name"]), sources, components, spec["quantity"], association)
+
+
+def load_layout(name_or_path, reference: Reference | None = None) -> Layout:
+    """A built-in layout by name, or one read from a YAML file; ``reference`` (given on the command line)
+    replaces the layout's reference values."""
+    if isinstance(name_or_path, Layout):
+        layout = name_or_path
+    elif str(name_or_path) in BUILTIN:
+        layout = parse_layout(BUILTIN[str(name_or_path)], str(name_or_path))
+    else:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise IngestError(f"--layout {name_or_path}: neither a built-in layout ({sorted(BUILTIN)}) nor a file")
+        import yaml
+
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise IngestError(f"--layout {path}: not a readable YAML file ({str(exc).splitlines()[0]})") from None
+        layout = parse_layout(data, str(path))
+    if reference is not None:
+        from dataclasses import replace
+
+        layout = replace(layout, reference=reference)
+    return layout
+
+
+def show_layout(name: str) -> str:
+    """A built-in layout as YAML (a template for a layout file of one's own)."""
+    import yaml
+
+    if name not in BUILTIN:
+        raise IngestError(f"--show-layout {name}: not a built-in layout; the built-ins are {sorted(BUILTIN)}")
+    notes = {"drivaerml": "DrivAerML (Ashton et al. 2024, arXiv:2408.11969; huggingface.co/datasets/neashton/drivaerml)",
+             "ahmedml": "AhmedML (Ashton et al. 2024, arXiv:2407.20801; huggingface.co/datasets/neashton/ahmedml)",
+             "windsorml": "WindsorML (Ashton et al. 2024, arXiv:2407.19320; huggingface.co/datasets/neashton/windsorml)"}
+    return f"# {notes[name]}\n" + yaml.safe_dump(BUILTIN[name], sort_keys=False, default_flow_style=None)
+
+
+# -- the built-ins ----------------------------------------------------------------------------------
+# Names from the data sets' own cards and files (neilashton/caemldatasets, the Hugging Face trees, NVIDIA
+# physicsnemo-curator's readers, neilashton/fluidsbench-submission's PRESSURE_REFERENCES.md and
+# reference/windsorml/contract.py); the note of issue 18 lists what was confirmed where.
+BUILTIN = {
+    # OpenFOAM (incompressible): kinematic p and wall shear (rho = 1), time averages over a trimmed window,
+    # all CELL data; U = 38.889 m/s (140 km/h); the volume ships as volume_<i>.vtu.00.part, .01.part
+    "drivaerml": {
+        "name": "drivaerml",
+        "runs": "run_{i}",
+        "files": {"surface": "boundary_{i}.vtp", "volume": "volume_{i}.vtu"},
+        "csv": {"forces": "force_mom_{i}.csv", "forces_constref": "force_mom_constref_{i}.csv",
+                "geometry": "geo_parameters_{i}.csv"},
+        "data": "cell",
+        "reference": {"u_inf": 38.889, "rho_inf": 1.0, "p_inf": 0.0, "l_ref": 2.786},
+        "fields": {
+            "surface": [{"name": "Cp", "source": "pMeanTrim", "quantity": "pressure"},
+                        {"name": "Cf", "source": "wallShearStressMeanTrim", "components": 3, "quantity": "shear"},
+                        {"name": "CpPrime2", "source": "pPrime2MeanTrim", "quantity": "pressure_variance"}],
+            "volume": [{"name": "U", "source": "UMeanTrim", "components": 3, "quantity": "velocity"},
+                       {"name": "Cp", "source": "pMeanTrim", "quantity": "pressure"},
+                       {"name": "nut", "source": "nutMeanTrim", "quantity": "viscosity"}]},
+        "cp_check": {"surface": "CpMeanTrim"},
+    },
+    # OpenFOAM: kinematic pMean (outlet 0), U = 1 m/s, rho = 1 (so Cp = 2 pMean), CELL data; force_mom_<i>.csv
+    # uses the constant reference area, force_mom_varref_<i>.csv each body's own; geo_parameters is missing
+    # for run 500; the Ahmed body is 1.044 m long
+    "ahmedml": {
+        "name": "ahmedml",
+        "runs": "run_{i}",
+        "files": {"surface": "boundary_{i}.vtp", "volume": "volume_{i}.vtu"},
+        "csv": {"forces_constref": "force_mom_{i}.csv", "forces": "force_mom_varref_{i}.csv",
+                "geometry": "geo_parameters_{i}.csv"},
+        "optional_csv": ["geometry"],
+        "data": "cell",
+        "reference": {"u_inf": 1.0, "rho_inf": 1.0, "p_inf": 0.0, "l_ref": 1.044},
+        "fields": {
+            "surface": [{"name": "Cp", "source": "pMean", "quantity": "pressure"},
+                        {"name": "Cf", "source": "wallShearStressMean", "components": 3, "quantity": "shear"}],
+            "volume": [{"name": "U", "source": "UMean", "components": 3, "quantity": "velocity"},
+                       {"name": "Cp", "source": "pMean", "quantity": "pressure"},
+                       {"name": "nut", "source": "nutMean", "quantity": "viscosity"}]},
+        "cp_check": {"surface": "static(p)_coeffMean"},
+    },
+    # Volcano ScaLES (WMLES): the surface is boundary_<i>.vtu (polygons) with POINT data coefficients
+    # cpavg and cfxavg/cfyavg/cfzavg; the volume has CELL data velocity{x,y,z}avg and absolute pressureavg
+    # (p_ref 37330.4 Pa, rho 1.31 kg/m^3, U 40 m/s); runs start at run_0; +y is up (lift is Cf_y); the body
+    # length 1.044 m is not in the files (no stored field uses l_ref: it scales only nu_t)
+    "windsorml": {
+        "name": "windsorml",
+        "runs": "run_{i}",
+        "files": {"surface": "boundary_{i}.vtu", "volume": "volume_{i}.vtu"},
+        "csv": {"forces_constref": "force_mom_{i}.csv", "forces": "force_mom_varref_{i}.csv",
+                "geometry": "geo_parameters_{i}.csv"},
+        "data": {"surface": "point", "volume": "cell"},
+        "reference": {"u_inf": 40.0, "rho_inf": 1.31, "p_inf": 37330.4, "l_ref": 1.044},
+        "fields": {
+            "surface": [{"name": "Cp", "source": "cpavg", "quantity": "coefficient"},
+                        {"name": "Cf", "source": ["cfxavg", "cfyavg", "cfzavg"], "quantity": "coefficient"}],
+            "volume": [{"name": "U", "source": ["velocityxavg", "velocityyavg", "velocityzavg"],
+                        "quantity": "velocity"},
+                       {"name": "Cp", "source": "pressureavg", "quantity": "pressure"}]},
+    },
+}

@@ -1,0 +1,249 @@
+"""CFD layouts beyond DrivaerML (``ingest cfd --layout``): the same synthetic runs re-written by VTK (pyvista)
+in the AhmedML, WindsorML and an OpenFOAM-style layout of one's own (other file and array names, a surface
+given as a .vtu of polygons, point data, scalar components, absolute pressure, runs from 0, a missing optional
+CSV) ingest into the stores the DrivaerML layout gives after their own non-dimensionalisation; point data is
+averaged to cells exactly as VTK's vtkPointDataToCellData does (the streaming reader against the VTK oracle);
+layout mistakes are one line naming the key."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pv = pytest.importorskip("pyvista")
+zarr = pytest.importorskip("zarr")
+
+from domainflow.preprocess.cfd_layout import load_layout  # noqa: E402
+from domainflow.preprocess.errors import IngestError  # noqa: E402
+from domainflow.preprocess.ingest_mesh import MeshOptions, ingest_cfd  # noqa: E402
+from domainflow.preprocess.reference import DRIVAERML  # noqa: E402
+
+U, L = DRIVAERML.u_inf, DRIVAERML.l_ref
+Q = 0.5 * U * U
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def drivaer(tmp_path_factory):
+    """Three synthetic DrivaerML runs (0, 1, 2) and their store."""
+    from domainflow.preprocess.synth_drivaerml import synth_drivaerml
+
+    root = tmp_path_factory.mktemp("layouts")
+    synth_drivaerml(root / "raw", runs=3, cells=500, seed=4, volume_cells=300, volume_pieces=1, first_run=0)
+    ingest_cfd(root / "raw", root / "drivaer.zarr", MeshOptions(parts=4, progress=False, split=(0.67, 0.33, 0.0)))
+    return root
+
+
+def _mesh(run_dir: Path, name: str):
+    return pv.read(str(run_dir / name))
+
+
+def _copy_csvs(src: Path, dst: Path, i: int, names: dict):
+    for old, new in names.items():
+        shutil.copy(src / old.format(i=i), dst / new.format(i=i))
+
+
+def _ahmedml(drivaer: Path) -> Path:
+    """AhmedML names: pMean (kinematic, U = 1 m/s), wallShearStressMean, UMean, nutMean, CELL data; the
+    constant-reference forces in force_mom_<i>.csv; run 2 lacks its geo_parameters (as AhmedML's run 500)."""
+    raw = drivaer / "ahmed"
+    for i in range(3):
+        src, dst = drivaer / "raw" / f"run_{i}", raw / f"run_{i}"
+        dst.mkdir(parents=True)
+        s = _mesh(src, f"boundary_{i}.vtp")
+        out = pv.PolyData(s.points, faces=s.faces)
+        out.cell_data["pMean"] = s.cell_data["pMeanTrim"] / Q * 0.5
+        out.cell_data["wallShearStressMean"] = s.cell_data["wallShearStressMeanTrim"] / Q * 0.5
+        out.cell_data["static(p)_coeffMean"] = s.cell_data["CpMeanTrim"]
+        out.save(str(dst / f"boundary_{i}.vtp"))
+        v = _mesh(src, f"volume_{i}.vtu")
+        vol = pv.UnstructuredGrid(v.cells, v.celltypes, v.points)
+        vol.cell_data["UMean"] = v.cell_data["UMeanTrim"] / U
+        vol.cell_data["pMean"] = v.cell_data["pMeanTrim"] / Q * 0.5
+        vol.cell_data["nutMean"] = v.cell_data["nutMeanTrim"] / (U * L) * 1.044
+        vol.save(str(dst / f"volume_{i}.vtu"))
+        _copy_csvs(src, dst, i, {"force_mom_constref_{i}.csv": "force_mom_{i}.csv",
+                                 "force_mom_{i}.csv": "force_mom_varref_{i}.csv"})
+        if i != 2:
+            _copy_csvs(src, dst, i, {"geo_parameters_{i}.csv": "geo_parameters_{i}.csv"})
+    return raw
+
+
+def _windsorml(drivaer: Path) -> Path:
+    """WindsorML: the surface a .vtu of polygons with POINT data cpavg and cfxavg/cfyavg/cfzavg (VTK's own
+    cell-to-point averaging), the volume CELL data velocity{x,y,z}avg and absolute pressureavg."""
+    raw = drivaer / "windsor"
+    rho, u, p0 = 1.31, 40.0, 37330.4
+    for i in range(3):
+        src, dst = drivaer / "raw" / f"run_{i}", raw / f"run_{i}"
+        dst.mkdir(parents=True)
+        s = _mesh(src, f"boundary_{i}.vtp")
+        cells = pv.PolyData(s.points, faces=s.faces)
+        cells.cell_data["cpavg"] = s.cell_data["CpMeanTrim"]
+        cf = s.cell_data["wallShearStressMeanTrim"] / Q
+        for k, axis in enumerate("xyz"):
+            cells.cell_data[f"cf{axis}avg"] = cf[:, k].copy()
+        points = cells.cell_data_to_point_data(pass_cell_data=False).cast_to_unstructured_grid()
+        points.save(str(dst / f"boundary_{i}.vtu"))
+        v = _mesh(src, f"volume_{i}.vtu")
+        vol = pv.UnstructuredGrid(v.cells, v.celltypes, v.points)
+        for k, axis in enumerate("xyz"):
+            vol.cell_data[f"velocity{axis}avg"] = v.cell_data["UMeanTrim"][:, k] / U * u
+        vol.cell_data["pressureavg"] = p0 + v.cell_data["pMeanTrim"] / Q * (0.5 * rho * u * u)
+        vol.save(str(dst / f"volume_{i}.vtu"))
+        _copy_csvs(src, dst, i, {"force_mom_constref_{i}.csv": "force_mom_{i}.csv",
+                                 "force_mom_{i}.csv": "force_mom_varref_{i}.csv",
+                                 "geo_parameters_{i}.csv": "geo_parameters_{i}.csv"})
+    return raw
+
+
+def _fields(store: Path, run: str, loc: str) -> dict:
+    g = zarr.open_group(str(store), mode="r")[f"runs/{run}/{loc}"]
+    out = {"coords": g["coords"][...]}
+    out.update({k: g["fields"][k][...] for k in g["fields"].array_keys()})
+    return out
+
+
+def test_ahmedml_layout_gives_the_drivaerml_store(drivaer, tmp_path):
+    raw = _ahmedml(drivaer)
+    report = ingest_cfd(raw, tmp_path / "ahmed.zarr", MeshOptions(layout="ahmedml", parts=4, progress=False,
+                                                                  split=(0.67, 0.33, 0.0)))
+    assert not report.warnings, report.warnings  # our Cp agrees with the file's static(p)_coeffMean
+    root = zarr.open_group(str(tmp_path / "ahmed.zarr"), mode="r")
+    assert root.attrs["layout"] == "ahmedml" and root.attrs["reference"]["U_inf"] == 1.0
+    assert root.attrs["fields"]["surface/Cp"]["source"] == "pMean"
+    run2 = root["runs/run_2"].attrs
+    assert "geometry" not in run2 and "cd" in run2["forces_constref"]  # the optional CSV it lacks
+    for run in ("run_0", "run_1", "run_2"):
+        for loc in ("surface", "volume"):
+            want, got = _fields(drivaer / "drivaer.zarr", run, loc), _fields(tmp_path / "ahmed.zarr", run, loc)
+            assert set(got) == {"coords", "Cp", "Cf"} if loc == "surface" else {"coords", "U", "Cp", "nut"}
+            for k in got:
+                np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-6, err_msg=f"{run} {loc} {k}")
+
+
+@pytest.mark.parametrize("reader", ["stream", "vtk"])
+def test_windsorml_point_data_on_a_vtu_surface(drivaer, tmp_path, reader):
+    raw = drivaer / "windsor"
+    if not raw.exists():
+        _windsorml(drivaer)
+    store = tmp_path / f"windsor-{reader}.zarr"
+    ingest_cfd(raw, store, MeshOptions(layout="windsorml", parts=4, progress=False, split=(0.67, 0.33, 0.0),
+                                       reader=reader))
+    root = zarr.open_group(str(store), mode="r")
+    assert root.attrs["fields"]["surface/Cf"]["association"] == "point"
+    assert root.attrs["fields"]["surface/Cf"]["source"] == "cfxavg+cfyavg+cfzavg"
+    for run in ("run_0", "run_1", "run_2"):
+        want, got = _fields(drivaer / "drivaer.zarr", run, "volume"), _fields(store, run, "volume")
+        for k in ("coords", "U", "Cp"):  # absolute pressure and other units: the same dimensionless fields
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=f"{run} volume {k}")
+        want, got = _fields(drivaer / "drivaer.zarr", run, "surface"), _fields(store, run, "surface")
+        np.testing.assert_allclose(got["coords"], want["coords"], rtol=1e-6, atol=1e-6)  # the same cells, in order
+        # point data averaged back to the cells: each cell's vertex mean of VTK's point values
+        surface = pv.read(str(raw / run / f"boundary_{run[4:]}.vtu"))
+        means = surface.point_data_to_cell_data(pass_point_data=False)
+        order = zarr.open_group(str(store), mode="r")[f"runs/{run}/surface/order"][...]
+        np.testing.assert_allclose(got["Cp"][:, 0], np.asarray(means.cell_data["cpavg"])[order], rtol=1e-5, atol=1e-6)
+        cf = np.column_stack([means.cell_data[f"cf{a}avg"] for a in "xyz"])[order]
+        np.testing.assert_allclose(got["Cf"], cf, rtol=1e-5, atol=1e-6)
+        assert np.corrcoef(got["Cp"][:, 0], want["Cp"][:, 0])[0, 1] > 0.9  # smoothed, still the same field
+
+
+OWN_LAYOUT = """
+name: openfoam-cases
+runs: case{i}
+files: {surface: "wall_{i}.vtp"}
+csv: {geometry: "params_{i}.csv"}
+data: point
+reference: {u_inf: 38.889}
+fields:
+  surface:
+    - {name: Cp, source: p, quantity: pressure}
+    - {name: Cf, source: wallShearStress, components: 3, quantity: shear}
+"""
+
+
+def _own(drivaer: Path) -> Path:
+    """OpenFOAM's own names (p, wallShearStress) as point data, folders case<i>, one CSV."""
+    raw = drivaer / "own"
+    for i in range(3):
+        src, dst = drivaer / "raw" / f"run_{i}", raw / f"case{i}"
+        dst.mkdir(parents=True)
+        s = _mesh(src, f"boundary_{i}.vtp")
+        cells = pv.PolyData(s.points, faces=s.faces)
+        cells.cell_data["p"] = s.cell_data["pMeanTrim"]
+        cells.cell_data["wallShearStress"] = s.cell_data["wallShearStressMeanTrim"]
+        cells.cell_data_to_point_data(pass_cell_data=False).save(str(dst / f"wall_{i}.vtp"))
+        _copy_csvs(src, dst, i, {"geo_parameters_{i}.csv": "params_{i}.csv"})
+    (drivaer / "own.yaml").write_text(OWN_LAYOUT)
+    return raw
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "domainflow.app.cli", *map(str, args)], env=ENV, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_a_layout_file_of_ones_own_through_the_cli_and_training(drivaer, tmp_path):
+    raw = _own(drivaer)
+    r = _cli("ingest", "cfd", raw, tmp_path / "own.zarr", "--layout", drivaer / "own.yaml", "--parts", "4",
+             "--split", "0.67,0.33,0", "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+    root = zarr.open_group(str(tmp_path / "own.zarr"), mode="r")
+    assert sorted(root["runs"].group_keys()) == ["run_0", "run_1", "run_2"]
+    assert root["runs/run_1"].attrs["folder"] == "case1" and root.attrs["layout"] == "openfoam-cases"
+    surface = pv.read(str(raw / "case1" / "wall_1.vtp")).point_data_to_cell_data(pass_point_data=False)
+    order = root["runs/run_1/surface/order"][...]
+    np.testing.assert_allclose(root["runs/run_1/surface/fields/Cp"][...][:, 0],
+                               np.asarray(surface.cell_data["p"])[order] / Q, rtol=1e-5, atol=1e-6)
+    r = _cli("train", "--out", tmp_path / "train", f"data.store={tmp_path / 'own.zarr'}", "train.steps=1",
+             "model.dim=8", "model.layers=1", "model.heads=2", "model.slices=4", "output.plots=false",
+             "output.progress=false", "data.prefetch=0", "--domain", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    # a reference value given on the command line replaces the layout's
+    r = _cli("ingest", "cfd", raw, tmp_path / "own2.zarr", "--layout", drivaer / "own.yaml", "--parts", "4",
+             "--split", "0.67,0.33,0", "--quiet", "--u-inf", str(2 * U))
+    assert r.returncode == 0, r.stderr[-3000:]
+    cp2 = zarr.open_group(str(tmp_path / "own2.zarr"), mode="r")["runs/run_1/surface/fields/Cp"][...]
+    np.testing.assert_allclose(cp2 * 4, root["runs/run_1/surface/fields/Cp"][...], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("runs: run_{i}\nfiles: {surface: b.vtp}\nfields: {surface: []}", "'files' has no|{i}"),
+    ("runs: run\nfiles: {surface: 'b_{i}.vtp'}\nfields: {surface: []}", "runs='run' must name a folder with one '{i}'"),
+    ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\nfields: {surface: [{name: Cp, source: p, quantity: pressur}]}",
+     "quantity 'pressur' is not one of"),
+    ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\nfields: {volume: [{name: U, source: U, quantity: velocity}]}",
+     "fields.surface is missing"),
+    ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\nfeilds: {}", r"unknown key\(s\) \['feilds'\]"),
+    ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\ndata: points\nfields: {surface: [{name: Cp, source: p, quantity: "
+     "pressure}]}", "data.surface='points' is not one of"),
+])
+def test_layout_mistakes_are_named(tmp_path, text, message):
+    path = tmp_path / "layout.yaml"
+    path.write_text(text)
+    with pytest.raises(IngestError, match=message):
+        load_layout(path)
+
+
+def test_arrays_of_the_wrong_kind_are_named_before_anything_is_written(drivaer, tmp_path):
+    """The AhmedML files read with the WindsorML layout: missing arrays named, cell/point hint given, as the
+    run's one-line error, for both readers; an unknown layout name is one line through the CLI."""
+    raw = drivaer / "ahmed" if (drivaer / "ahmed").exists() else _ahmedml(drivaer)
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("runs: run_{i}\nfiles: {surface: 'boundary_{i}.vtp'}\ndata: point\n"
+                     "fields: {surface: [{name: Cp, source: pMean, quantity: pressure}]}\n")
+    for reader in ("stream", "vtk"):
+        with pytest.raises(IngestError, match=r"boundary_0\.vtp: missing point array\(s\) \['pMean'\] \(\['pMean'\] "
+                                              r"exist as CELL data"):
+            ingest_cfd(raw, tmp_path / f"w-{reader}.zarr", MeshOptions(layout=wrong, parts=4, progress=False,
+                                                                      reader=reader))
+    r = _cli("ingest", "cfd", raw, tmp_path / "x.zarr", "--layout", "starccm")
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode != 0 and len(lines) == 1 and "neither a built-in layout" in lines[0], r.stderr
