@@ -32,6 +32,9 @@ def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
     for module in model.modules():
         if is_sharded(module):
             module.set_gradient_divide_factor(1.0)  # a sum over dp: the samples' weights are in the loss seeds
+            # plain SUM collectives: for float32 FSDP2 would otherwise reduce with PREMUL_SUM(1/factor),
+            # which Gloo refuses (NCCL sums the same either way)
+            module.set_force_sum_reduction_for_comms(True)
     return model
 
 

@@ -50,6 +50,16 @@ def test_fsdp_over_dp_with_a_sharded_domain_equals_one_process(dist, stores, tmp
         assert got[0][2]["state_numel"][key] + got[2][2]["state_numel"][key] == ref_res["state_numel"][key]
 
 
+def test_fsdp_in_float32_sums_with_plain_collectives(dist, stores, tmp_path):  # noqa: F811
+    """float32 (the default dtype): FSDP2 would reduce with PREMUL_SUM, which Gloo refuses; sums instead."""
+    extra = ["train.steps=2", "train.batch=2", "train.dtype=float32"]
+    ref, ref_losses, _ = dist.run(1, _fit, "mesh", stores["mesh"], str(tmp_path / "one"), 1, 1, extra)[0]
+    got = dist.run(4, _fit, "mesh", stores["mesh"], str(tmp_path / "fsdp"), 2, 2, [*extra, "mesh.dp_strategy=fsdp"])
+    for params, losses, _ in got:
+        _assert_same(params, ref, 1e-5)
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
 def test_an_fsdp_checkpoint_resumes_at_another_size_without_fsdp(dist, stores, tmp_path):  # noqa: F811
     """3 steps under FSDP2 at 2 x 2, then 2 more on one dp rank x 2 domain ranks (replicated parameters):
     the same as 5 steps in one process."""
