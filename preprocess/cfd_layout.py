@@ -115,8 +115,10 @@ class Layout:
         return dict(sorted(found.items(), key=lambda kv: int(kv[0][4:])))
 
     def files_of(self, run_dir: Path, run_id: str) -> dict[str, Path]:
-        """The run's files by role: each location, then each CSV."""
-        i = run_id[4:]
+        """The run's files by role: each location, then each CSV; ``{i}`` is the run number as the folder
+        writes it (``run_007`` -> ``boundary_007.vtp``)."""
+        m = self.run_pattern().match(Path(run_dir).name)
+        i = m.group(1) if m else run_id[4:]
         return {**{k: Path(run_dir) / t.format(i=i) for k, t in self.files.items()},
                 **{k: Path(run_dir) / t.format(i=i) for k, t in self.csv.items()}}
 
@@ -145,26 +147,36 @@ def parse_layout(data: dict, where: str) -> Layout:
     if runs.count("{i}") != 1 or "/" in runs:
         raise IngestError(f"layout {where}: runs={runs!r} must name a folder with one '{{i}}' for the run number, "
                           f"e.g. run_{{i}}")
+    _check_template(runs, f"layout {where}: runs")
     files = _mapping(data, "files", where)
     bad = sorted(set(files) - set(LOCATIONS))
     if bad or not files:
         raise IngestError(f"layout {where}: files has location(s) {bad or 'none'}; use surface and/or volume")
     csv = {str(k): str(v) for k, v in _mapping(data, "csv", where).items()}
+    clash = sorted(set(csv) & RESERVED_ATTRS)
+    if clash:
+        raise IngestError(f"layout {where}: csv key(s) {clash} are names a run's attrs already use; rename them")
     for key, template in [*files.items(), *csv.items()]:
-        if "{i}" not in str(template):
-            raise IngestError(f"layout {where}: {key} file {template!r} has no '{{i}}' for the run number")
+        _check_template(str(template), f"layout {where}: {key} file")
     optional = tuple(str(x) for x in data.get("optional_csv", []) or [])
     if set(optional) - set(csv):
         raise IngestError(f"layout {where}: optional_csv {sorted(set(optional) - set(csv))} are not csv keys {sorted(csv)}")
     assoc = data.get("data", "cell")
+    if not isinstance(assoc, (str, dict)):
+        raise IngestError(f"layout {where}: data must be cell, point or a mapping per location, got {assoc!r}")
+    if isinstance(assoc, dict):
+        _only_locations(assoc, files, f"layout {where}: data")
     assoc = {loc: assoc for loc in files} if isinstance(assoc, str) else {**{loc: "cell" for loc in files}, **assoc}
     for loc, a in assoc.items():
         if a not in ASSOCIATIONS:
             raise IngestError(f"layout {where}: data.{loc}={a!r} is not one of {list(ASSOCIATIONS)}")
     fields_in = _mapping(data, "fields", where)
+    _only_locations(fields_in, files, f"layout {where}: fields")
     fields = {}
     for loc in files:
         specs = fields_in.get(loc)
+        if specs is not None and not isinstance(specs, list):
+            raise IngestError(f"layout {where}: fields.{loc} must be a list of fields, got {specs!r}")
         if not specs:
             raise IngestError(f"layout {where}: fields.{loc} is missing: list the fields to store for the {loc}")
         fields[loc] = tuple(_field(s, loc, assoc[loc], f"{where} fields.{loc}[{k}]") for k, s in enumerate(specs))
@@ -180,9 +192,34 @@ def parse_layout(data: dict, where: str) -> Layout:
     except (TypeError, ValueError) as exc:
         raise IngestError(f"layout {where}: reference: {exc}") from None
     cp_check = {str(k): str(v) for k, v in _mapping(data, "cp_check", where).items()}
+    _only_locations(cp_check, files, f"layout {where}: cp_check")
     return Layout(name=str(data.get("name", Path(where).stem)), runs=runs, files={k: str(v) for k, v in files.items()},
                   fields=fields, csv=csv, optional_csv=optional, reference=reference, cp_check=cp_check,
                   source=where)
+
+
+# attrs every run's group holds: a CSV of the same name would overwrite one
+RESERVED_ATTRS = frozenset({"run", "run_id", "fingerprint", "folder", "cells", "stats", "complete", "U_inf", "rho_inf",
+                            "p_inf", "L_ref", "q_inf"})
+
+
+def _check_template(template: str, what: str) -> None:
+    """A file name with ``{i}`` (the run number) and no other field."""
+    import string
+
+    try:
+        names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:
+        raise IngestError(f"{what} {template!r} is not a valid name pattern ({exc})") from None
+    if names.count("i") != 1 or set(names) != {"i"} or "/" in template:
+        raise IngestError(f"{what} {template!r} must hold '{{i}}' (the run number) once and no other {{...}} field, "
+                          f"e.g. boundary_{{i}}.vtp")
+
+
+def _only_locations(mapping: dict, files: dict, what: str) -> None:
+    bad = sorted(str(k) for k in mapping if k not in files)
+    if bad:
+        raise IngestError(f"{what} names {bad}, which the layout's files do not have (it has {sorted(files)})")
 
 
 def _mapping(data: dict, key: str, where: str) -> dict:
@@ -201,7 +238,10 @@ def _field(spec, loc: str, association: str, where: str) -> FieldSpec:
     sources = tuple(spec["source"]) if isinstance(spec["source"], (list, tuple)) else (str(spec["source"]),)
     if not sources or not all(isinstance(s, str) and s for s in sources):
         raise IngestError(f"layout {where}: source must be an array name or a list of scalar array names")
-    components = int(spec.get("components", len(sources)))
+    try:
+        components = int(spec.get("components", len(sources)))
+    except (TypeError, ValueError):
+        raise IngestError(f"layout {where}: components must be a whole number, got {spec.get('components')!r}") from None
     if len(sources) > 1 and components != len(sources):
         raise IngestError(f"layout {where}: {len(sources)} scalar sources make {len(sources)} components, not {components}")
     if components < 1:

@@ -101,8 +101,11 @@ class MeshOptions:
         self.split = check_fractions(self.split)
 
     def config(self) -> dict:
-        return {"parts": self.parts, "partition": self.method, "reference": self.reference.to_attrs(),
-                "layout": self.layout.to_attrs(),
+        # the DrivaerML layout is what every store before layouts was ingested with: left out of the config,
+        # so such a store still resumes (and a complete one is still "nothing to do")
+        layout = {} if self.layout.to_attrs() == load_layout("drivaerml").to_attrs() else \
+            {"layout": self.layout.to_attrs()}
+        return {"parts": self.parts, "partition": self.method, "reference": self.reference.to_attrs(), **layout,
                 "locations": list(self.locations), "volume_points": self.volume_points, "seed": self.seed,
                 "split": list(self.split), "split_file": read_split_file(self.split_file),
                 "chunk_bytes": self.chunk_bytes}

@@ -193,20 +193,27 @@ def check_finite(values: np.ndarray, what: str) -> None:
                           f"fix or drop this run (--on-error skip records it and carries on)")
 
 
+def as_polydata(mesh, name):
+    """A surface as PolyData: itself, or an UnstructuredGrid of polygons with its cells in their order (its
+    data arrays are not carried over)."""
+    import pyvista as pv
+
+    if isinstance(mesh, pv.PolyData):
+        return mesh
+    types = np.asarray(mesh.celltypes)
+    bad = np.flatnonzero(~np.isin(types, (5, 7, 9)))
+    if len(bad):
+        raise IngestError(f"{name}: a surface must consist of polygons only; cell {int(bad[0])} has VTK cell "
+                          f"type {int(types[bad[0]])} (triangles 5, polygons 7 and quads 9 are surface cells)")
+    offsets = np.asarray(mesh.cell_offsets if hasattr(type(mesh), "cell_offsets") else mesh.offset)
+    faces = np.insert(np.asarray(mesh.cell_connectivity), offsets[:-1], np.diff(offsets))
+    return pv.PolyData(np.asarray(mesh.points), faces=faces)
+
+
 def surface_geometry(mesh, name) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Cell centres, unit normals (from each polygon's own winding) and areas of a surface mesh (PolyData, or
     an UnstructuredGrid of polygons, taken as PolyData with its cells in their order)."""
-    import pyvista as pv
-
-    if not isinstance(mesh, pv.PolyData):
-        types = np.asarray(mesh.celltypes)
-        bad = np.flatnonzero(~np.isin(types, (5, 7, 9)))
-        if len(bad):
-            raise IngestError(f"{name}: a surface must consist of polygons only; cell {int(bad[0])} has VTK cell "
-                              f"type {int(types[bad[0]])} (triangles 5, polygons 7 and quads 9 are surface cells)")
-        offsets = np.asarray(mesh.cell_offsets if hasattr(type(mesh), "cell_offsets") else mesh.offset)
-        faces = np.insert(np.asarray(mesh.cell_connectivity), offsets[:-1], np.diff(offsets))
-        mesh = pv.PolyData(np.asarray(mesh.points), faces=faces)
+    mesh = as_polydata(mesh, name)
     others = {"line": mesh.n_lines, "vertex": mesh.n_verts}
     if any(others.values()) or not mesh.n_cells:
         found = ", ".join(f"{n} {k} cells" for k, n in others.items() if n)

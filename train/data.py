@@ -58,9 +58,25 @@ def build_dataset(cfg: Config, mesh, split: str, shuffle: bool, runs=None, extra
 def model_io(cfg: Config, ds) -> ModelIO:
     if cfg.data.kind == "mesh":
         out = sum(int(ds.store.fields[f"{ds.location}/{f}"].get("components", 1)) for f in ds.fields)
+        if cfg.data.use_params:
+            check_params(ds.store)
         globals_ = len(ds.param_names) if cfg.data.use_params else 0
         return ModelIO(sum(_WIDTH[i] for i in cfg.data.inputs), out, globals_)
     return ModelIO(ds.in_channels, len(ds.variables), 0)
+
+
+def check_params(store) -> None:
+    """Every run has the same design parameters (a layout's optional geometry CSV may be missing for some):
+    else one ConfigError naming the runs, before any run trains with NaN or without its globals."""
+    from .config import ConfigError
+
+    names = {r: tuple(sorted(store.run(r).attrs.get("geometry", {}))) for r in store.runs()}
+    kinds = sorted(set(names.values()), key=lambda k: -sum(v == k for v in names.values()))
+    if len(kinds) > 1:
+        odd = sorted((r for r, k in names.items() if k != kinds[0]), key=lambda r: (len(r), r))
+        raise ConfigError(f"{store.path}: run(s) {odd[:10]}{' ...' if len(odd) > 10 else ''} have other design "
+                          f"parameters than the rest ({len(kinds[0])} named in a geometry CSV; a layout's optional CSV "
+                          f"missing for them?); set data.use_params=false, or re-ingest without those runs")
 
 
 def param_stats(ds) -> tuple[np.ndarray, np.ndarray] | None:

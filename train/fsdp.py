@@ -18,16 +18,19 @@ STRATEGIES = ("allreduce", "fsdp")
 
 
 def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """Shard ``model`` over ``mesh["dp"]``: each block of an ``nn.ModuleList`` (a transformer's layers, a UNet's
-    levels) as its own FSDP2 unit, so only one block's parameters are gathered at a time, then the rest."""
+    """Shard ``model`` over ``mesh["dp"]``: each block of an ``nn.ModuleList``/``ModuleDict`` (a transformer's
+    layers, a UNet's levels; nested ones too, innermost first) as its own FSDP2 unit, so only one block's
+    parameters are gathered at a time, then the rest."""
     from torch.distributed.fsdp import fully_shard
 
     dp = mesh["dp"]
-    for module in list(model.modules()):
-        if isinstance(module, torch.nn.ModuleList):
-            for block in module:
-                if any(p.requires_grad for p in block.parameters()):
-                    fully_shard(block, mesh=dp)
+    containers = (torch.nn.ModuleList, torch.nn.ModuleDict)  # no forward of their own: their elements are blocks
+    blocks = {id(b) for m in model.modules() if isinstance(m, containers)
+              for b in (m.values() if isinstance(m, torch.nn.ModuleDict) else m) if not isinstance(b, containers)}
+    # deepest first (reversed pre-order), so a block holding blocks is sharded after them, as FSDP2 requires
+    for module in reversed(list(model.modules())):
+        if id(module) in blocks and module is not model and any(p.requires_grad for p in module.parameters()):
+            fully_shard(module, mesh=dp)
     fully_shard(model, mesh=dp)
     for module in model.modules():
         if is_sharded(module):

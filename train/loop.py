@@ -181,6 +181,10 @@ class Trainer:
         if not self.sharded:
             for p, g in zip(params, grads):
                 p.grad = g
+        else:  # as replicated: a parameter the step did not use gets a zero gradient (AdamW still decays it)
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
         return float(extra[1] / extra[2]) if float(extra[2]) else float("nan")
 
     def train_step(self, samples) -> StepLog:

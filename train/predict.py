@@ -67,12 +67,23 @@ def raw_surface_path(store, run: str, n_cells: int | None = None) -> Path | None
     source = store.attrs.get("domainflow", {}).get("source")
     if not source:
         return None
-    path = Path(source) / run / f"boundary_{str(run).rsplit('_', 1)[-1]}.vtp"   # run_<i>/boundary_<i>.vtp
+    # the layout it was ingested with (a store without one: DrivaerML's run_<i>/boundary_<i>.vtp)
+    layout = store.attrs.get("ingest", {}).get("config", {}).get("layout") or \
+        {"runs": "run_{i}", "files": {"surface": "boundary_{i}.vtp"}}
+    template = layout.get("files", {}).get("surface")
+    try:
+        folder = str(store.run(run).attrs.get("folder", run))
+    except Exception:  # noqa: BLE001  (no such run: no raw surface)
+        return None
+    head, _, tail = layout.get("runs", "run_{i}").partition("{i}")
+    if not template or not folder.startswith(head) or not folder.endswith(tail):
+        return None
+    path = Path(source) / folder / template.format(i=folder[len(head):len(folder) - len(tail)])
     if not path.exists():
         return None
     try:
         with VtkXmlFile(path) as f:
-            polys = f.cell_counts().get("Polys", 0)
+            polys = f.cell_counts().get("Polys" if f.kind == "PolyData" else "Cells", 0)
             if n_cells is not None and (polys != n_cells or f.n_cells != n_cells):
                 return None
     except (IngestError, OSError, ValueError):  # a raw file that no longer reads: fall back to the cell centres
@@ -87,8 +98,10 @@ def raw_surface(store, run: str):
     path = raw_surface_path(store, run)
     if path is None:
         return None
+    from domainflow.preprocess.vtk_io import as_polydata
+
     try:
-        return pv.read(path)
+        return as_polydata(pv.read(path), path)  # a surface given as a .vtu of polygons too
     except Exception:  # noqa: BLE001  (a raw file VTK no longer reads: fall back to the cell centres)
         return None
 

@@ -31,8 +31,8 @@ def write_piece(path: Path, ids: np.ndarray, arrays: dict, raw: Path | None, coo
     """Cells ``ids`` (original ids, ascending) with ``arrays`` (rows in the same order) as cell data, plus
     ``cell_id``: the raw surface's polygons of those cells, or vertices at ``coords``."""
     if raw is not None:
-        with VtkXmlFile(raw) as f:
-            sizes, conn = f.cells_of(ids)
+        with VtkXmlFile(raw) as f:  # polygons of a .vtp, or the 2-D cells of a surface given as a .vtu
+            sizes, conn = f.cells_of(ids, section="Polys" if f.kind == "PolyData" else "Cells")
             points, conn = f.points_of(conn)
         topology = "Polys"
     else:
@@ -112,7 +112,7 @@ def assemble(path: Path, pieces: list[Path], n_cells: int, raw: Path | None) -> 
                     out[where] = np.concatenate([f.read("cell", n, a, b) for f, (a, b) in zip(files, spans)])
                     w.append("CellData", n, out)
                 if geometry is not None:
-                    sizes, conn = geometry.cell_block(lo, hi, "Polys")
+                    sizes, conn = geometry.cell_block(lo, hi, "Polys" if geometry.kind == "PolyData" else "Cells")
                     w.append("Polys", "connectivity", conn)
                     w.append("Polys", "offsets", end + np.cumsum(sizes))
                     end += int(sizes.sum())

@@ -54,6 +54,10 @@ def preflight(cfg: Config, resume: bool) -> None:
         if d.kind == "mesh":
             check_request(store, d.location, d.fields, d.inputs, store.runs("train"), cfg.mesh.domain)
             store.runs(d.val_split)
+            if d.use_params:
+                from .data import check_params
+
+                check_params(store)
         else:
             missing = [s for s in ("train", d.val_split) if s not in store.splits]
             if missing:

@@ -120,6 +120,11 @@ def test_ahmedml_layout_gives_the_drivaerml_store(drivaer, tmp_path):
     assert root.attrs["fields"]["surface/Cp"]["source"] == "pMean"
     run2 = root["runs/run_2"].attrs
     assert "geometry" not in run2 and "cd" in run2["forces_constref"]  # the optional CSV it lacks
+    # run 2's missing design parameters: training with them is refused by name, before any rank starts
+    r = _cli("train", "--out", tmp_path / "t", f"data.store={tmp_path / 'ahmed.zarr'}")
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode != 0 and len(lines) == 1 and "run(s) ['run_2'] have other design parameters" in lines[0] \
+        and "data.use_params=false" in lines[0], r.stderr
     for run in ("run_0", "run_1", "run_2"):
         for loc in ("surface", "volume"):
             want, got = _fields(drivaer / "drivaer.zarr", run, loc), _fields(tmp_path / "ahmed.zarr", run, loc)
@@ -206,6 +211,13 @@ def test_a_layout_file_of_ones_own_through_the_cli_and_training(drivaer, tmp_pat
              "model.dim=8", "model.layers=1", "model.heads=2", "model.slices=4", "output.plots=false",
              "output.progress=false", "data.prefetch=0", "--domain", "2")
     assert r.returncode == 0, r.stderr[-3000:]
+    # predict finds the raw surface through the layout (case1/wall_1.vtp) and writes onto its polygons
+    r = _cli("predict", tmp_path / "train" / "checkpoints", tmp_path / "own.zarr", tmp_path / "p.vtp", "--run", "run_1",
+             "--domain", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out, raw_surface = pv.read(str(tmp_path / "p.vtp")), pv.read(str(raw / "case1" / "wall_1.vtp"))
+    assert out.n_cells == raw_surface.n_cells and out.n_verts == 0 and "Cp_pred" in out.cell_data
+    np.testing.assert_array_equal(out.faces, raw_surface.faces)
     # a reference value given on the command line replaces the layout's
     r = _cli("ingest", "cfd", raw, tmp_path / "own2.zarr", "--layout", drivaer / "own.yaml", "--parts", "4",
              "--split", "0.67,0.33,0", "--quiet", "--u-inf", str(2 * U))
@@ -214,14 +226,40 @@ def test_a_layout_file_of_ones_own_through_the_cli_and_training(drivaer, tmp_pat
     np.testing.assert_allclose(cp2 * 4, root["runs/run_1/surface/fields/Cp"][...], rtol=1e-5, atol=1e-6)
 
 
+def test_zero_padded_run_folders_keep_their_digits_in_file_names(drivaer, tmp_path):
+    """run_007/boundary_007.vtp: the store calls it run_7, the files are found by the folder's own digits."""
+    raw = tmp_path / "padded"
+    for i in range(3):
+        src, dst = drivaer / "raw" / f"run_{i}", raw / f"run_{i:03d}"
+        dst.mkdir(parents=True)
+        for f in src.iterdir():
+            shutil.copy(f, dst / f.name.replace(f"_{i}.", f"_{i:03d}."))
+    ingest_cfd(raw, tmp_path / "p.zarr", MeshOptions(parts=4, locations=("surface",), progress=False,
+                                                    split=(0.67, 0.33, 0.0)))
+    root = zarr.open_group(str(tmp_path / "p.zarr"), mode="r")
+    assert sorted(root["runs"].group_keys()) == ["run_0", "run_1", "run_2"]
+    assert root["runs/run_1"].attrs["folder"] == "run_001"
+    np.testing.assert_array_equal(_fields(tmp_path / "p.zarr", "run_1", "surface")["Cp"],
+                                  _fields(drivaer / "drivaer.zarr", "run_1", "surface")["Cp"])
+
+
 @pytest.mark.parametrize("text,message", [
     ("runs: run_{i}\nfiles: {surface: b.vtp}\nfields: {surface: []}", "'files' has no|{i}"),
     ("runs: run\nfiles: {surface: 'b_{i}.vtp'}\nfields: {surface: []}", "runs='run' must name a folder with one '{i}'"),
     ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\nfields: {surface: [{name: Cp, source: p, quantity: pressur}]}",
      "quantity 'pressur' is not one of"),
-    ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\nfields: {volume: [{name: U, source: U, quantity: velocity}]}",
-     "fields.surface is missing"),
+    ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp', volume: 'v_{i}.vtu'}\nfields: {volume: [{name: U, source: U, "
+     "quantity: velocity}]}", "fields.surface is missing"),
     ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\nfeilds: {}", r"unknown key\(s\) \['feilds'\]"),
+    ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\nfields: {surface: [{name: Cp, source: p, quantity: pressure}], "
+     "volume: [{name: U, source: U, quantity: velocity}]}", r"fields names \['volume'\], which the layout's files"),
+    ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\ndata: {surfaces: point}\nfields: {surface: [{name: Cp, "
+     "source: p, quantity: pressure}]}", r"data names \['surfaces'\]"),
+    ("runs: run_{i}\nfiles: {surface: 'b_{i}_{case}.vtp'}\nfields: {surface: []}", "no other {...} field"),
+    ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\ncsv: {fingerprint: 'f_{i}.csv'}\nfields: {surface: []}",
+     r"csv key\(s\) \['fingerprint'\] are names a run's attrs already use"),
+    ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\nfields: {surface: [{name: Cf, source: t, components: three, "
+     "quantity: shear}]}", "components must be a whole number"),
     ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\ndata: points\nfields: {surface: [{name: Cp, source: p, quantity: "
      "pressure}]}", "data.surface='points' is not one of"),
 ])

@@ -138,16 +138,33 @@ def test_an_interrupted_upload_resumes_and_readers_refuse_it_meanwhile(s3, raw, 
 
 
 def test_a_store_at_the_url_is_replaced_only_with_overwrite(s3, raw, stores):
-    url = "s3://bucket/cars.zarr"
+    from domainflow.preprocess.synth_drivaerml import synth_drivaerml
+
+    url, fs = "s3://bucket/cars.zarr", s3["fs"]
     other = s3["root"] / "elsewhere"  # another machine's staging: it did not build what is at the URL
     r = _cli(s3["env"], "ingest", "cfd", raw, url, *INGEST, "--staging", other)
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode != 0 and len(lines) == 1 and "already holds a store" in lines[0] and "--overwrite" in lines[0], \
         r.stderr
-    r = _cli(s3["env"], "ingest", "cfd", raw, url, *INGEST[:-1], "--parts", "8", "--staging", other, "--overwrite",
-             "--quiet")
+    # new data of the same sizes (another seed): every object is sent again, none of the old one is kept
+    raw2 = s3["root"] / "raw2"
+    synth_drivaerml(raw2, runs=3, cells=600, seed=6, volume_cells=200, volume_pieces=1)
+    r = _cli(s3["env"], "ingest", "cfd", raw2, url, *INGEST, "--staging", other, "--overwrite")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert open_store(url).parts == 8
+    staged = next(p for p in other.iterdir() if p.is_dir() and p.name.endswith("cars.zarr"))
+    files = sorted(str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file())
+    assert sorted(o[len("bucket/cars.zarr/"):] for o in fs.find("bucket/cars.zarr")) == files
+    differ = [f for f in files if fs.cat_file(f"bucket/cars.zarr/{f}") != (staged / f).read_bytes()]
+    assert not differ, differ[:5]
+
+
+def test_a_url_holding_other_objects_is_not_touched_without_overwrite(s3, raw):
+    fs = s3["fs"]
+    fs.pipe_file("bucket/projects/notes.txt", b"keep me")
+    r = _cli(s3["env"], "ingest", "cfd", raw, "s3://bucket/projects", *INGEST, "--staging", s3["root"] / "st3")
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode != 0 and len(lines) == 1 and "1 object(s) but no domainflow store" in lines[0], r.stderr
+    assert fs.cat_file("bucket/projects/notes.txt") == b"keep me"
 
 
 def test_a_store_served_over_http(s3, stores):

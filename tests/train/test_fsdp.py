@@ -171,3 +171,57 @@ def test_fsdp_through_the_cli_and_predict_from_its_checkpoint(dist, stores, tmp_
     assert r.returncode == 0 and (tmp_path / "run.vtp").exists(), r.stderr[-3000:]
     r = cli("train", "--out", tmp_path / "bad", f"data.store={stores['mesh']}", "mesh.dp_strategy=zero3")
     assert r.returncode != 0 and "mesh.dp_strategy='zero3' is not one of ['allreduce', 'fsdp']" in r.stderr, r.stderr
+
+
+class _Block(torch.nn.Module):
+    """A block holding a ModuleList of its own (and a frozen layer): FSDP2 must shard the inner ones first."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+        self.frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+
+    def forward(self, x):
+        for layer in self.inner:
+            x = torch.tanh(layer(x))
+        return self.frozen(x)
+
+
+class _Nested(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.levels = torch.nn.ModuleList([_Block(), torch.nn.ModuleList([_Block(), _Block()])])
+
+    def forward(self, x):
+        x = self.levels[0](x)
+        for block in self.levels[1]:
+            x = block(x)
+        return x
+
+
+def _nested_rank():
+    from domainflow import Shard, ShardTensor
+    from domainflow.train.fsdp import shard_model
+
+    mesh = get_mesh((2, 2), ("dp", "domain"))
+    dp, dom = mesh.get_coordinate()
+    model = shard_model(_Nested().double(), mesh)
+    x = torch.randn(2, 1, 10, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    sizes = [7, 3]
+    lo, hi = sum(sizes[:dom]), sum(sizes[:dom + 1])
+    xs = ShardTensor.from_local(x[dp, :, lo:hi].contiguous(), mesh["domain"], [Shard(1)], sharding_shapes={"domain": sizes})
+    (model(xs) ** 2).mean().backward()
+    return [p.grad.full_tensor().clone() if p.grad is not None else None for p in model.parameters()]
+
+
+def test_nested_module_lists_are_sharded_innermost_first(dist):
+    ref = _Nested().double()
+    x = torch.randn(2, 1, 10, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (ref(x) ** 2).mean(dim=(1, 2, 3)).sum().backward()  # FSDP2 sums the two dp samples' mean losses
+    for grads in dist.run(4, _nested_rank):
+        for got, p in zip(grads, ref.parameters()):
+            if p.grad is None:
+                assert got is None
+            else:
+                torch.testing.assert_close(got, p.grad, rtol=1e-10, atol=1e-12)
