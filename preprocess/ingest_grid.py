@@ -326,12 +326,20 @@ def _missing_values(writer: StoreWriter, root, store: Path, src: ClimateSource, 
     values = {c: fill_value(fill[c.name], stats[f"grid/{c.name}"]["mean"][0])
               for c in src.reader.channels if c.name in totals}
     by_index = {str(k): values[c] for k, c in enumerate(src.reader.channels) if c in values}
+    # where the values were missing, per filled channel and step (scores leave those points out): written by
+    # every block's task, each chunk a time step's tile, so no two tasks share a chunk
+    mask_of = {k: f for f, k in enumerate(by_index)}
+    if by_index and "missing" not in root:
+        T, H, W = src.shape
+        root.create_array("missing", shape=(T, len(by_index), H, W), chunks=(1, 1, *root["data"].chunks[2:]),
+                          dtype="bool", dimension_names=["time", "channel", "lat", "lon"],
+                          attributes={"channels": [src.reader.channels[int(k)].name for k in by_index]},
+                          **chunk_options())
     tasks = {}
     for info in blocks:
         t0, t1 = info["block"]
-        mine = {k: v for k, v in by_index.items() if src.reader.channels[int(k)].name in info.get("missing", {})}
-        if mine:
-            tasks[f"fill-{t0:09d}-{t1:09d}"] = (str(store), t0, t1, mine)
+        if by_index:
+            tasks[f"fill-{t0:09d}-{t1:09d}"] = (str(store), t0, t1, by_index, mask_of)
     # the values are fixed before the first fill task starts: a task killed mid-way has filled some chunks
     # already, so a rerun with other values would mix two fills in one channel
     plan = done.get("fill-plan")
@@ -345,13 +353,13 @@ def _missing_values(writer: StoreWriter, root, store: Path, src: ClimateSource, 
                          progress=opts.progress):
         report.tasks.append(out)
     return {c.name: {"count": totals[c.name]["count"], "policy": "mean" if fill[c.name] == "mean" else "value",
-                     "value": v} for c, v in values.items()}
+                     "value": v, "mask": "missing"} for c, v in values.items()}
 
 
-def fill_task(name: str, store: str, t0: int, t1: int, values: dict) -> dict:
-    """Fill one block's missing values and mark it filled (a dask task)."""
+def fill_task(name: str, store: str, t0: int, t1: int, values: dict, mask_of: dict | None = None) -> dict:
+    """Fill one block's missing values, recording where in the store's mask, and mark it filled (a dask task)."""
     start, rss0 = time.perf_counter(), reset_peak_memory()
-    filled = fill_block(store, t0, t1, values)
+    filled = fill_block(store, t0, t1, values, mask_of)
     StoreWriter(store).mark_block(name, {"fill": values})
     return {"name": name, "filled": filled, "seconds": time.perf_counter() - start, "cells": {}, "raw_bytes": 0,
             "peak_rss": peak_memory(), "start_rss": rss0}

@@ -90,18 +90,25 @@ def fill_value(policy, mean: float) -> float:
     return float(np.float32(mean if policy == "mean" else policy))
 
 
-def fill_block(store: str, t0: int, t1: int, values: dict) -> int:
-    """Replace the NaNs of ``data[t0:t1, c]`` by ``values[c]`` ({channel index: number}); returns how many
-    (rerunning it is harmless: a filled block holds no NaN)."""
+def fill_block(store: str, t0: int, t1: int, values: dict, mask_of: dict | None = None) -> int:
+    """Replace the NaNs of ``data[t0:t1, c]`` by ``values[c]`` ({channel index: number}); returns how many.
+    With ``mask_of`` ({channel index: index in the store's ``missing`` array}) the places filled are first
+    added to that mask, which scores use to leave filled points out. Rerunning it is harmless: a filled
+    block holds no NaN, and the mask is only ever added to."""
     import zarr
 
     from .store_writer import for_writing
 
-    out = for_writing(zarr.open_group(store, mode="r+")["data"])
+    root = zarr.open_group(store, mode="r+")
+    out = for_writing(root["data"])
+    mask = for_writing(root["missing"]) if mask_of else None
     filled = 0
     for c, v in values.items():
         block = np.asarray(out[t0:t1, int(c)])
         nan = np.isnan(block)
+        if mask is not None:  # before the fill: a task killed between the two redoes both
+            f = int(mask_of[c])
+            mask[t0:t1, f] = np.asarray(mask[t0:t1, f]) | nan
         if nan.any():
             block[nan] = v
             out[t0:t1, int(c)] = block

@@ -208,6 +208,29 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
                                        slice(lon.start, lon.stop)), orthogonal=True)
         return self._prepare(np.asarray(block)[None])
 
+    @property
+    def has_mask(self) -> bool:
+        """The store records where filled values were missing (``ingest climate --fill``)."""
+        return "missing" in self.store.group
+
+    def read_valid(self, t: int) -> np.ndarray:
+        """This rank's (1, C, h, w) block of step ``t``: 1 where the value was read, 0 where it was missing and
+        filled at ingest (scores leave those points out); all ones for a channel never filled."""
+        lat, lon = self.slabs["lat"], self.slabs["lon"]
+        h, w = lat.stop - lat.start, lon.stop - lon.start
+        out = np.ones((1, len(self.channels), h, w), self._np_dtype)
+        if not self.has_mask:
+            return out
+        mask = self.store.group["missing"]
+        names = list(mask.attrs.get("channels", []))
+        all_vars = list(self.store.attrs.get("grid", {}).get("variables", []))
+        for k, c in enumerate(self.channels):
+            if all_vars[c] in names:
+                f = names.index(all_vars[c])
+                block = self.store.read(mask, (t, f, slice(lat.start, lat.stop), slice(lon.start, lon.stop)))
+                out[0, k] = ~np.asarray(block, dtype=bool)
+        return out
+
     def lat_weights(self, dtype=torch.float64):
         """cos(latitude) normalised to mean 1 over the grid (WeatherBench 2's area weights on a regular grid), as
         a (1, 1, H, 1) ShardTensor laid out like the samples' latitude (replicated over a longitude axis)."""

@@ -22,22 +22,30 @@ import numpy as np
 import torch
 
 
-def forecast_terms(f, o, clim, weights) -> dict:
+def forecast_terms(f, o, clim, weights, valid=None) -> dict:
     """Per channel of one forecast: ``mse`` and ``acc`` (numpy arrays of C values). ``f``, ``o``, ``clim``:
     (1, C, H, W) z-scored forecast, truth and climatology (ShardTensors or plain tensors); ``weights``: the
-    (1, 1, H, 1) latitude weights laid out like them."""
+    (1, 1, H, 1) latitude weights laid out like them; ``valid``: (1, C, H, W) 1 where the truth was observed, 0
+    where it was missing and filled at ingest (those points are left out, as WeatherBench 2's NaN-skipping
+    weighted means do: the MSE is then divided by the weights of the valid points)."""
     from domainflow import reduce_partials
 
     f, o, clim = (x.to(torch.float64) for x in (f, o, clim))
     fa, oa = f - clim, o - clim
     dims = (0, 2, 3)
-    sums = reduce_partials((weights * (f - o) ** 2).sum(dims), (weights * fa * oa).sum(dims),
-                           (weights * fa * fa).sum(dims), (weights * oa * oa).sum(dims))
-    se, num, ff, oo = (_plain(s).cpu().numpy() for s in sums)
-    cells = f.shape[2] * f.shape[3]
+    if valid is None:
+        sums = reduce_partials((weights * (f - o) ** 2).sum(dims), (weights * fa * oa).sum(dims),
+                               (weights * fa * fa).sum(dims), (weights * oa * oa).sum(dims))
+        norm = np.full(f.shape[1], float(f.shape[2] * f.shape[3]))  # the weights' sum: mean 1 over the grid
+    else:
+        w = weights * valid.to(torch.float64)
+        sums = reduce_partials((w * (f - o) ** 2).sum(dims), (w * fa * oa).sum(dims), (w * fa * fa).sum(dims),
+                               (w * oa * oa).sum(dims), w.sum(dims))
+        norm = _plain(sums[4]).cpu().numpy()
+    se, num, ff, oo = (_plain(s).cpu().numpy() for s in sums[:4])
     denom = np.sqrt(ff * oo)
     acc = np.divide(num, denom, out=np.zeros_like(num), where=denom > 0)
-    return {"mse": se / cells, "acc": acc}
+    return {"mse": np.divide(se, norm, out=np.zeros_like(se), where=norm > 0), "acc": acc}
 
 
 def _plain(t):

@@ -133,7 +133,9 @@ def _grid_rows(ds, model, cfg, split: str) -> list[dict]:
             valid = t + k * ds.lead
             truth = sample["target"] if k == 1 else ds.shard(ds.read_truth(valid))
             clim = ds.shard(ds.read_climatology(valid)) if ds.has_climatology else torch.zeros_like(truth)
-            row["leads"][str(k)] = {name: {key: v.tolist() for key, v in forecast_terms(f, truth, clim, weights).items()}
+            observed = ds.shard(ds.read_valid(valid)) if ds.has_mask else None  # filled points left out
+            row["leads"][str(k)] = {name: {key: v.tolist() for key, v in
+                                           forecast_terms(f, truth, clim, weights, observed).items()}
                                     for name, f in (("model", pred), ("persistence", persistence),
                                                     ("climatology", clim))}
         rows.append(row)
@@ -164,6 +166,7 @@ def _summarise_grid(rows: list[dict], ds, cfg) -> dict:
     T, _, H, W = ds.data.shape
     missing = ds.store.attrs.get("grid", {}).get("missing", {})
     out["filled"] = {v: missing[v]["count"] / (T * H * W) for v in ds.variables if v in missing}
+    out["filled_scored"] = not ds.has_mask  # a store from before the mask: its filled points are in the scores
     return out
 
 

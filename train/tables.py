@@ -28,6 +28,7 @@ def grid_table(summ: dict) -> list[str]:
                          f"{entry['climatology'][key]:>13.4f}")
     lines.append("RMSE latitude-weighted, in each variable's units; ACC against " + summ.get("climatology_source", ""))
     for v, share in summ.get("filled", {}).items():
-        lines.append(f"{v}: {100 * share:.3g}% of its values were missing and are filled (ingest --fill); its scores "
-                     f"include those points")
+        scored = ("its scores include those points (a store ingested before the missing mask: re-ingest it to "
+                  "leave them out)") if summ.get("filled_scored") else "its scores leave those points out"
+        lines.append(f"{v}: {100 * share:.3g}% of its values were missing and are filled (ingest --fill); {scored}")
     return lines

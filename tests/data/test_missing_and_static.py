@@ -65,7 +65,10 @@ def test_gaps_are_counted_over_the_whole_source_then_filled_on_rerun(cds, tmp_pa
     np.testing.assert_allclose(stats["mean"][0], valid_mean, rtol=1e-12)
     np.testing.assert_allclose(stats["std"][0], np.std(sst[train][~nan[train]].astype(np.float64)), rtol=1e-9)
     assert root.attrs["grid"]["missing"] == {"sst": {"count": int(nan.sum()), "policy": "mean",
-                                                     "value": float(np.float32(valid_mean))}}
+                                                     "value": float(np.float32(valid_mean)), "mask": "missing"}}
+    # where the values were missing, as xarray decodes them: the mask scores leave out
+    assert root["missing"].attrs["channels"] == ["sst"]
+    np.testing.assert_array_equal(np.asarray(root["missing"][:, 0]), nan)
     np.testing.assert_array_equal(np.asarray(root["data"][:, names.index("t2m")]), _decoded(cds, "t2m"))
     # a complete store is never refilled with another policy behind the user's back
     with pytest.raises(IngestError, match="different options.*fill"):
@@ -156,8 +159,11 @@ def test_a_fill_killed_midway_is_not_resumed_with_other_values(cds, tmp_path, mo
     with pytest.raises(IngestError, match=r"was being filled with \{'0': 111.0\}.*asks \{'0': 222.0\}"):
         ingest_climate(str(cds), store, progress=False, variables=("sst",), time_block=20, fill="sst=222")
     ingest_climate(str(cds), store, progress=False, variables=("sst",), time_block=20, fill="sst=111")
-    data = np.asarray(zarr.open_group(store, mode="r")["data"][...])
+    root = zarr.open_group(store, mode="r")
+    data = np.asarray(root["data"][...])
     assert not np.isnan(data).any() and not (data == 222).any() and (data == 111).any()
+    # the killed block's task ran again on data it had filled already: its mask still marks the gaps
+    np.testing.assert_array_equal(np.asarray(root["missing"][:, 0]), np.isnan(_decoded(cds, "sst")))
     with pytest.raises(IngestError, match="within float32's range"):
         ingest_climate(str(cds), tmp_path / "x.zarr", progress=False, variables=("sst",), fill="sst=1e40")
 
@@ -181,3 +187,27 @@ def test_a_static_field_given_twice_and_surface_geopotential_next_to_pressure_le
     assert root.attrs["grid"]["static"] == ["lsm", "z"] and "lsm" not in channels
     assert {"z500", "z850", "t2m"} <= set(channels) and "z" not in channels
     np.testing.assert_allclose(np.asarray(root["static"][1]), surface.values[0], rtol=1e-6)
+
+
+def _valid_blocks(store, t):
+    from dist_pool import rank_and_world
+
+    from domainflow.readers import GridDataset
+    from sharded_check import get_mesh
+
+    _, world = rank_and_world()
+    ds = GridDataset(store, get_mesh((world,), ("domain",)), split="train", prefetch=0, variables=["t2m", "sst"])
+    return ds.has_mask, ds.read_valid(t)
+
+
+def test_each_rank_reads_its_block_of_the_missing_mask(cds, tmp_path, dist):
+    """What the scores leave out: 0 where SST was missing (and filled), 1 elsewhere and for t2m, per rank."""
+    store = tmp_path / "g.zarr"
+    ingest_climate(str(cds / "*.nc"), store, progress=False, split=SPLIT, variables=VARS, fill={"sst": "mean"})
+    nan = np.isnan(_decoded(cds, "sst"))
+    t = int(np.nonzero(nan.any(axis=(1, 2)))[0][0])
+    blocks = dist.run(2, _valid_blocks, str(store), t)
+    assert all(has for has, _ in blocks)
+    valid = np.concatenate([b for _, b in blocks], axis=2)[0]  # ranks split the latitude rows
+    np.testing.assert_array_equal(valid[1], ~nan[t])
+    assert (valid[0] == 1).all()

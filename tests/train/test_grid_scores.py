@@ -63,6 +63,40 @@ def _numpy_terms(f, o, clim):
     return mse, acc
 
 
+def _valid(seed=0):
+    """Channel 1 missing on a land-like patch (filled at ingest); the others observed everywhere."""
+    v = np.ones((1, C, H, W))
+    v[0, 1, 2:5, 3:8] = 0
+    return v
+
+
+def _numpy_masked(f, o, clim, valid):
+    """WeatherBench 2 on NaN-masked truth: xarray's weighted means over the observed points only."""
+    mse, acc = [], []
+    w = np.broadcast_to(_weights().reshape(H, 1), (H, W))
+    for c in range(C):
+        keep = valid[0, c] > 0
+        wk, fk, ok, ck = w[keep], f[0, c][keep], o[0, c][keep], clim[0, c][keep]
+        mse.append((wk * (fk - ok) ** 2).sum() / wk.sum())
+        fa, oa = fk - ck, ok - ck
+        acc.append((wk * fa * oa).sum() / np.sqrt((wk * fa ** 2).sum() * (wk * oa ** 2).sum()))
+    return np.array(mse), np.array(acc)
+
+
+def test_points_filled_at_ingest_are_left_out_of_the_scores():
+    f, o, clim = _fields(4)
+    valid = _valid()
+    o_filled = np.where(valid > 0, o, 0.0)  # what the store holds there: a fill value
+    got = forecast_terms(_t(f), _t(o_filled), _t(clim), _w(), _t(valid))
+    mse, acc = _numpy_masked(f, o, clim, valid)
+    np.testing.assert_allclose(got["mse"], mse, rtol=1e-12)
+    np.testing.assert_allclose(got["acc"], acc, rtol=1e-12)
+    plain = forecast_terms(_t(f), _t(o), _t(clim), _w())  # all ones: the unmasked scores exactly
+    all_valid = forecast_terms(_t(f), _t(o), _t(clim), _w(), _t(np.ones((1, C, H, W))))
+    np.testing.assert_allclose(all_valid["mse"], plain["mse"], rtol=1e-12)
+    np.testing.assert_allclose(all_valid["acc"], plain["acc"], rtol=1e-12)
+
+
 def test_scores_equal_the_numpy_formula_on_one_process():
     for seed in range(3):
         f, o, clim = _fields(seed)
@@ -82,15 +116,19 @@ def _sharded_terms(seed, lon_too):
     f, o, clim = _fields(seed)
     place = [Shard(2), Shard(3)] if lon_too else [Shard(2)]
     wplace = [Shard(2), Replicate()] if lon_too else [Shard(2)]
-    fs, os_, cs = (df.distribute_tensor(_t(x), mesh, place) for x in (f, o, clim))
+    fs, os_, cs, vs = (df.distribute_tensor(_t(x), mesh, place) for x in (f, o, clim, _valid()))
     got = forecast_terms(fs, os_, cs, df.distribute_tensor(_w(), mesh, wplace))
-    return got["mse"], got["acc"]
+    masked = forecast_terms(fs, os_, cs, df.distribute_tensor(_w(), mesh, wplace), vs)
+    return got["mse"], got["acc"], masked["mse"], masked["acc"]
 
 
 @pytest.mark.parametrize("world,lon_too", [(2, False), (3, False), (4, True)])
 def test_scores_on_a_grid_split_over_ranks_equal_one_process(dist, world, lon_too):
     for seed in range(2):
         mse, acc = _numpy_terms(*_fields(seed))
-        for got_mse, got_acc in dist.run(world, _sharded_terms, seed, lon_too):
+        masked_mse, masked_acc = _numpy_masked(*_fields(seed), _valid())
+        for got_mse, got_acc, got_mmse, got_macc in dist.run(world, _sharded_terms, seed, lon_too):
             np.testing.assert_allclose(got_mse, mse, rtol=1e-12)
             np.testing.assert_allclose(got_acc, acc, rtol=1e-12)
+            np.testing.assert_allclose(got_mmse, masked_mse, rtol=1e-12)
+            np.testing.assert_allclose(got_macc, masked_acc, rtol=1e-12)

@@ -298,6 +298,7 @@ def test_tiny_climate_demo_runs_end_to_end(tmp_path):
     store = zarr.open_group(tmp_path / "demo" / "grid.zarr", mode="r")
     assert store.attrs["grid"]["static"] == ["lsm"] and {"z500", "t850", "sst"} <= set(store.attrs["grid"]["variables"])
     assert store.attrs["grid"]["missing"]["sst"]["count"] > 0 and 0 < summary["filled"]["sst"] < 1
+    assert summary["filled_scored"] is False  # SST's land points are left out of its scores (the store's mask)
     assert {"rmse_z500", "acc_t850", "rmse_sst"} <= set(summary["model"])
     assert (tmp_path / "demo" / "train" / "loss.png").exists()
     assert list((tmp_path / "demo" / "train").glob("map_*.png"))
