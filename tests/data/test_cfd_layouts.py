@@ -19,6 +19,7 @@ import pytest
 pv = pytest.importorskip("pyvista")
 zarr = pytest.importorskip("zarr")
 
+from cli_runner import run_cli  # noqa: E402
 from domainflow.preprocess.cfd_layout import load_layout  # noqa: E402
 from domainflow.preprocess.errors import IngestError  # noqa: E402
 from domainflow.preprocess.ingest_mesh import MeshOptions, ingest_cfd  # noqa: E402
@@ -121,7 +122,7 @@ def test_ahmedml_layout_gives_the_drivaerml_store(drivaer, tmp_path):
     run2 = root["runs/run_2"].attrs
     assert "geometry" not in run2 and "cd" in run2["forces_constref"]  # the optional CSV it lacks
     # run 2's missing design parameters: training with them is refused by name, before any rank starts
-    r = _cli("train", "--out", tmp_path / "t", f"data.store={tmp_path / 'ahmed.zarr'}")
+    r = run_cli("train", "--out", tmp_path / "t", f"data.store={tmp_path / 'ahmed.zarr'}")
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode != 0 and len(lines) == 1 and "run(s) ['run_2'] have other design parameters" in lines[0] \
         and "data.use_params=false" in lines[0], r.stderr
@@ -197,8 +198,8 @@ def _cli(*args):
 
 def test_a_layout_file_of_ones_own_through_the_cli_and_training(drivaer, tmp_path):
     raw = _own(drivaer)
-    r = _cli("ingest", "cfd", raw, tmp_path / "own.zarr", "--layout", drivaer / "own.yaml", "--parts", "4",
-             "--split", "0.67,0.33,0", "--quiet")
+    r = run_cli("ingest", "cfd", raw, tmp_path / "own.zarr", "--layout", drivaer / "own.yaml", "--parts", "4",
+                "--split", "0.67,0.33,0", "--quiet")
     assert r.returncode == 0, r.stderr[-3000:]
     root = zarr.open_group(str(tmp_path / "own.zarr"), mode="r")
     assert sorted(root["runs"].group_keys()) == ["run_0", "run_1", "run_2"]
@@ -219,8 +220,8 @@ def test_a_layout_file_of_ones_own_through_the_cli_and_training(drivaer, tmp_pat
     assert out.n_cells == raw_surface.n_cells and out.n_verts == 0 and "Cp_pred" in out.cell_data
     np.testing.assert_array_equal(out.faces, raw_surface.faces)
     # a reference value given on the command line replaces the layout's
-    r = _cli("ingest", "cfd", raw, tmp_path / "own2.zarr", "--layout", drivaer / "own.yaml", "--parts", "4",
-             "--split", "0.67,0.33,0", "--quiet", "--u-inf", str(2 * U))
+    r = run_cli("ingest", "cfd", raw, tmp_path / "own2.zarr", "--layout", drivaer / "own.yaml", "--parts", "4",
+                "--split", "0.67,0.33,0", "--quiet", "--u-inf", str(2 * U))
     assert r.returncode == 0, r.stderr[-3000:]
     cp2 = zarr.open_group(str(tmp_path / "own2.zarr"), mode="r")["runs/run_1/surface/fields/Cp"][...]
     np.testing.assert_allclose(cp2 * 4, root["runs/run_1/surface/fields/Cp"][...], rtol=1e-5, atol=1e-6)
@@ -282,6 +283,6 @@ def test_arrays_of_the_wrong_kind_are_named_before_anything_is_written(drivaer, 
                                               r"exist as CELL data"):
             ingest_cfd(raw, tmp_path / f"w-{reader}.zarr", MeshOptions(layout=wrong, parts=4, progress=False,
                                                                       reader=reader))
-    r = _cli("ingest", "cfd", raw, tmp_path / "x.zarr", "--layout", "starccm")
+    r = run_cli("ingest", "cfd", raw, tmp_path / "x.zarr", "--layout", "starccm")
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode != 0 and len(lines) == 1 and "neither a built-in layout" in lines[0], r.stderr

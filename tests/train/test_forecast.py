@@ -33,7 +33,12 @@ def trained(tmp_path_factory):
     return {"root": root, "store": root / "g.zarr", "ckpt": root / "train" / "checkpoints"}
 
 
-def _predict(trained, out, *args):
+def _predict(trained, out, *args, here=False):
+    """``domainflow predict``; ``here``: in this process (for errors raised before any rank starts)."""
+    if here:
+        from cli_runner import run_cli
+
+        return run_cli("predict", trained["ckpt"], trained["store"], out, *args)
     cmd = [sys.executable, "-m", "domainflow.app.cli", "predict", str(trained["ckpt"]), str(trained["store"]), str(out),
            *args]
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
@@ -115,7 +120,7 @@ def test_forecast_errors_are_one_line_before_ranks_start(trained, tmp_path):
                       (["--init", INITS, "--steps", "0", "--domain", "2"], "--steps must be at least 1"),
                       (["--run", "run_1", "--domain", "2"], "--run names a run of a mesh store"),
                       (["--init", "0", "--domain", "9"], "leaves a rank without any")]:
-        r = _predict(trained, tmp_path / "f.zarr", *args)
+        r = _predict(trained, tmp_path / "f.zarr", *args, here=True)
         lines = [x for x in r.stderr.splitlines() if x.strip()]
         assert r.returncode != 0 and len(lines) == 1 and msg in lines[0], r.stderr
     # another store, ingested with other channels: the model's inputs would be mixed up
@@ -123,10 +128,11 @@ def test_forecast_errors_are_one_line_before_ranks_start(trained, tmp_path):
 
     ingest_climate(trained["root"] / "era5.zarr", tmp_path / "other.zarr", progress=False, split=(0.6, 0.2, 0.2),
                    variables=("v10", "u10", "t2m", "msl", "tcwv"))
-    r = _predict({**trained, "store": tmp_path / "other.zarr"}, tmp_path / "o.zarr", "--init", INITS, "--domain", "2")
+    r = _predict({**trained, "store": tmp_path / "other.zarr"}, tmp_path / "o.zarr", "--init", INITS, "--domain", "2",
+                 here=True)
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode != 0 and len(lines) == 1 and "but the checkpoint's model was trained on" in lines[0], r.stderr
-    r = _predict(trained, tmp_path / "f.txt", "--init", INITS)
+    r = _predict(trained, tmp_path / "f.txt", "--init", INITS, here=True)
     assert r.returncode != 0 and "a .zarr store or a .nc file" in r.stderr
     assert not (tmp_path / "f.zarr").exists()
     # the output's folder is a file: the first rank cannot create the dataset, and every rank says so

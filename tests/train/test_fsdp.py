@@ -169,7 +169,9 @@ def test_fsdp_through_the_cli_and_predict_from_its_checkpoint(dist, stores, tmp_
     r = cli("predict", out / "checkpoints", stores["mesh"], tmp_path / "run.vtp", "--run", res["eval"]["runs"][0]["run"],
             "--domain", "2")
     assert r.returncode == 0 and (tmp_path / "run.vtp").exists(), r.stderr[-3000:]
-    r = cli("train", "--out", tmp_path / "bad", f"data.store={stores['mesh']}", "mesh.dp_strategy=zero3")
+    from cli_runner import run_cli
+
+    r = run_cli("train", "--out", tmp_path / "bad", f"data.store={stores['mesh']}", "mesh.dp_strategy=zero3")
     assert r.returncode != 0 and "mesh.dp_strategy='zero3' is not one of ['allreduce', 'fsdp']" in r.stderr, r.stderr
 
 

@@ -34,6 +34,12 @@ def _plan(*args):
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
 
 
+def _plan_here(*args):
+    from cli_runner import run_cli
+
+    return run_cli("plan", *args)
+
+
 def test_plan_prints_memory_per_rank_at_every_domain_size_and_the_smallest_that_fits(store, tmp_path):
     out = tmp_path / "plan.json"
     r = _plan(f"data.store={store}", *MODEL, "--points", "100000", "--memory", "600MiB", "--sizes", "512,1024,2048",
@@ -72,19 +78,20 @@ def test_plan_prints_memory_per_rank_at_every_domain_size_and_the_smallest_that_
 
 
 def test_what_cannot_be_planned_is_one_line(store, tmp_path):
-    r = _plan(f"data.store={store}", *MODEL, "--sizes", "4000,8000")
+    """Each refused before anything is measured: in this process."""
+    r = _plan_here(f"data.store={store}", *MODEL, "--sizes", "4000,8000")
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 1 and len(lines) == 1, r.stderr
     assert "the smallest training run" in lines[0] and "pass smaller --sizes" in lines[0]
-    r = _plan(f"data.store={store}", "data.kind=grid", "model.name=unet")
+    r = _plan_here(f"data.store={store}", "data.kind=grid", "model.name=unet")
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 1 and len(lines) == 1 and "mesh sample" in lines[0], r.stderr
-    r = _plan(f"data.store={tmp_path / 'none.zarr'}", *MODEL)
+    r = _plan_here(f"data.store={tmp_path / 'none.zarr'}", *MODEL)
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 1 and len(lines) == 1 and "none.zarr" in lines[0], r.stderr
     for bad, msg in ((["--headroom", "-1"], "--headroom is a fraction"), (["--max-domain", "0"], "--max-domain must"),
                      (["--points", "0"], "--points must")):
-        r = _plan(f"data.store={store}", *MODEL, *bad)
+        r = _plan_here(f"data.store={store}", *MODEL, *bad)
         lines = [x for x in r.stderr.splitlines() if x.strip()]
         assert r.returncode == 1 and len(lines) == 1 and msg in lines[0], r.stderr
 

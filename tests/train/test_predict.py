@@ -154,7 +154,9 @@ def test_output_names_are_checked_before_ranks_start_and_a_rank_that_cannot_writ
                       (["--run", "run_1", str(tmp_path / "a.vtk")], "must end in .vtp (one file), .pvtp"),
                       (["--run", "run_1", "--pieces", str(tmp_path / "a.vtp")], "name the output a.pvtp"),
                       (["--run", "run_9", str(tmp_path / "a.vtp")], "no run 'run_9'")]:
-        r = _predict(trained, *args, "--domain", "2")
+        from cli_runner import run_cli  # refused before any rank starts: in this process
+
+        r = run_cli("predict", trained["ckpt"], trained["store"], *args, "--domain", "2")
         lines = [x for x in r.stderr.splitlines() if x.strip()]
         assert r.returncode != 0 and len(lines) == 1 and msg in lines[0], r.stderr
     # rank 1's piece cannot be published (a folder sits where the file goes): every rank names rank 1

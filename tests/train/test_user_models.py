@@ -17,6 +17,7 @@ import pytest
 xr = pytest.importorskip("xarray")
 zarr = pytest.importorskip("zarr")
 
+from cli_runner import run_cli  # noqa: E402  (errors raised before ranks start: in this process)
 from test_forecast import INITS, _by_hand  # noqa: E402
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "DOMAINFLOW_COLLECTIVE_TIMEOUT": "60"}
@@ -92,7 +93,7 @@ def test_a_wrong_target_is_one_line_before_ranks_start(store, tmp_path):
                        (["model.target=torch.nn:Conv2d", 'model.kwargs={"kernel": 3}'],
                         r"model.kwargs ['kernel'] are not parameters of torch.nn:Conv2d"),
                        (["model.target=torch.nn:Conv2d", "model.kwargs=3"], "must be a table")]:
-        r = _cli("train", "--out", tmp_path / "t", f"data.store={store}", *GRID, *extra, "--domain", "2")
+        r = run_cli("train", "--out", tmp_path / "t", f"data.store={store}", *GRID, *extra, "--domain", "2")
         lines = [x for x in r.stderr.splitlines() if x.strip()]
         assert r.returncode != 0 and len(lines) == 1 and msg in lines[0], (extra, r.stderr[-2000:])
     # a target that builds something other than a module is named by every rank (one line)
