@@ -22,6 +22,7 @@ NAME`` prints one as a template)::
       volume:
         - {name: U, source: [Ux, Uy, Uz], quantity: velocity}   # scalar arrays stacked into components
     cp_check: {surface: CpMean}          # optional: the file's own Cp, compared with ours (warns on a mismatch)
+    forces: {drag: x, lift: z, reference_area: 0.112}   # the axes and area of the force coefficients (m^2)
 
 Quantities and their scaling (stored = (raw - offset) / scale, recorded per field in the store):
 ``pressure`` (q_inf, p_inf), ``shear`` (q_inf), ``pressure_variance`` (q_inf^2), ``velocity`` (U_inf),
@@ -86,6 +87,7 @@ class Layout:
     optional_csv: tuple[str, ...] = ()
     reference: Reference = Reference()
     cp_check: dict = field(default_factory=dict)  # location -> the file's own Cp array (optional)
+    forces: dict = field(default_factory=lambda: dict(DEFAULT_FORCES))  # drag/lift axes, reference area
     source: str = ""  # where it was read from (a built-in's name or a file)
 
     # -- run folders and files ------------------------------------------------------------------
@@ -125,7 +127,7 @@ class Layout:
     def to_attrs(self) -> dict:
         """What the store records (and a resumed ingest compares)."""
         return {"name": self.name, "runs": self.runs, "files": dict(self.files), "csv": dict(self.csv),
-                "optional_csv": list(self.optional_csv), "cp_check": dict(self.cp_check),
+                "optional_csv": list(self.optional_csv), "cp_check": dict(self.cp_check), "forces": dict(self.forces),
                 "fields": {loc: [{"name": s.name, "source": list(s.sources), "components": s.components,
                                   "quantity": s.quantity, "association": s.association} for s in specs]
                            for loc, specs in self.fields.items()}}
@@ -136,7 +138,7 @@ def parse_layout(data: dict, where: str) -> Layout:
     """A Layout from its mapping form; every mistake is one IngestError naming ``where`` and the key."""
     if not isinstance(data, dict):
         raise IngestError(f"layout {where}: expected a mapping with keys runs, files, fields; got {type(data).__name__}")
-    known = {"name", "runs", "files", "csv", "optional_csv", "data", "reference", "fields", "cp_check"}
+    known = {"name", "runs", "files", "csv", "optional_csv", "data", "reference", "fields", "cp_check", "forces"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise IngestError(f"layout {where}: unknown key(s) {unknown}; the keys are {sorted(known)}")
@@ -195,7 +197,34 @@ def parse_layout(data: dict, where: str) -> Layout:
     _only_locations(cp_check, files, f"layout {where}: cp_check")
     return Layout(name=str(data.get("name", Path(where).stem)), runs=runs, files={k: str(v) for k, v in files.items()},
                   fields=fields, csv=csv, optional_csv=optional, reference=reference, cp_check=cp_check,
-                  source=where)
+                  forces=_forces(_mapping(data, "forces", where), where), source=where)
+
+
+DEFAULT_FORCES = {"drag": "x", "lift": "z", "reference_area": None}
+
+
+def _forces(spec: dict, where: str) -> dict:
+    """The force coefficients' drag and lift axes (x, y or z) and reference area (m^2; None: the train config's)."""
+    bad = sorted(set(spec) - set(DEFAULT_FORCES))
+    if bad:
+        raise IngestError(f"layout {where}: forces has unknown key(s) {bad}; use drag, lift, reference_area")
+    out = {**DEFAULT_FORCES, **spec}
+    for k in ("drag", "lift"):
+        if out[k] not in ("x", "y", "z"):
+            raise IngestError(f"layout {where}: forces.{k} must be x, y or z, got {out[k]!r}")
+    if out["drag"] == out["lift"]:
+        raise IngestError(f"layout {where}: forces.drag and forces.lift are both {out['drag']!r}")
+    area = out["reference_area"]
+    if area is not None:
+        try:
+            area = float(area)
+        except (TypeError, ValueError):
+            area = -1.0
+        if not area > 0:
+            raise IngestError(f"layout {where}: forces.reference_area must be a positive area in m^2, got "
+                              f"{out['reference_area']!r}")
+    out["reference_area"] = area
+    return out
 
 
 # attrs every run's group holds: a CSV of the same name would overwrite one
@@ -314,6 +343,7 @@ BUILTIN = {
                        {"name": "Cp", "source": "pMeanTrim", "quantity": "pressure"},
                        {"name": "nut", "source": "nutMeanTrim", "quantity": "viscosity"}]},
         "cp_check": {"surface": "CpMeanTrim"},
+        "forces": {"drag": "x", "lift": "z", "reference_area": 2.15},  # force_mom_constref's constant area
     },
     # OpenFOAM: kinematic pMean (outlet 0), U = 1 m/s, rho = 1 (so Cp = 2 pMean), CELL data; force_mom_<i>.csv
     # uses the constant reference area, force_mom_varref_<i>.csv each body's own; geo_parameters is missing
@@ -334,6 +364,8 @@ BUILTIN = {
                        {"name": "Cp", "source": "pMean", "quantity": "pressure"},
                        {"name": "nut", "source": "nutMean", "quantity": "viscosity"}]},
         "cp_check": {"surface": "static(p)_coeffMean"},
+        # the Ahmed body's frontal area, 0.389 m x 0.288 m (force_mom_<i>.csv's constant reference); z up
+        "forces": {"drag": "x", "lift": "z", "reference_area": 0.112},
     },
     # Volcano ScaLES (WMLES): the surface is boundary_<i>.vtu (polygons) with POINT data coefficients
     # cpavg and cfxavg/cfyavg/cfzavg; the volume has CELL data velocity{x,y,z}avg and absolute pressureavg
@@ -353,5 +385,6 @@ BUILTIN = {
             "volume": [{"name": "U", "source": ["velocityxavg", "velocityyavg", "velocityzavg"],
                         "quantity": "velocity"},
                        {"name": "Cp", "source": "pressureavg", "quantity": "pressure"}]},
+        "forces": {"drag": "x", "lift": "y", "reference_area": 0.112},  # +y is up
     },
 }

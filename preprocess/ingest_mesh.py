@@ -530,10 +530,17 @@ def _ingest_runs(writer: StoreWriter, raw: Path, store: Path, runs: dict, splits
     fields = {f"{loc}/{s.name}": s.attrs(loc, opts.reference) for loc in opts.locations
               for s in opts.layout.fields[loc]}
     writer.complete({"fields": fields, "stats": stats, "splits": ok, "reference": opts.reference.to_attrs(),
-                     "layout": opts.layout.name, "skipped": report.skipped})
+                     "layout": opts.layout.name, "forces": force_attrs(opts.layout), "skipped": report.skipped})
     report.seconds = time.perf_counter() - t0
     return report
 
+
+
+def force_attrs(layout: Layout) -> dict:
+    """What the metrics integrate forces with: the drag and lift axes (0, 1, 2) and the reference area."""
+    f = layout.forces
+    return {"drag_axis": "xyz".index(f["drag"]), "lift_axis": "xyz".index(f["lift"]),
+            "reference_area": f["reference_area"]}
 
 
 ingest_drivaerml = ingest_cfd  # the DrivaerML layout is the default

@@ -97,7 +97,7 @@ class OutputConfig:
     dir: str = "runs/train"
     plots: bool = True
     progress: bool = True
-    reference_area: float = 2.15         # m^2, the constant reference area of force_mom_constref
+    reference_area: float = 0.0          # m^2 of the force coefficients; 0: the store's layout's (DrivaerML 2.15)
     loggers: list = field(default_factory=lambda: ["jsonl"])   # jsonl | tensorboard | mlflow (rank 0 logs)
 
 
@@ -260,6 +260,9 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"eval.lead_steps={cfg.eval.lead_steps} rolls out a grid forecast; a mesh sample has no "
                           f"lead (remove it)")
     cfg.eval.lead_steps = leads
+    if cfg.output.reference_area < 0:
+        raise ConfigError(f"output.reference_area must be a positive area in m^2 (0: the store's), got "
+                          f"{cfg.output.reference_area}")
     if t.lr <= 0:
         raise ConfigError(f"train.lr must be > 0, got {t.lr}")
     if cfg.mesh.dp < 1 or cfg.mesh.domain < 1 or cfg.mesh.lon < 1:

@@ -37,8 +37,19 @@ def _channels(ds, fields) -> dict[str, slice]:
     return out
 
 
+DRIVAERML_FORCES = {"drag_axis": 0, "lift_axis": 2, "reference_area": 2.15}  # a store from before layouts
+
+
+def force_axes(store, reference_area: float = 0.0) -> tuple[int, int, float]:
+    """(drag axis, lift axis, reference area) of a mesh store's force coefficients: its layout's (WindsorML
+    lifts along y), the area ``reference_area`` when given (> 0)."""
+    f = {**DRIVAERML_FORCES, **{k: v for k, v in dict(store.attrs.get("forces", {})).items() if v is not None}}
+    return int(f["drag_axis"]), int(f["lift_axis"]), float(reference_area or f["reference_area"])
+
+
 def surface_metrics(ds, sample, pred_norm, reference_area: float) -> dict:
-    """Metrics of one run from a normalised prediction (1, N, C) laid out like the sample's fields."""
+    """Metrics of one run from a normalised prediction (1, N, C) laid out like the sample's fields
+    (``reference_area``: 0 for the store's)."""
     chans = _channels(ds, ds.fields)
     pred = {f: ds.denormalize(f, pred_norm[0, :, s]) for f, s in chans.items()}
     true = {f: ds.denormalize(f, sample[f]) for f in ds.fields}
@@ -52,12 +63,13 @@ def surface_metrics(ds, sample, pred_norm, reference_area: float) -> dict:
     if "Cp" in pred and "Cf" in pred and "normals" in ds.inputs and "areas" in ds.inputs:
         n = ds.denormalize("normals", sample["normals"])
         a = ds.denormalize("areas", sample["areas"])[:, 0]
+        drag, lift, area = force_axes(ds.store, reference_area)
         for label, fields in (("pred", pred), ("true", true)):
             cp, cf = fields["Cp"][:, 0], fields["Cf"]
-            force = ((-cp[:, None] * n + cf) * a[:, None]).sum(0) / reference_area
+            force = ((-cp[:, None] * n + cf) * a[:, None]).sum(0) / area
             force = force.full_tensor() if isinstance(force, df.ShardTensor) else force
-            out[f"cd_{label}"], out[f"cl_{label}"] = float(force[0]), float(force[2])
-        forces = sample.get("forces_constref", {})
+            out[f"cd_{label}"], out[f"cl_{label}"] = float(force[drag]), float(force[lift])
+        forces = {k.lower(): v for k, v in sample.get("forces_constref", {}).items()}  # WindsorML writes Cd, Cl
         if "cd" in forces:
             out["cd_csv"], out["cl_csv"] = float(forces["cd"]), float(forces.get("cl", float("nan")))
     return out

@@ -7,6 +7,7 @@ layout mistakes are one line naming the key."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -144,6 +145,7 @@ def test_windsorml_point_data_on_a_vtu_surface(drivaer, tmp_path, reader):
                                        reader=reader))
     root = zarr.open_group(str(store), mode="r")
     assert root.attrs["fields"]["surface/Cf"]["association"] == "point"
+    assert root.attrs["forces"] == {"drag_axis": 0, "lift_axis": 1, "reference_area": 0.112}  # +y is up
     assert root.attrs["fields"]["surface/Cf"]["source"] == "cfxavg+cfyavg+cfzavg"
     for run in ("run_0", "run_1", "run_2"):
         want, got = _fields(drivaer / "drivaer.zarr", run, "volume"), _fields(store, run, "volume")
@@ -172,6 +174,7 @@ fields:
   surface:
     - {name: Cp, source: p, quantity: pressure}
     - {name: Cf, source: wallShearStress, components: 3, quantity: shear}
+forces: {drag: z, lift: x, reference_area: 0.5}
 """
 
 
@@ -212,6 +215,15 @@ def test_a_layout_file_of_ones_own_through_the_cli_and_training(drivaer, tmp_pat
              "model.dim=8", "model.layers=1", "model.heads=2", "model.slices=4", "output.plots=false",
              "output.progress=false", "data.prefetch=0", "--domain", "2")
     assert r.returncode == 0, r.stderr[-3000:]
+    # the force coefficients integrate along the layout's axes over its area (here drag z, lift x, 0.5 m^2)
+    assert root.attrs["forces"] == {"drag_axis": 2, "lift_axis": 0, "reference_area": 0.5}
+    row = json.loads((tmp_path / "train" / "result.json").read_text())["eval"]["runs"][0]
+    g = root[f"runs/{row['run']}/surface"]
+    cp, cf = g["fields/Cp"][...][:, :1].astype(np.float64), g["fields/Cf"][...].astype(np.float64)
+    force = ((-cp * g["normals"][...] + cf) * g["areas"][...][:, None]).sum(0) / 0.5
+    assert abs(force[0]) > 0.1 and abs(force[2]) > 0.1 and abs(force[0] - force[2]) > 0.1
+    assert row["model"]["cd_true"] == pytest.approx(force[2], rel=1e-4)
+    assert row["model"]["cl_true"] == pytest.approx(force[0], rel=1e-4)
     # predict finds the raw surface through the layout (case1/wall_1.vtp) and writes onto its polygons
     r = _cli("predict", tmp_path / "train" / "checkpoints", tmp_path / "own.zarr", tmp_path / "p.vtp", "--run", "run_1",
              "--domain", "2")
@@ -261,6 +273,9 @@ def test_zero_padded_run_folders_keep_their_digits_in_file_names(drivaer, tmp_pa
      r"csv key\(s\) \['fingerprint'\] are names a run's attrs already use"),
     ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\nfields: {surface: [{name: Cf, source: t, components: three, "
      "quantity: shear}]}", "components must be a whole number"),
+    ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\nforces: {lift: up}\nfields: {surface: [{name: Cp, source: p, "
+     "quantity: pressure}]}",
+     "forces.lift must be x, y or z"),
     ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\ndata: points\nfields: {surface: [{name: Cp, source: p, quantity: "
      "pressure}]}", "data.surface='points' is not one of"),
 ])
