@@ -13,6 +13,7 @@ import torch
 
 from dist_pool import rank_and_world
 from sharded_check import get_mesh
+from test_ddp import _data, _model  # the same model and batches as the DDP test
 from test_train import _assert_same, _config, stores  # noqa: F401  (the module's store fixture)
 
 
@@ -72,19 +73,6 @@ def test_an_fsdp_checkpoint_resumes_at_another_size_without_fsdp(dist, stores, t
     for params, losses, _ in second:
         _assert_same(params, ref, 1e-10)
         assert first[0][1] + losses == pytest.approx(ref_losses, rel=1e-10)
-
-
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.LayerNorm(16), torch.nn.GELU(),
-                               torch.nn.Linear(16, 2)).double()
-
-
-def _data():
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(3, 2, 1, 10, 3, generator=g, dtype=torch.float64)  # (step, sample, 1, points, in)
-    y = torch.randn(3, 2, 1, 10, 2, generator=g, dtype=torch.float64)
-    return x, y
 
 
 def _own_loop(deferred: bool):
