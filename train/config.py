@@ -76,7 +76,8 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    block_points: int = 0                # evaluation and predict: forward in blocks of this many points per rank (0: whole)
+    block_points: int = 0                # evaluation and predict: forward in blocks of this many points over the domain,
+                                         # each rank its share (0: the whole sample at once)
     lead_steps: list = field(default_factory=lambda: [1])  # grid: leads (in data.lead steps) of the scored rollout
 
 

@@ -1,5 +1,7 @@
 """The no-grad forward of evaluation and prediction: the whole sample at once, or with ``eval.block_points``
-in blocks of points through the model's ``forward_blocks`` (bounded memory, the same values)."""
+in blocks of points through the model's ``forward_blocks`` (bounded memory, the same values). The block is
+counted over the whole domain, like ``data.sample_points``: each rank's block is its share of it, so a rank's
+block memory halves when the domain doubles."""
 
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ def infer(model, batch, cfg: Config):
         if blocks is None:
             raise ConfigError(f"eval.block_points={block}: {type(model).__name__} has no forward_blocks (block "
                               f"inference); set eval.block_points=0")
-        return blocks(batch.x, batch.globals, block_points=block)
+        from domainflow import rows_per_block
+
+        return blocks(batch.x, batch.globals, block_points=rows_per_block(batch.x, 1, block))
     finally:
         model.train(was)
 

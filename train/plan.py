@@ -60,7 +60,10 @@ class Line:
 
 @dataclass
 class MemoryModel:
-    """A rank's peak memory in a training step and in the evaluation of a sample, each a :class:`Line`."""
+    """A rank's peak memory in a training step and in the evaluation of a sample, each a :class:`Line`.
+    With block inference (``block_points`` > 0, over the domain) the evaluation holds ``eval_resident``
+    bytes per point of the rank's whole share (residual stream, inputs) and the rest of ``eval.per_point``
+    per point of one block only."""
 
     train: Line
     eval: Line
@@ -70,6 +73,17 @@ class MemoryModel:
     device: str = "cpu"
     parts: int = 1
     seconds: tuple = field(default_factory=tuple)
+    block_points: int = 0
+    eval_resident: float | None = None  # bytes per point kept for the whole share (None: no block inference)
+    blocked_peak: int | None = None     # the measured peak it was fitted from (largest size, blocks of a quarter)
+
+    def eval_bytes(self, share: int, points: int) -> float:
+        """Evaluation peak of a rank holding ``share`` of a sample of ``points``."""
+        if not self.block_points or self.eval_resident is None:
+            return self.eval.bytes_at(share)
+        block = math.ceil(share / max(1, math.ceil(points / self.block_points)))  # rows_per_block's cut
+        resident = min(self.eval_resident, self.eval.per_point)
+        return self.eval.fixed + resident * share + (self.eval.per_point - resident) * block
 
 
 def rank_points(points: int, domain: int, parts: int) -> int:
@@ -128,10 +142,16 @@ def measure(cfg: Config, sizes=PLAN_SIZES, steps: int = PLAN_STEPS) -> MemoryMod
         result = launch_local(_measure_rank, 1, cfg.to_dict(), sizes, steps, out, env=MEASURE_MALLOC)[0]
     train_peaks = tuple(r["train"] for r in result["sizes"])
     eval_peaks = tuple(r["eval"] for r in result["sizes"])
-    return MemoryModel(train=Line.fit(sizes, train_peaks, "a training step"),
-                       eval=Line.fit(sizes, eval_peaks, "an evaluation"), sizes=sizes, train_peaks=train_peaks,
-                       eval_peaks=eval_peaks, device=result["device"], parts=parts,
-                       seconds=tuple(r["seconds"] for r in result["sizes"]))
+    whole = Line.fit(sizes, eval_peaks, "an evaluation")
+    resident, blocked = None, result.get("blocked")
+    if blocked is not None:  # the largest size again in 4 blocks: what one block's points cost, the rest stays
+        n = sizes[-1]
+        per_block_point = max(0.0, (whole.bytes_at(n) - blocked) / (n - math.ceil(n / 4)))
+        resident = max(0.0, whole.per_point - per_block_point)
+    return MemoryModel(train=Line.fit(sizes, train_peaks, "a training step"), eval=whole, sizes=sizes,
+                       train_peaks=train_peaks, eval_peaks=eval_peaks, device=result["device"], parts=parts,
+                       seconds=tuple(r["seconds"] for r in result["sizes"]), block_points=cfg.eval.block_points,
+                       eval_resident=resident, blocked_peak=blocked)
 
 
 def _measure_rank(cfg_dict: dict, sizes, steps: int, out: str) -> dict:
@@ -145,8 +165,9 @@ def _measure_rank(cfg_dict: dict, sizes, steps: int, out: str) -> dict:
     from .inference import infer
     from .loop import Trainer
 
-    results = []
+    results, blocked = [], None
     device = torch.device("cpu")
+    block = int(cfg_dict["eval"].get("block_points") or 0)
     for n in sizes:
         d = dict(cfg_dict)
         d["mesh"] = {**d["mesh"], "dp": 1, "domain": 1, "lon": 1}
@@ -168,16 +189,24 @@ def _measure_rank(cfg_dict: dict, sizes, steps: int, out: str) -> dict:
             if k == steps - 1:
                 break
         stream.close()
-        # the evaluation that follows training in Trainer.fit: a no-grad forward of a sample, gradients kept
+        # the evaluation that follows training in Trainer.fit: a no-grad forward of a sample, gradients kept;
+        # measured whole (the points of one block cost this much each) and, with block inference, the
+        # largest size again in 4 blocks (what stays for the whole sample: residual stream, inputs)
         batch = trainer._batch(sample)
+        trainer.cfg.eval.block_points = 0
         _reset_peak(device)
         infer(trainer.model, batch, trainer.cfg)
         results.append({"train": peak, "eval": _peak(device), "seconds": seconds})
+        if block and n == sizes[-1]:
+            trainer.cfg.eval.block_points = -(-int(n) // 4)
+            _reset_peak(device)
+            infer(trainer.model, batch, trainer.cfg)
+            blocked = _peak(device)
         del trainer, stream, sample, batch
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return {"sizes": results, "device": device.type}
+    return {"sizes": results, "device": device.type, "blocked": blocked}
 
 
 def _reset_peak(device) -> None:
@@ -235,7 +264,7 @@ def row(model: MemoryModel, points: int, step_points: int, domain: int) -> Row:
     """The predicted peaks of ``domain`` ranks on a sample of ``points``, ``step_points`` of them per step."""
     parts = parts_for(domain, model.parts)
     tp, ep = rank_points(step_points, domain, parts), rank_points(points, domain, parts)
-    return Row(domain, parts, tp, ep, model.train.bytes_at(tp), model.eval.bytes_at(ep))
+    return Row(domain, parts, tp, ep, model.train.bytes_at(tp), model.eval_bytes(ep, points))
 
 
 def fits(r: Row, memory: int, headroom: float = HEADROOM) -> bool:
@@ -299,7 +328,9 @@ def format_plan(plan: Plan, cfg: Config) -> str:
              f"measured at domain 1 on {', '.join(f'{s:,}' for s in m.sizes)} points of {cfg.data.store} "
              f"({unit}): training step {_size(m.train.fixed)} + {m.train.per_point / 1024:.2f} KiB per point, "
              f"evaluation {_size(m.eval.fixed)} + {m.eval.per_point / 1024:.2f} KiB per point"
-             + (f" (eval.block_points = {cfg.eval.block_points})" if cfg.eval.block_points else "")]
+             + (f" of a block (eval.block_points = {m.block_points} over the domain) of which "
+                f"{m.eval_resident / 1024:.2f} KiB stay for every point of the rank"
+                if m.block_points and m.eval_resident is not None else "")]
     cols = f"{'domain':>6}  {'points/rank':>12}  {'train step':>10}  {'evaluation':>10}  {'memory/rank':>11}"
     lines.append(cols + (f"  {'largest sample':>14}" if plan.memory is not None else ""))
     for r in plan.rows:

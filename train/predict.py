@@ -291,7 +291,8 @@ def predict_main(checkpoint: str, store: str, runs, out: str, domain: int = 1, b
     ckpt.load(path, model)
     stats = param_stats(build_dataset(cfg, mesh, "train", shuffle=False))
     rank0 = torch.distributed.get_rank() == 0
-    how = f"; forward in blocks of {cfg.eval.block_points} points per rank" if cfg.eval.block_points else ""
+    how = (f"; forward in blocks of {cfg.eval.block_points} points over the domain" if cfg.eval.block_points
+           else "")
     done = []
     for run, target, as_pieces in targets:
         res = write_prediction(model, cfg, mesh, run, stats, target, as_pieces)

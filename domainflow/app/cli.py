@@ -375,7 +375,8 @@ def main(argv=None) -> int:
     pred.add_argument("--pieces", action="store_true", help="with a .pvd: each run as a .pvtp of per-rank pieces")
     pred.add_argument("--domain", type=int, default=1, help="ranks to split the surface over (default 1)")
     pred.add_argument("--block-points", type=int, default=None,
-                      help="forward in blocks of this many points per rank, in bounded memory (default: the "
+                      help="forward in blocks of this many points over the domain, each rank its share, in "
+                           "bounded memory (default: the "
                            "checkpoint's eval.block_points; 0: the whole run at once)")
     _add_synth(sub)
     _add_ingest(sub)

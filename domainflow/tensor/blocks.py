@@ -40,6 +40,24 @@ def split_blocks(x, dim: int, rows: int) -> list:
     return out
 
 
+def rows_per_block(x, dim: int, points: int) -> int:
+    """Rows per rank for blocks of about ``points`` points over the whole domain: the sample is cut into
+    ceil(global / points) blocks and each rank cuts its rows into that many, so a rank's block is its share
+    of ``points`` (more ranks, smaller blocks, the same number of blocks). A plain tensor: ``points``."""
+    from .shard_tensor import ShardTensor
+
+    if points < 1:
+        raise ValueError(f"blocks need at least one point each, got points={points}")
+    dim = dim % x.ndim
+    spec = x.spec if isinstance(x, ShardTensor) else None
+    m = spec.mesh_dim_of(dim) if spec is not None else None
+    if m is None:
+        return points
+    sizes = [int(s) for s in spec.sizes[m]]
+    count = max(1, -(-sum(sizes) // points))
+    return max(1, -(-max(sizes) // count))
+
+
 def join_blocks(blocks: list, dim: int):
     """The blocks of :func:`split_blocks` (or results laid out like them) joined back along ``dim``: each
     rank concatenates its own pieces, so the result has the layout the blocks were cut from."""

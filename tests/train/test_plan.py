@@ -75,6 +75,32 @@ def test_plan_prints_memory_per_rank_at_every_domain_size_and_the_smallest_that_
     plan = json.loads(out.read_text())
     assert plan["points"] == 100000 and plan["step_points"] == 5000 and "5,000 per training step" in r.stdout
     assert plan["rows"][0]["train_points"] == 5000 and plan["rows"][0]["eval_points"] == 100000
+    # block inference: measured once more in blocks; the rows plan each rank's share of the block
+    r = _plan(f"data.store={store}", *MODEL, "eval.block_points=20000", "--points", "100000", "--sizes", "512,1024",
+              "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(out.read_text())
+    m = plan["model"]
+    assert m["block_points"] == 20000 and m["blocked_peak"] > 0 and 0 <= m["eval_resident"] <= m["eval"]["per_point"]
+    model = MemoryModel(train=Line(**m["train"]), eval=Line(**m["eval"]), parts=m["parts"], block_points=20000,
+                        eval_resident=m["eval_resident"])
+    for row_ in plan["rows"]:
+        assert row_["eval_bytes"] == pytest.approx(model.eval_bytes(row_["eval_points"], 100000))
+    assert "over the domain) of which" in r.stdout
+
+
+def test_block_inference_plans_the_resident_points_and_one_block_of_the_ranks_share():
+    m = MemoryModel(train=Line(1e8, 1000.0), eval=Line(1e8, 500.0), parts=64, block_points=1_000_000,
+                    eval_resident=100.0)
+    # 4M points at domain 1: 4 blocks of 1M; 100 B stay for all 4M points, the other 400 B for one block
+    assert m.eval_bytes(4_000_000, 4_000_000) == pytest.approx(1e8 + 100 * 4e6 + 400 * 1e6)
+    # domain 2: each rank holds 2M and cuts it into the same 4 blocks, of 500k
+    assert m.eval_bytes(2_000_000, 4_000_000) == pytest.approx(1e8 + 100 * 2e6 + 400 * 5e5)
+    # a sample within one block: the whole share at once, as without blocks
+    assert m.eval_bytes(300_000, 600_000) == pytest.approx(m.eval.bytes_at(300_000))
+    assert row(m, 4_000_000, 4_000_000, 2).eval_bytes == pytest.approx(m.eval_bytes(2_000_000, 4_000_000))
+    m.block_points = 0
+    assert m.eval_bytes(2_000_000, 4_000_000) == m.eval.bytes_at(2_000_000)
 
 
 def test_what_cannot_be_planned_is_one_line(store, tmp_path):

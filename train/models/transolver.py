@@ -90,21 +90,20 @@ class TransolverBlock(nn.Module):
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
 
+    @torch.no_grad()
     def forward_blocks(self, blocks: list) -> list:
-        """``forward`` over a sample given as blocks of points: the slice sums of every block first (one
-        all-reduce for the layer), then each block's output; equal to ``forward`` up to summation order."""
+        """``forward`` (no grad) over a sample given as blocks of points: the slice sums of every block first
+        (one all-reduce for the layer), then each block's output, added to the block in place (the residual
+        stream is allocated once, not once per layer); equal to ``forward`` up to summation order."""
         num = den = None
         for x in blocks:
             n, d = self.attn.slice_sums(self.norm1(x))
             num, den = (n, d) if num is None else (num + n, den + d)
         num, den = reduce_partials(num, den)
-        out = []
-        for k in range(len(blocks)):
-            x = blocks[k]
-            blocks[k] = None  # the input block is dropped as soon as its output exists
-            x = x + self.attn.deslice(self.norm1(x), num, den)
-            out.append(x + self.mlp(self.norm2(x)))
-        return out
+        for x in blocks:
+            x.add_(self.attn.deslice(self.norm1(x), num, den))
+            x.add_(self.mlp(self.norm2(x)))
+        return blocks
 
 
 class Transolver(nn.Module):
@@ -131,7 +130,8 @@ class Transolver(nn.Module):
     @torch.no_grad()
     def forward_blocks(self, points: torch.Tensor, globals_: torch.Tensor | None = None,
                        block_points: int = 65536) -> torch.Tensor:
-        """``forward`` (no grad) in blocks of ``block_points`` points per rank, for inference on samples whose
+        """``forward`` (no grad) in blocks of ``block_points`` rows per rank (``domainflow.rows_per_block`` turns
+        a block over the whole domain into rows per rank), for inference on samples whose
         activations do not fit: exact, since points meet only in each layer's slice sums, which are summed
         over all blocks before any block is mapped back. Memory: the (N, dim) residual stream plus one
         block's activations, instead of every layer's (N, heads, slices) weights at once."""
@@ -144,7 +144,11 @@ class Transolver(nn.Module):
             x.append(self.embed(self._with_globals(p, globals_)))
         for block in self.blocks:
             x = block.forward_blocks(x)
-        return join_blocks([self.head(b) for b in x], 1)
+        out = []
+        for k in range(len(x)):
+            b, x[k] = x[k], None  # each residual block dropped once its output exists
+            out.append(self.head(b))
+        return join_blocks(out, 1)
 
     def _with_globals(self, points, globals_):
         """The points with the per-sample globals appended to each (when the model takes globals)."""
