@@ -15,6 +15,7 @@ _EXPORTS = {
     "ShardTensor": "tensor.shard_tensor", "distribute_tensor": "tensor.shard_tensor",
     "scatter_tensor": "tensor.shard_tensor", "reduce_partials": "tensor.partials",
     "split_blocks": "tensor.blocks", "join_blocks": "tensor.blocks", "rows_per_block": "tensor.blocks",
+    "blockwise": "tensor.blocks",
     "sync_module": "tensor.consistency",
     "REGISTRY": "dispatch.registry", "register_aten": "dispatch.registry", "register_function": "dispatch.registry",
     "fallback": "dispatch.fallback", "deferred_param_grads": "dispatch.param_grads",

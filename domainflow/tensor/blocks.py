@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from domainflow.layout.placements import Shard
+from domainflow.layout.spec import mesh_coordinate
 
 
 def split_blocks(x, dim: int, rows: int) -> list:
@@ -75,6 +76,84 @@ def join_blocks(blocks: list, dim: int):
     shapes[m] = [sum(int(b.spec.sizes[m][r]) for b in blocks) for r in range(len(spec.sizes[m]))]
     local = torch.cat([b.to_local() for b in blocks], dim)
     return ShardTensor.from_local(local, first.device_mesh, first.placements, sharding_shapes=shapes)
+
+
+@torch.no_grad()
+def blockwise(fn, x, rows: int, halo: int = 0, dim: int = 1, periodic: bool = False):
+    """``fn`` over ``x`` in blocks of ``rows`` rows per rank along its sharded dim ``dim``, each block given
+    up to ``halo`` rows of context on both sides (the rank's own rows, or at its edges its neighbours' from
+    one halo exchange for the whole pass; none beyond the global ends, where ``fn``'s own padding applies,
+    or the other end's rows if ``periodic``), and the context cut from each block's output. No grad.
+
+    Equal to ``fn`` on the whole sample when ``fn`` is row-local with reach ``halo`` along ``dim``: output row
+    i depends only on input rows i-halo..i+halo and on the ends through ``fn``'s own padding (a stack of
+    stride-1 convolutions padded to keep their length, zero padding, or circular with ``periodic``; pointwise
+    ops). ``fn`` gets and returns plain tensors, the local block with its context: it must not communicate
+    (no norms over the sample), and its output keeps the block's length along ``dim`` (other dims may change,
+    e.g. channels). Memory: ``x``, its context rows and one block's activations. A plain ``x`` is cut the
+    same way on one process."""
+    from domainflow import comm
+
+    from .shard_tensor import ShardTensor
+
+    if rows < 1 or halo < 0:
+        raise ValueError(f"blockwise needs rows >= 1 and halo >= 0, got rows={rows}, halo={halo}")
+    dim = dim % x.ndim
+    spec = x.spec if isinstance(x, ShardTensor) else None
+    m = spec.mesh_dim_of(dim) if spec is not None else None
+    if spec is not None and m is None:
+        raise ValueError(f"blockwise: dim {dim} of the input is not sharded ({x.placements}); cut the sharded dim")
+    local = x.to_local() if spec is not None else x
+    n, sizes = int(local.shape[dim]), ([int(s) for s in spec.sizes[m]] if m is not None else [int(x.shape[dim])])
+    total, me = sum(sizes), (mesh_coordinate(x.device_mesh)[m] if m is not None else 0)
+    starts = [sum(sizes[:r]) for r in range(len(sizes))]
+
+    def context(r):  # rows of context before and after rank r's rows
+        if periodic and total:
+            return halo, halo
+        return min(halo, starts[r]), min(halo, total - starts[r] - sizes[r])
+
+    if n == 0:  # no rows here: fn on zeros only to learn its output's other dims
+        if m is not None and halo and total:
+            _halo_rows(comm, local, dim, sizes, starts, total, context, x.device_mesh, m)  # the others' exchange
+        probe = fn(local.new_zeros(_with_len(local.shape, dim, 2 * halo + 1)))
+        local_out = probe.narrow(dim, 0, 0)
+    else:
+        before, after = context(me)
+        if m is not None and halo and total:
+            padded = _halo_rows(comm, local, dim, sizes, starts, total, context, x.device_mesh, m)
+        elif before or after:
+            ids = torch.tensor([i % total for i in range(-before, n + after)], device=local.device)
+            padded = local.index_select(dim, ids)
+        else:
+            padded = local
+        outs, length_padded = [], int(padded.shape[dim])
+        for lo in range(0, n, rows):
+            hi = min(n, lo + rows)
+            a, b = max(0, lo + before - halo), min(length_padded, hi + before + halo)
+            out = fn(padded.narrow(dim, a, b - a))
+            if int(out.shape[dim]) != b - a:
+                raise ValueError(f"blockwise: fn changed the length of dim {dim} from {b - a} to "
+                                 f"{int(out.shape[dim])}; it must keep it (pad its convolutions to the same size)")
+            outs.append(out.narrow(dim, lo + before - a, hi - lo))
+        local_out = torch.cat(outs, dim) if len(outs) > 1 else outs[0]
+    if m is None:
+        return local_out
+    return ShardTensor.from_local(local_out, x.device_mesh, x.placements,
+                                  sharding_shapes={**_other_sizes(spec, m), m: sizes})
+
+
+def _halo_rows(comm, local, dim, sizes, starts, total, context, mesh, m):
+    """Each rank's rows with its context rows before and after (one exchange with the ranks holding them)."""
+    wanted = []
+    for r, (a, s) in enumerate(zip(starts, sizes)):
+        before, after = context(r)
+        wanted.append([i % total for i in range(a - before, a + s + after)] if s else [])
+    return comm.halo_exchange(local, dim, sizes, wanted, mesh, m)
+
+
+def _with_len(shape, dim: int, n: int) -> list:
+    return [n if d == dim else int(s) for d, s in enumerate(shape)]
 
 
 def _other_sizes(spec, m: int) -> dict:
