@@ -1,13 +1,15 @@
 """How many ranks a sample needs: ``domainflow plan``.
 
-One training step of the config (its model, loss, optimizer, dtype, autocast and activation checkpointing:
-the real ``Trainer``) and the evaluation forward after it (no grad, with the config's ``eval.block_points``)
-are measured at domain 1 on small draws of a training run (``data.sample_points``) of two sizes, in a child
-process. Each peak, fitted as ``fixed + bytes per point x points``, predicts a rank's peak at any domain size:
-the activations follow the points a rank holds (the largest rank's share of the store's spatial parts), the
-parameters, gradients and optimizer state are replicated. A rank's memory is the larger of the training
-step on the points a step trains on (``data.sample_points`` of the sample, or all of it) and the evaluation
-of a whole sample.
+One training step of the config (its model, loss, optimizer, dtype, autocast and activation checkpointing: the
+real ``Trainer``) and the evaluation forward after it (no grad, the whole sample; with the config's
+``eval.block_points`` once more in four blocks at the largest size) are measured at domain 1 on small draws of
+a training run (``data.sample_points``) of two sizes, in a child process. Each peak, fitted as ``fixed + bytes
+per point x points``, predicts a rank's peak at any domain size: the activations follow the points a rank
+holds (the largest rank's share of the store's spatial parts), the parameters, gradients and optimizer state
+are replicated. A rank's memory is the larger of the training step on the points a step trains on
+(``data.sample_points`` of the sample, or all of it) and the evaluation of a whole sample (with
+``eval.block_points``: what stays per point of the rank's share, from the blocked measurement, plus one block,
+the rank's share of ``eval.block_points``).
 
 Peak memory is the process's peak resident size on CPU, measured with glibc returning every freed block of
 64 KiB or more to the OS at once (``MALLOC_MMAP_THRESHOLD_``), so that it is the peak of live memory and not
@@ -279,14 +281,37 @@ def largest_points(model: MemoryModel, memory: int, domain: int, sample_points: 
     def ok(n):
         return fits(row(model, n, min(n, sample_points) if sample_points else n, domain), memory, headroom)
 
-    if not ok(1):
+    block = model.block_points if model.eval_resident is not None else 0
+    if not block:  # both peaks grow with the sample
+        return _largest(ok, 1, MAX_POINTS)
+    # with block inference the evaluation drops where one more block begins (cB + 1 points): it grows with
+    # the sample within each range ((c-1)B, cB] of c blocks, and the smallest sample of a range grows with c
+    c = _largest(lambda c: ok((c - 1) * block + 1), 1, MAX_POINTS // block + 1)
+    return _largest(ok, (c - 1) * block + 1, c * block) if c else 0
+
+
+MAX_POINTS = 1 << 44  # where the search for the largest sample stops (a block model may plateau)
+
+
+def _largest(ok, lo: int, hi: int) -> int:
+    """The largest n in [lo, hi] with ``ok(n)``, for ``ok`` true up to some n and false beyond (0: not even lo)."""
+    if lo > hi or not ok(lo):
         return 0
-    lo, hi = 1, 2
-    while ok(hi):  # both peaks grow with the sample, so there is a largest size that fits
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    step = 1
+    while True:  # gallop up from lo, then bisect between the last that fits and the first that does not
+        nxt = lo + step
+        if nxt >= hi:
+            if ok(hi):
+                return hi
+            bad = hi
+            break
+        if not ok(nxt):
+            bad = nxt
+            break
+        lo, step = nxt, step * 2
+    while bad - lo > 1:
+        mid = (lo + bad) // 2
+        lo, bad = (mid, bad) if ok(mid) else (lo, mid)
     return lo
 
 

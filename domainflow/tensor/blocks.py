@@ -42,9 +42,10 @@ def split_blocks(x, dim: int, rows: int) -> list:
 
 
 def rows_per_block(x, dim: int, points: int) -> int:
-    """Rows per rank for blocks of about ``points`` points over the whole domain: the sample is cut into
-    ceil(global / points) blocks and each rank cuts its rows into that many, so a rank's block is its share
-    of ``points`` (more ranks, smaller blocks, the same number of blocks). A plain tensor: ``points``."""
+    """Rows per rank for blocks of about ``points`` points over the whole domain: ceil(global / points)
+    blocks, each of the largest rank's rows over that count, so every rank cuts its rows into at most that
+    many and a rank's block is its share of ``points`` (more ranks, smaller blocks, the same count; uneven
+    shares make a block over the domain somewhat larger than ``points``). A plain tensor: ``points``."""
     from .shard_tensor import ShardTensor
 
     if points < 1:
@@ -90,8 +91,9 @@ def blockwise(fn, x, rows: int, halo: int = 0, dim: int = 1, periodic: bool = Fa
     stride-1 convolutions padded to keep their length, zero padding, or circular with ``periodic``; pointwise
     ops). ``fn`` gets and returns plain tensors, the local block with its context: it must not communicate
     (no norms over the sample), and its output keeps the block's length along ``dim`` (other dims may change,
-    e.g. channels). Memory: ``x``, its context rows and one block's activations. A plain ``x`` is cut the
-    same way on one process."""
+    e.g. channels). Memory: ``x``, a copy of the rank's rows with their context (the exchange's result), the
+    output and one block's activations. A plain ``x`` is cut the same way on one process. Refused: another
+    sharded dim (its edges would get no context) and pending sums (``fn`` is rarely linear)."""
     from domainflow import comm
 
     from .shard_tensor import ShardTensor
@@ -103,6 +105,12 @@ def blockwise(fn, x, rows: int, halo: int = 0, dim: int = 1, periodic: bool = Fa
     m = spec.mesh_dim_of(dim) if spec is not None else None
     if spec is not None and m is None:
         raise ValueError(f"blockwise: dim {dim} of the input is not sharded ({x.placements}); cut the sharded dim")
+    if spec is not None:
+        others = [d for k, d in enumerate(spec.shard_dims) if d is not None and k != m]
+        if others or any(p.is_partial() for p in x.placements):
+            raise ValueError(f"blockwise: the input ({x.placements}) is "
+                             f"{'also sharded on dim ' + str(others[0]) if others else 'a pending sum'}; only dim "
+                             f"{dim} may be sharded (redistribute the others to Replicate first)")
     local = x.to_local() if spec is not None else x
     n, sizes = int(local.shape[dim]), ([int(s) for s in spec.sizes[m]] if m is not None else [int(x.shape[dim])])
     total, me = sum(sizes), (mesh_coordinate(x.device_mesh)[m] if m is not None else 0)
@@ -117,6 +125,7 @@ def blockwise(fn, x, rows: int, halo: int = 0, dim: int = 1, periodic: bool = Fa
         if m is not None and halo and total:
             _halo_rows(comm, local, dim, sizes, starts, total, context, x.device_mesh, m)  # the others' exchange
         probe = fn(local.new_zeros(_with_len(local.shape, dim, 2 * halo + 1)))
+        _check_length(probe, dim, 2 * halo + 1)
         local_out = probe.narrow(dim, 0, 0)
     else:
         before, after = context(me)
@@ -127,20 +136,26 @@ def blockwise(fn, x, rows: int, halo: int = 0, dim: int = 1, periodic: bool = Fa
             padded = local.index_select(dim, ids)
         else:
             padded = local
-        outs, length_padded = [], int(padded.shape[dim])
+        local_out, length_padded = None, int(padded.shape[dim])
         for lo in range(0, n, rows):
             hi = min(n, lo + rows)
             a, b = max(0, lo + before - halo), min(length_padded, hi + before + halo)
             out = fn(padded.narrow(dim, a, b - a))
-            if int(out.shape[dim]) != b - a:
-                raise ValueError(f"blockwise: fn changed the length of dim {dim} from {b - a} to "
-                                 f"{int(out.shape[dim])}; it must keep it (pad its convolutions to the same size)")
-            outs.append(out.narrow(dim, lo + before - a, hi - lo))
-        local_out = torch.cat(outs, dim) if len(outs) > 1 else outs[0]
+            _check_length(out, dim, b - a)
+            if local_out is None:  # the output's other dims are known once the first block is done
+                local_out = out.new_empty(_with_len(out.shape, dim, n))
+            local_out.narrow(dim, lo, hi - lo).copy_(out.narrow(dim, lo + before - a, hi - lo))
+            del out
     if m is None:
         return local_out
     return ShardTensor.from_local(local_out, x.device_mesh, x.placements,
                                   sharding_shapes={**_other_sizes(spec, m), m: sizes})
+
+
+def _check_length(out, dim: int, length: int) -> None:
+    if int(out.shape[dim]) != length:
+        raise ValueError(f"blockwise: fn changed the length of dim {dim} from {length} to {int(out.shape[dim])}; "
+                         f"it must keep it (pad its convolutions to the same size)")
 
 
 def _halo_rows(comm, local, dim, sizes, starts, total, context, mesh, m):

@@ -128,3 +128,24 @@ def test_blockwise_refuses_a_function_that_changes_the_length():
         df.blockwise(lambda t: t[:, :, 1:], torch.zeros(1, 2, 10), 4, halo=1, dim=2)
     torch.testing.assert_close(df.blockwise(lambda t: t * 2, torch.ones(1, 2, 10), 3, halo=1, dim=2),
                                torch.full((1, 2, 10), 2.0))
+
+
+def _blockwise_refusals():
+    import domainflow as df
+    from domainflow import Partial
+
+    mesh = get_mesh((1, 1), ("lat", "lon"))
+    t = torch.zeros(1, 2, 6, 4)
+    msgs = []
+    for placements in ([Shard(2), Shard(3)], [Shard(2), Partial()]):
+        x = df.ShardTensor.from_local(t, mesh, placements)
+        try:
+            df.blockwise(lambda b: b, x, 2, halo=1, dim=2)
+        except ValueError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def test_blockwise_refuses_another_sharded_dim_and_pending_sums(dist):
+    msgs = dist.run(1, _blockwise_refusals)[0]
+    assert len(msgs) == 2 and "also sharded on dim 3" in msgs[0] and "pending sum" in msgs[1]

@@ -103,6 +103,25 @@ def test_block_inference_plans_the_resident_points_and_one_block_of_the_ranks_sh
     assert m.eval_bytes(2_000_000, 4_000_000) == m.eval.bytes_at(2_000_000)
 
 
+def test_the_largest_sample_with_block_inference_looks_past_the_step_where_a_block_begins():
+    """The evaluation's memory drops where one more block begins (2^20 + 1 points here): 2^20 points do not
+    fit, 2^20 + 1 and up to ~1.6M do; a search that assumed memory grows with the sample stopped at 825k."""
+    m = MemoryModel(train=Line(350e6, 10.0), eval=Line(350e6, 2000.0), parts=64, block_points=1 << 20,
+                    eval_resident=350.0)
+    memory = 2.4e9
+    assert not fits(row(m, 1 << 20, 1 << 20, 1), memory, 0.0) and fits(row(m, (1 << 20) + 1, (1 << 20) + 1, 1),
+                                                                          memory, 0.0)
+    n = largest_points(m, memory, 1, headroom=0.0)
+    assert fits(row(m, n, n, 1), memory, 0.0) and not fits(row(m, n + 1, n + 1, 1), memory, 0.0)
+    assert n > 1_400_000
+    # every larger size fails (checked on a grid beyond it)
+    assert not any(fits(row(m, k, k, 1), memory, 0.0) for k in range(n + 1, 8 * n, 9973))
+    # without blocks the answer is where the line meets the memory
+    m.block_points = 0
+    n = largest_points(m, memory, 1, headroom=0.0)
+    assert fits(row(m, n, n, 1), memory, 0.0) and not fits(row(m, n + 1, n + 1, 1), memory, 0.0)
+
+
 def test_what_cannot_be_planned_is_one_line(store, tmp_path):
     """Each refused before anything is measured: in this process."""
     r = _plan_here(f"data.store={store}", *MODEL, "--sizes", "4000,8000")

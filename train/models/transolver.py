@@ -130,8 +130,8 @@ class Transolver(nn.Module):
     @torch.no_grad()
     def forward_blocks(self, points: torch.Tensor, globals_: torch.Tensor | None = None,
                        block_points: int = 65536) -> torch.Tensor:
-        """``forward`` (no grad) in blocks of ``block_points`` rows per rank (``domainflow.rows_per_block`` turns
-        a block over the whole domain into rows per rank), for inference on samples whose
+        """``forward`` (no grad) in blocks of ``block_points`` rows per rank (``eval.block_points`` counts over
+        the whole domain; ``domainflow.rows_per_block`` turns it into rows per rank), for inference on samples whose
         activations do not fit: exact, since points meet only in each layer's slice sums, which are summed
         over all blocks before any block is mapped back. Memory: the (N, dim) residual stream plus one
         block's activations, instead of every layer's (N, heads, slices) weights at once."""
