@@ -19,12 +19,9 @@ def split_blocks(x, dim: int, rows: int) -> list:
 
     if rows < 1:
         raise ValueError(f"blocks need at least one row each, got rows={rows}")
-    dim = dim % x.ndim
-    spec = x.spec if isinstance(x, ShardTensor) else None
-    m = spec.mesh_dim_of(dim) if spec is not None else None
+    dim, spec, m, sizes = _along(x, dim)
     if m is None:
         return list(torch.split(x, rows, dim)) if x.shape[dim] else [x]
-    sizes = [int(s) for s in spec.sizes[m]]
     count = max(1, max(-(-s // rows) for s in sizes))
     cuts = [k * rows for k in range(count)] + [max(sizes)]
     if count > 1 and sum(max(0, s - cuts[-2]) for s in sizes) == 1:
@@ -46,16 +43,11 @@ def rows_per_block(x, dim: int, points: int) -> int:
     blocks, each of the largest rank's rows over that count, so every rank cuts its rows into at most that
     many and a rank's block is its share of ``points`` (more ranks, smaller blocks, the same count; uneven
     shares make a block over the domain somewhat larger than ``points``). A plain tensor: ``points``."""
-    from .shard_tensor import ShardTensor
-
     if points < 1:
         raise ValueError(f"blocks need at least one point each, got points={points}")
-    dim = dim % x.ndim
-    spec = x.spec if isinstance(x, ShardTensor) else None
-    m = spec.mesh_dim_of(dim) if spec is not None else None
+    _, _, m, sizes = _along(x, dim)
     if m is None:
         return points
-    sizes = [int(s) for s in spec.sizes[m]]
     count = max(1, -(-sum(sizes) // points))
     return max(1, -(-max(sizes) // count))
 
@@ -100,9 +92,7 @@ def blockwise(fn, x, rows: int, halo: int = 0, dim: int = 1, periodic: bool = Fa
 
     if rows < 1 or halo < 0:
         raise ValueError(f"blockwise needs rows >= 1 and halo >= 0, got rows={rows}, halo={halo}")
-    dim = dim % x.ndim
-    spec = x.spec if isinstance(x, ShardTensor) else None
-    m = spec.mesh_dim_of(dim) if spec is not None else None
+    dim, spec, m, sizes = _along(x, dim)
     if spec is not None and m is None:
         raise ValueError(f"blockwise: dim {dim} of the input is not sharded ({x.placements}); cut the sharded dim")
     if spec is not None:
@@ -112,7 +102,7 @@ def blockwise(fn, x, rows: int, halo: int = 0, dim: int = 1, periodic: bool = Fa
                              f"{'also sharded on dim ' + str(others[0]) if others else 'a pending sum'}; only dim "
                              f"{dim} may be sharded (redistribute the others to Replicate first)")
     local = x.to_local() if spec is not None else x
-    n, sizes = int(local.shape[dim]), ([int(s) for s in spec.sizes[m]] if m is not None else [int(x.shape[dim])])
+    n = int(local.shape[dim])
     total, me = sum(sizes), (mesh_coordinate(x.device_mesh)[m] if m is not None else 0)
     starts = [sum(sizes[:r]) for r in range(len(sizes))]
 
@@ -150,6 +140,18 @@ def blockwise(fn, x, rows: int, halo: int = 0, dim: int = 1, periodic: bool = Fa
         return local_out
     return ShardTensor.from_local(local_out, x.device_mesh, x.placements,
                                   sharding_shapes={**_other_sizes(spec, m), m: sizes})
+
+
+def _along(x, dim: int):
+    """(dim made non-negative, x's spec or None, the mesh dim sharding ``dim`` or None, per-rank sizes along
+    it: one entry, the whole length, when ``dim`` is not sharded)."""
+    from .shard_tensor import ShardTensor
+
+    dim = dim % x.ndim
+    spec = x.spec if isinstance(x, ShardTensor) else None
+    m = spec.mesh_dim_of(dim) if spec is not None else None
+    sizes = [int(s) for s in spec.sizes[m]] if m is not None else [int(x.shape[dim])]
+    return dim, spec, m, sizes
 
 
 def _check_length(out, dim: int, length: int) -> None:
