@@ -4,6 +4,7 @@ failed collective (and, after a timeout, which peers stalled), groups, devices a
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 
 import torch
@@ -58,7 +59,10 @@ def _dim_name(mesh: DeviceMesh, mesh_dim: int) -> str:
 
 
 @contextlib.contextmanager
-def _named(op: str, mesh: DeviceMesh | None, mesh_dim: int | None, detail: str = ""):
+def _named(op: str, mesh: DeviceMesh | None, mesh_dim: int | None, detail: str = "", entered: float | None = None):
+    """Turn a failed collective into a CollectiveError naming it; ``entered``: when this rank started the
+    op (default: now), for telling after a timeout which ranks came late."""
+    entered = time.time() if entered is None else entered
     try:
         yield
     except CollectiveError:
@@ -67,15 +71,23 @@ def _named(op: str, mesh: DeviceMesh | None, mesh_dim: int | None, detail: str =
         rank = dist.get_rank() if dist.is_initialized() else 0
         where = f" over mesh dim {_dim_name(mesh, mesh_dim)} of mesh {tuple(mesh.shape)}" if mesh is not None else ""
         timed_out = "imeout" in str(e) or "imed out" in str(e)
-        hint = ("another rank did not enter the same collective (it failed earlier, took another code path, "
-                "or passed a different shape)") if timed_out else "see the cause above"
+        # Gloo closes its connections when one end times out: the peer then fails with "Connection closed by
+        # peer", often before its own timeout, and reports where it waits too (else it would look silent)
+        peer_closed = "closed by peer" in str(e) or "Connection reset" in str(e)
         if timed_out:
-            hint += _stall_report(f"{op}{where}", mesh, mesh_dim)
+            hint = ("another rank did not enter the same collective (it failed earlier, took another code path, "
+                    "or passed a different shape)")
+        elif peer_closed:
+            hint = "a peer closed the connection: it timed out in a collective (see its error) or died"
+        else:
+            hint = "see the cause above"
+        if timed_out or peer_closed:
+            hint += _stall_report(f"{op}{where}", mesh, mesh_dim, entered)
         raise CollectiveError(f"rank {rank}: {op}{where}{detail} failed: {e}\nLikely cause: {hint}.") from e
 
 
-# how long a timed-out rank waits to hear which of its peers timed out too (DOMAINFLOW_STALL_WAIT_S: raise it
-# where ranks drift apart by more, e.g. on a busy machine, or a peer is called silent that was only late)
+# how long a failed rank waits to hear where its peers failed (DOMAINFLOW_STALL_WAIT_S: raise it where ranks
+# drift apart by more, e.g. on a busy machine, or a peer is called silent that was only late)
 STALL_WAIT_S = 5.0
 _STALL_REPORTS = 0
 
@@ -89,21 +101,23 @@ def _stall_wait() -> float:
         return STALL_WAIT_S
 
 
-def _stall_report(what: str, mesh, mesh_dim) -> str:
-    """After a timeout: which peers are stuck elsewhere and which never reached a collective (the likely
-    culprits: still computing, hung or dead). Each timed-out rank posts where it waits in the job's
-    rendezvous store and reads its peers' posts for a few seconds; costs nothing until a timeout."""
+def _stall_report(what: str, mesh, mesh_dim, entered: float) -> str:
+    """After a timeout or a closed connection: which peers wait in another collective, which reached theirs
+    only after this rank had failed, and which never reported (the likely culprits: still computing, hung or
+    dead). Each failed rank posts where it waits, and when it entered and failed, in the job's rendezvous
+    store and reads its peers' posts for a few seconds; costs nothing until a collective fails."""
     import json
-    import time
 
+    failed = time.time()
     try:
         store = dist.distributed_c10d._get_default_store()
         me = dist.get_rank()
         peers = dim_ranks(mesh, mesh_dim) if mesh is not None else list(range(dist.get_world_size()))
         hit = _EXCHANGES.get(id(_group(mesh, mesh_dim))) if mesh is not None else None
-        mine = {"op": what, "n": hit[1] + 1 if hit else 0}  # point-to-point ops this rank ran on the group
+        # point-to-point ops this rank ran on the group
+        mine = {"op": what, "n": hit[1] + 1 if hit else 0, "entered": entered, "failed": failed}
         global _STALL_REPORTS
-        key = f"domainflow/stalled/{_STALL_REPORTS}/{{}}"  # the n-th timeout of each rank: a fresh set of keys
+        key = f"domainflow/stalled/{_STALL_REPORTS}/{{}}"  # the n-th failure of each rank: a fresh set of keys
         _STALL_REPORTS += 1
         store.set(key.format(me), json.dumps(mine))
         wait = _stall_wait()
@@ -116,10 +130,18 @@ def _stall_report(what: str, mesh, mesh_dim) -> str:
     except Exception:  # noqa: BLE001  (a diagnosis must never hide the error itself)
         return ""
     silent = [r for r in peers if r != me and r not in posts]
-    elsewhere = {r: post for r, post in posts.items() if post != mine}
+    late = [r for r, post in posts.items() if post["entered"] > failed]
+    earlier = [r for r, post in posts.items() if post["failed"] < entered]
+    elsewhere = {r: post for r, post in posts.items() if (post["op"], post["n"]) != (what, mine["n"])}
     out = ""
+    if earlier:
+        out += (f". This rank came late: rank(s) {earlier} had already failed in a collective when this rank "
+                f"reached this one (this rank stalled in computation or I/O before it)")
+    if late:
+        out += (f". Likely culprit: rank(s) {late}, which reached a collective only after this rank had failed "
+                f"(stalled in computation or I/O before it)")
     if silent:
-        out += (f". Likely culprit: rank(s) {silent}, which had not timed out in a collective {_stall_wait():g} s "
+        out += (f". Likely culprit: rank(s) {silent}, which had not failed in a collective {_stall_wait():g} s "
                 f"after this rank did (stalled in computation or I/O, hung, dead, or finished without this "
                 f"collective)")
     if elsewhere:

@@ -3,6 +3,7 @@ name (never abort or mix bytes), ring shifts, and a source rank's headers and sc
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -50,6 +51,7 @@ def _exchange_start(out_pieces: dict, in_shapes: dict, like: torch.Tensor, mesh:
                     what: str, seq: int, kind: str | None = "halo", detail: str = ""):
     """Post the sends and receives of :func:`_exchange` and return at once; the caller does local work
     (copying its own rows) while the rows travel, then calls :func:`_exchange_wait`."""
+    entered = time.time()
     ranks = _dim_ranks(mesh, mesh_dim)
     ops, received = [], {}
     for k, piece in out_pieces.items():
@@ -63,16 +65,16 @@ def _exchange_start(out_pieces: dict, in_shapes: dict, like: torch.Tensor, mesh:
     detail = f" with ranks {sorted(ranks[k] for k in set(out_pieces) | set(in_shapes))}{detail}"
     works = []
     if ops:
-        with _named(what, mesh, mesh_dim, detail):
+        with _named(what, mesh, mesh_dim, detail, entered):
             works = dist.batch_isend_irecv(ops)
     # the ops hold the (possibly temporary, made contiguous) pieces until the sends are waited on
-    return works, received, (what, mesh, mesh_dim, detail), ops
+    return works, received, (what, mesh, mesh_dim, detail, entered), ops
 
 
 def _exchange_wait(pending) -> dict:
-    works, received, (what, mesh, mesh_dim, detail), _ops = pending
+    works, received, (what, mesh, mesh_dim, detail, entered), _ops = pending
     if works:
-        with _named(what, mesh, mesh_dim, detail):
+        with _named(what, mesh, mesh_dim, detail, entered):
             for w in works:
                 w.wait()
     return received
@@ -97,9 +99,10 @@ def ring_shift(tensors: Sequence[torch.Tensor], recv_shapes, mesh: DeviceMesh, m
         got.append(buf)
         ops.append(dist.P2POp(dist.irecv, buf, ranks[prv], tag=_tag(seq, _nbytes(buf))))
     detail = f" with ranks {sorted({ranks[nxt], ranks[prv]})}"
-    with _named(what, mesh, mesh_dim, detail):
+    entered = time.time()
+    with _named(what, mesh, mesh_dim, detail, entered):
         works = dist.batch_isend_irecv(ops)
-    _exchange_wait((works, None, (what, mesh, mesh_dim, detail), ops))
+    _exchange_wait((works, None, (what, mesh, mesh_dim, detail, entered), ops))
     return got
 
 

@@ -102,7 +102,7 @@ def test_a_loss_without_parameters_is_known_after_backward_too():
         assert all(c.get("all_reduce", 0) == 1 for c in rank_calls), rank_calls
 
 
-def _item_on_rank0_before_backward():
+def _item_on_rank0_before_backward(late_s=0.0):
     import os
 
     # both ranks time out, in different collectives; on a busy machine one may do so seconds after the other,
@@ -112,23 +112,32 @@ def _item_on_rank0_before_backward():
     rank, world = rank_and_world()
     mesh, model, x, st = _model_and_points(world, rank)
     loss = (model(st) ** 2).mean()
+    st.sum().item()  # on every rank: the pending cross-rank checks run here, together
     if rank == 0:
         loss.item()  # a pending value reduced on one rank only: the others go on into backward
+    elif late_s:
+        # rank 1 reaches its (other) collective after rank 0 has timed out and Gloo has closed the connection,
+        # as on a busy machine: it fails at once with "Connection closed by peer" and must still report
+        time.sleep(late_s)
     loss.backward()
     return loss.item()
 
 
-def test_item_of_a_pending_value_on_one_rank_is_a_collective_error_not_an_abort():
+@pytest.mark.parametrize("late_s", [0.0, 6.0])
+def test_item_of_a_pending_value_on_one_rank_is_a_collective_error_not_an_abort(late_s):
     with WorkerPool(2, timeout=90, pg_timeout=5, grace=40) as pool:
         t0 = time.monotonic()
         with pytest.raises(RankFailure) as info:
-            pool.run(_item_on_rank0_before_backward)
+            pool.run(_item_on_rank0_before_backward, late_s)
         elapsed = time.monotonic() - t0
     msg = str(info.value)
-    assert "died" not in msg, msg  # Gloo aborted the process (SIGABRT) before
+    assert "died with" not in msg and not info.value.exit_codes, msg  # Gloo aborted the process (SIGABRT) before
     for rank in (0, 1):
         assert f"rank {rank} raised CollectiveError" in msg, msg
     assert "The ranks ran different collectives" in msg and "all_reduce(sum) of 1 values" in msg, msg
+    if late_s:
+        assert "This rank came late: rank(s) [0] had already failed" in msg, msg
+        assert "Likely culprit: rank(s) [1], which reached a collective only after this rank had failed" in msg
     assert elapsed < 60
 
 
@@ -146,3 +155,5 @@ def test_a_stalled_rank_is_named_as_the_likely_culprit():
             pool.run(_rank1_stalls)
     msg = str(info.value)
     assert "rank 0 raised CollectiveError" in msg and "Likely culprit: rank(s) [1]" in msg, msg
+    # rank 1 wakes after rank 0 has failed and Gloo has closed the connection: it is told that it came late
+    assert "rank 1 raised CollectiveError" in msg and "This rank came late: rank(s) [0]" in msg, msg
