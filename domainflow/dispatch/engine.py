@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from domainflow.dispatch import fast_path as _fast
 from domainflow.dispatch.registry import REGISTRY
-from domainflow.dispatch.toolkit import hook_plain_grads, run_replicated, shard_tensors, unsupported_or_fallback
+from domainflow.dispatch.toolkit import hook_plain_grads, run_replicated, shard_tensors, tracing as _tracing
+from domainflow.dispatch.toolkit import unsupported_or_fallback
 from domainflow.tensor import consistency as _consistency
 from domainflow.tensor.shard_tensor import ShardTensor
 
@@ -36,6 +38,12 @@ _run_function = torch._C._disabled_torch_function_impl
 # __torch_function__
 # --------------------------------------------------------------------------------------------
 def torch_function(func, types, args=(), kwargs=None):
+    return method_function(None, func, types, args, kwargs)
+
+
+def _engine_function(func, types, args, kwargs):
+    """A Python-level call through the engine: its function handler, or torch's own code (whose aten ops
+    come back through ``__torch_dispatch__``)."""
     # parameters meeting a ShardTensor are recorded for the replica check here, at the Python call the model
     # makes, which every rank makes alike (aten-level decompositions may differ between ranks with strides)
     for a in args:
@@ -50,12 +58,38 @@ def torch_function(func, types, args=(), kwargs=None):
                     break
     handler = _functions.get(func)
     if handler is not None:
+        trace = _tracing.trace
+        if trace is not None:
+            return _traced_step(trace, _with_handler, handler, func, args, kwargs or {})
         with _no_subclass_functions():  # like torch's default: nested calls skip __torch_function__
             return handler(func, args, kwargs or {})
     return _run_function(func, types, args, kwargs if kwargs is not None else _NO_KWARGS)
 
 
+def _with_handler(handler, func, args, kwargs):
+    with _no_subclass_functions():
+        return handler(func, args, kwargs)
+
+
+def _traced_step(trace, run, route, func, args, kwargs):
+    """One step of a call the fast path learns: counted, and local-exact if its own handler said so (a
+    nested step's declaration counts for that step alone)."""
+    outer = trace.marked
+    trace.marked = False
+    trace.steps += 1
+    try:
+        out = run(route, func, args, kwargs)
+        if trace.marked:
+            trace.exact += 1
+    finally:
+        trace.marked = outer
+    return out
+
+
 _PARAMETER = torch.nn.Parameter
+# ShardTensor.__torch_function__ (installed by shard_tensor.install_engine): the fast path, else the engine
+_fast.install(_engine_function)
+method_function = _fast.method_function
 
 
 def _record_parameters(args, kwargs) -> None:
@@ -88,12 +122,24 @@ def _first_mesh(args):
 # __torch_dispatch__
 # --------------------------------------------------------------------------------------------
 def torch_dispatch(func, types, args=(), kwargs=None):
+    return method_dispatch(None, func, types, args, kwargs)
+
+
+def method_dispatch(cls, func, types, args=(), kwargs=None):
+    """``ShardTensor.__torch_dispatch__``: the op's cached route."""
     route = _routes.get(func)
     if route is None:
         route = _route(func)
     if route is not _pointwise_rule:
         hook_plain_grads(args)  # the pointwise rule does this while it scans its arguments
+    trace = _tracing.trace
+    if trace is not None:
+        return _traced_step(trace, _call_route, route, func, args, kwargs or {})
     return route(func, args, kwargs or {})
+
+
+def _call_route(route, func, args, kwargs):
+    return route(func, args, kwargs)
 
 
 _routes: dict = {}
@@ -127,6 +173,7 @@ def clear_routes() -> None:
     """Forget cached routes (the registry calls it when a handler or the pointwise rule is registered)."""
     global _pointwise_rule
     _routes.clear()
+    _fast.clear()
     _pointwise_rule = REGISTRY.pointwise
 
 

@@ -30,7 +30,8 @@ class OpRegistry:
         return handler
 
     def on_change(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` whenever an aten handler is registered (the engine forgets its cached routes)."""
+        """Call ``listener()`` whenever a handler or the pointwise rule is registered (the engine forgets its
+        cached routes and learnt fast-path layouts)."""
         self._listeners.append(listener)
 
     def register_function(self, *funcs) -> Callable[[Handler], Handler]:
@@ -41,6 +42,8 @@ class OpRegistry:
         def deco(handler: Handler) -> Handler:
             for f in funcs:
                 self.functions[f] = handler
+            for listener in self._listeners:
+                listener()
             return handler
 
         return deco

@@ -4,6 +4,7 @@ gather fallback, relayout warnings, and autograd glue for replicated parameters.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -114,8 +115,41 @@ _run_function = torch._C._disabled_torch_function_impl
 
 
 def run_function_default(func, args, kwargs):
-    """What a function handler calls to fall through to torch's own implementation."""
+    """What a function handler calls to fall through to torch's own implementation (the aten ops it runs
+    on ShardTensors answer for themselves to the fast path's trace)."""
+    local_exact()
     return _run_function(func, (ShardTensor,), args, kwargs)
+
+
+class Trace:
+    """What one Python-level call did on ShardTensors while the fast path learns it: ``steps`` (aten ops
+    and function handlers entered) and how many of them declared themselves local-exact."""
+
+    __slots__ = ("steps", "exact", "marked")
+
+    def __init__(self):
+        self.steps = 0
+        self.exact = 0
+        self.marked = False  # the step running now declared itself local-exact
+
+
+class _Tracing(threading.local):
+    trace = None  # the Trace this thread fills, or None
+
+
+tracing = _Tracing()
+
+
+def local_exact() -> None:
+    """A handler declares the op it runs now local-exact: its result is the op itself run on the local
+    chunks with every other argument unchanged (no communication, no relayout, no slicing of plain
+    operands), laid out by the input layouts alone. When every step of a Python-level call is, the engine
+    runs that call directly on local chunks the next time it sees the same layouts outside autograd
+    (``domainflow.dispatch.fast_path``). Declare it only where all of this holds; a handler that calls
+    another handler directly (not through torch) answers for that one's declaration too."""
+    t = tracing.trace
+    if t is not None:
+        t.marked = True
 
 
 _ALIASES = {"input": "self", "axis": "dim", "keepdims": "keepdim"}
@@ -188,6 +222,7 @@ def run_replicated(func, args, kwargs, sts):
     out = func(*la, **lk)
     if _INPLACE in func.tags and args and isinstance(args[0], ShardTensor):
         return args[0]
+    local_exact()
     return wrap(out, lambda t: replicated_spec(mesh, t.shape))
 
 

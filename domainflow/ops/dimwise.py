@@ -10,7 +10,7 @@ import torch
 
 from domainflow.layout import shapes
 from domainflow.dispatch.fallback import fallback as _fallback_mode
-from domainflow.dispatch.toolkit import (unsupported_or_fallback, common_mesh, local_as, relayout, shard_tensors, to_spec,
+from domainflow.dispatch.toolkit import (unsupported_or_fallback, common_mesh, local_as, local_exact, relayout, shard_tensors, to_spec,
                         warn_relayout)
 from domainflow.layout.spec import mesh_shape
 from domainflow.layout.placements import Partial, Replicate, Shard
@@ -106,6 +106,8 @@ def dim_local(func, args, kwargs):
         warn_relayout(func, f"moved the shard off dim(s) {dims}, which the op works along")
     if len(usable) != len(sts) and usable:
         warn_relayout(func, "laid an operand sharded along the op's dim out like the others")
+    if len(sts) == n_t and all(s._spec == ref for s in sts):
+        local_exact()  # every operand sharded and used as it is
     if func is aten.logsumexp.default:
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
         local = torch.logsumexp(to_spec(sts[0], ref), dims, keepdim)
@@ -131,6 +133,8 @@ def layer_norm(func, args, kwargs):
     if any(spec.mesh_dim_of(d) is not None for d in range(axis, x.ndim)):
         return unsupported_or_fallback(func, args, kwargs, "it normalises over a sharded dim")
     lx = to_spec(x, spec)
+    if x._spec == spec:
+        local_exact()
     lw = weight._local if isinstance(weight, ShardTensor) else weight
     lb = bias._local if isinstance(bias, ShardTensor) else bias
     out, mean, rstd = func(lx, normalized_shape, lw, lb, eps)

@@ -8,7 +8,8 @@ import functools
 import torch
 
 from domainflow.dispatch.param_grads import reduce_param_grads
-from domainflow.dispatch.toolkit import bind, common_mesh, run_function_default, shard_tensors, unsupported_or_fallback
+from domainflow.dispatch.toolkit import bind, common_mesh, local_exact, run_function_default, shard_tensors
+from domainflow.dispatch.toolkit import unsupported_or_fallback
 from domainflow.tensor.redistribute import grad_spec
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_aten, register_function
@@ -117,6 +118,8 @@ def _contract(func, a, b, nb, bias=None, beta=1, alpha=1):
     a_dst, b_dst, out = plan_contraction(a_spec, b_spec, nb)
     la, lb = _local_in(a, a_spec, a_dst), _local_in(b, b_spec, b_dst)
     local = torch.matmul(la, lb)
+    if bias is None and alpha == 1 and a_spec == a_dst and b_spec == b_dst:
+        local_exact()
     if alpha != 1:
         local = local * alpha
     if bias is not None and beta != 0:
@@ -248,6 +251,7 @@ def _linear_function(func, args, kwargs):
     if (not isinstance(x, ShardTensor) or not plain or x.ndim < 2 or x._spec.has_partial
             or x._spec.mesh_dim_of(x.ndim - 1) is not None):
         return run_function_default(func, args, kwargs)
+    local_exact()  # F.linear on the local rows with the plain parameters
     return _LocalLinear.apply(x, weight, bias)
 
 

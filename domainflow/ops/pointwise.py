@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from domainflow.dispatch.registry import REGISTRY
-from domainflow.dispatch.toolkit import hook_plain_grads, hooked_plain_grads, relayout, unsupported_or_fallback, warn_moved, wrap
+from domainflow.dispatch.toolkit import hook_plain_grads, hooked_plain_grads, local_exact, relayout, unsupported_or_fallback
+from domainflow.dispatch.toolkit import warn_moved, wrap
 from domainflow.tensor.redistribute import redistribute_local
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.layout.spec import ShardSpec
@@ -75,6 +76,8 @@ def pointwise(func, args, kwargs):
         return unsupported_or_fallback(func, args, kwargs, plan)
     if plan.local_only:
         out = func(*[a._local if type(a) is ShardTensor else a for a in args], **kwargs)
+        if not plan.inplace:
+            local_exact()
     else:
         local_args = list(args)
         for i, act in plan.actions:

@@ -13,7 +13,7 @@ import torch
 
 from domainflow import comm
 from domainflow.layout import shapes
-from domainflow.dispatch.toolkit import bind, run_function_default, to_spec
+from domainflow.dispatch.toolkit import bind, local_exact, run_function_default, to_spec
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_aten, register_function
 from domainflow.tensor.shard_tensor import ShardTensor, product_of_others
@@ -84,7 +84,9 @@ def sum_mean(func, args, kwargs):
         dims = _dims_arg(x, args[1] if len(args) > 1 else kwargs.get("dim"))
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
         dtype = args[3] if len(args) > 3 else kwargs.get("dtype")
+    unchanged = x is args[0]
     x = _reduce_partials(x, keep_sum=True)
+    unchanged = unchanged and x is args[0]
     key = (x._spec, None if dims is None else tuple(dims), keepdim)
     hit = _sum_layouts.get(key)
     if hit is None:
@@ -98,6 +100,8 @@ def sum_mean(func, args, kwargs):
         _sum_layouts[key] = hit
     local_dims, count, out_spec = hit
     fn = torch.nansum if func is aten.nansum.default else torch.sum
+    if unchanged and local_dims and not (is_mean and _sharded_reduced(x._spec, local_dims)):
+        local_exact()  # a sum of the local chunk (a mean over dims held whole)
     if local_dims:
         local = fn(x._local, dim=local_dims, keepdim=keepdim, dtype=dtype)
     else:

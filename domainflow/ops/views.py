@@ -16,7 +16,7 @@ import torch
 
 from domainflow import comm
 from domainflow.layout import shapes
-from domainflow.dispatch.toolkit import unsupported_or_fallback, to_spec, warn_relayout
+from domainflow.dispatch.toolkit import local_exact, unsupported_or_fallback, to_spec, warn_relayout
 from domainflow.errors import UnsupportedShardedOp
 from domainflow.layout.placements import Replicate, Shard
 from domainflow.dispatch.registry import REGISTRY, register_aten
@@ -145,6 +145,7 @@ def _view_layout(x: ShardTensor, size):
 @register_aten(aten.permute.default)
 def permute(func, args, kwargs):
     x, dims = args[0], tuple(d % max(args[0].ndim, 1) for d in args[1])
+    local_exact()  # transpose and t come here too: each is itself run on the local chunk
     return ShardTensor(x._local.permute(dims), _permuted(x._spec, dims))
 
 
@@ -180,6 +181,7 @@ def unsqueeze(func, args, kwargs):
     pl = [Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in spec.placements]
     shape = list(spec.shape)
     shape.insert(dim, 1)
+    local_exact()
     return ShardTensor(x._local.unsqueeze(dim), _spec(spec, pl, shape, spec.sizes))
 
 

@@ -32,7 +32,7 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
 
 
-def _strides_like(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
+def global_strides_like(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
     """Global strides laid out in the same dim order as the local chunk's memory."""
     nd = len(shape)
     if local.is_contiguous() or nd <= 1:
@@ -61,7 +61,7 @@ class ShardTensor(torch.Tensor):
             r = torch.Tensor._make_wrapper_subclass(cls, spec.shape, dtype=local.dtype, device=local.device,
                                                     requires_grad=requires_grad)
         else:
-            r = torch.Tensor._make_wrapper_subclass(cls, spec.shape, strides=_strides_like(local, spec.shape),
+            r = torch.Tensor._make_wrapper_subclass(cls, spec.shape, strides=global_strides_like(local, spec.shape),
                                                     dtype=local.dtype, device=local.device, requires_grad=requires_grad)
         r._local = local
         r._spec = spec
@@ -641,9 +641,15 @@ _engine = None  # the dispatch engine, once domainflow.load_engine() has loaded 
 
 
 def install_engine(engine) -> None:
-    """Route ShardTensor ops through ``engine`` (its ``torch_function`` / ``torch_dispatch``)."""
+    """Route ShardTensor ops through ``engine``: its ``torch_function`` / ``torch_dispatch``, and where it
+    has them, the same as class methods (``method_function`` / ``method_dispatch``), installed as the
+    class's hooks to spare every op one Python call."""
     global _engine
     _engine = engine
+    if hasattr(engine, "method_function"):
+        ShardTensor.__torch_function__ = classmethod(engine.method_function)
+    if hasattr(engine, "method_dispatch"):
+        ShardTensor.__torch_dispatch__ = classmethod(engine.method_dispatch)
 
 
 def _load_engine():

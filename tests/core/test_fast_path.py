@@ -1,0 +1,216 @@
+"""The fast path (domainflow.dispatch.fast_path) on real process groups: outside autograd, a call whose
+every step is local-exact runs straight on the local chunks from its second time on (no
+engine), with the layout, strides and values the engine gives; anything that
+communicates, relayouts, slices a plain operand, works in place or needs gradients keeps taking the
+engine."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import domainflow as df
+from dist_pool import rank_and_world
+from domainflow import Replicate, Shard, ShardTensor
+from sharded_check import random_sizes
+
+D = torch.float64
+
+
+def _setup(seed):
+    rank, world = rank_and_world()
+    mesh = df.init_mesh((world,), ("domain",))
+    gen = torch.Generator().manual_seed(seed)
+    full = torch.randn(11, 6, 4, generator=gen, dtype=D)
+    sizes = random_sizes(11, world, random.Random(seed))
+    x = df.distribute_tensor(full, mesh, [Shard(0)], sharding_shapes={0: sizes})
+    x.flat = df.distribute_tensor(full[:, 0], mesh, [Shard(0)], sharding_shapes={0: sizes})  # 2-D, for mm
+    rep = df.distribute_tensor(torch.randn(6, 4, generator=gen, dtype=D), mesh, [Replicate()])
+    plain = {"row": torch.randn(4, generator=gen, dtype=D), "col": torch.randn(11, 1, 1, generator=gen, dtype=D),
+             "m": torch.randn(4, 5, generator=gen, dtype=D)}
+    lin = torch.nn.Linear(4, 3).to(D)
+    return mesh, full, x, rep, plain, lin, sizes
+
+
+def _cases(plain, lin):
+    """name -> (function, whether its second call must take the fast path)."""
+    return {
+        "add": (lambda a, r: a + a, True),
+        "scalar": (lambda a, r: a * 2.5 - 1, True),
+        "sin": (lambda a, r: torch.sin(a), True),
+        "gelu": (lambda a, r: F.gelu(a), True),
+        "replicated operand": (lambda a, r: a * r, True),
+        "broadcast row": (lambda a, r: a + plain["row"], True),
+        "sum unsharded dim": (lambda a, r: a.sum(1), True),
+        "sum sharded dim (pending)": (lambda a, r: a.sum(0), True),
+        "mean unsharded dim": (lambda a, r: a.mean(2), True),
+        "transpose": (lambda a, r: a.transpose(1, 2), True),
+        "unsqueeze": (lambda a, r: a.unsqueeze(1), True),
+        "matmul": (lambda a, r: (a.flat if isinstance(a, ShardTensor) else a[:, 0]) @ plain["m"], True),
+        "transposed 2-D": (lambda a, r: (a.flat if isinstance(a, ShardTensor) else a[:, 0]).t(), True),
+        "linear (parameters)": (lambda a, r: lin(a), True),
+        "layer_norm": (lambda a, r: F.layer_norm(a, (4,)), True),
+        "softmax unsharded dim": (lambda a, r: torch.softmax(a, -1), True),
+        "cumsum unsharded dim": (lambda a, r: torch.cumsum(a, 2), True),
+        "replicated only": (lambda a, r: torch.tanh(r), True),
+        # the engine: global sizes in the arguments, communication, slicing a plain operand
+        "view (global sizes)": (lambda a, r: a.view(-1, 4), False),
+        "softmax sharded dim": (lambda a, r: torch.softmax(a, 0), False),
+        "mean sharded dim": (lambda a, r: a.mean(0), False),
+        "plain operand sliced": (lambda a, r: a * plain["col"], False),
+        "matmul 3-D (folded by a view of global sizes)": (lambda a, r: a @ plain["m"], False),
+    }
+
+
+def _counting_engine():
+    """Counts Python-level calls that take the full engine rather than the fast path."""
+    from domainflow.dispatch import fast_path as engine
+
+    orig = engine._engine
+    count = [0]
+
+    def counting(func, types, args, kwargs):
+        count[0] += 1
+        return orig(func, types, args, kwargs)
+
+    engine._engine = counting
+    return count, lambda: setattr(engine, "_engine", orig)
+
+
+def _twice_without_grad(seed):
+    mesh, full, x, rep, plain, lin, sizes = _setup(seed)
+    count, restore = _counting_engine()
+    out = {}
+    try:
+        with torch.no_grad():
+            for name, (fn, _) in _cases(plain, lin).items():
+                want = fn(full, rep.to_local())
+                first = fn(x, rep)
+                before = count[0]
+                second = fn(x, rep)
+                dispatched = count[0] - before
+                assert type(second) is ShardTensor, name
+                assert second._spec == first._spec, (name, second._spec, first._spec)
+                assert second.stride() == first.stride() and second.dtype == first.dtype, name
+                assert torch.equal(second.to_local(), first.to_local()), name
+                got = second.redistribute([Replicate()]).to_local()
+                assert torch.allclose(got, want, atol=1e-12), name
+                out[name] = dispatched
+    finally:
+        restore()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_second_call_without_grad_skips_the_engine_where_every_step_is_local(dist, world):
+    results = dist.run(world, _twice_without_grad, 7 + world)
+    cases = _cases({"row": None, "col": None, "m": None}, None)
+    for rank_result in results:
+        for name, dispatched in rank_result.items():
+            fast = cases[name][1]
+            if fast:
+                assert dispatched == 0, (name, dispatched)
+            else:
+                assert dispatched > 0, (name, dispatched)
+
+
+def _what_never_takes_it(seed):
+    mesh, full, x, rep, plain, lin, sizes = _setup(seed)
+    count, restore = _counting_engine()
+    seen = {}
+    try:
+        # gradients: the engine's autograd rules, every time
+        xg = df.distribute_tensor(full.clone(), mesh, [Shard(0)], sharding_shapes={0: sizes})
+        xg.requires_grad_(True)
+        for _ in range(2):
+            before = count[0]
+            y = xg * 2
+            seen.setdefault("grad", []).append(count[0] - before)
+            assert y.grad_fn is not None
+        y.sum().backward()
+        assert torch.equal(xg.grad.to_local(), torch.full_like(xg.to_local(), 2.0))
+        # linear's parameters need gradients under grad mode: the engine too
+        y = lin(x)
+        assert y.requires_grad and y.grad_fn is not None
+        with torch.no_grad():
+            # in place: the result is the input
+            z = x.clone()
+            for _ in range(2):
+                before = count[0]
+                r = z.add_(1.0)
+                assert r is z
+                seen.setdefault("in place", []).append(count[0] - before)
+            assert torch.allclose(z.to_local(), x.to_local() + 2)
+            # out= (refused by the engine, every time: never run locally by the fast path instead)
+            o = x.clone()
+            for _ in range(2):
+                before = count[0]
+                try:
+                    torch.add(x, x, out=o)
+                    raise AssertionError("out= was not refused")
+                except df.UnsupportedShardedOp:
+                    pass
+                seen.setdefault("out=", []).append(count[0] - before)
+    finally:
+        restore()
+    return seen
+
+
+def test_gradients_in_place_and_out_always_take_the_engine(dist):
+    for seen in dist.run(2, _what_never_takes_it, 3):
+        for name, counts in seen.items():
+            assert all(c > 0 for c in counts), (name, counts)
+
+
+def _registering_forgets(seed):
+    from domainflow.dispatch import fast_path
+
+    mesh, full, x, rep, plain, lin, sizes = _setup(seed)
+    with torch.no_grad():
+        torch.cos(x)
+        torch.cos(x)
+        learnt = sum(v is not None for v in fast_path._plans.values())
+        df.register_aten(torch.ops.aten.cos.default)(lambda func, args, kwargs: args[0] * 0 + 42.0)
+        try:
+            after = torch.cos(x).to_local()  # the user's handler, not a stale fast entry
+        finally:
+            from domainflow.dispatch.registry import REGISTRY
+
+            del REGISTRY.aten[torch.ops.aten.cos.default]
+            REGISTRY.register_pointwise(REGISTRY.pointwise)  # forget the routes to the removed handler
+    return learnt, bool(torch.all(after == 42.0))
+
+
+def test_registering_a_handler_forgets_what_was_learnt(dist):
+    for learnt, used_new in dist.run(1, _registering_forgets, 5):
+        assert learnt >= 1 and used_new
+
+
+def _bounded(seed):
+    from domainflow.dispatch import fast_path
+
+    mesh, full, x, rep, plain, lin, sizes = _setup(seed)
+    old = fast_path.MAX_ENTRIES
+    fast_path.MAX_ENTRIES = 4
+    sizes_seen, ok = [], True
+    try:
+        fast_path.clear()
+        with torch.no_grad():
+            for step in range(12):
+                for k in (1.0, 2.0, float(step + 3)):  # two keys used every step, one new key each step
+                    y = x.pow(k) if k != 1.0 else x.sum(2)
+                    want = full.pow(k) if k != 1.0 else full.sum(2)
+                    ok = ok and torch.allclose(y.redistribute([Replicate()]).to_local(), want)
+                sizes_seen.append(len(fast_path._plans))
+        hot = [key for key, p in fast_path._plans.items() if p is not None and key[0] is torch.Tensor.pow and key[-1] == 2.0]
+    finally:
+        fast_path.MAX_ENTRIES = old
+    return ok, max(sizes_seen), len(hot)
+
+
+def test_the_cache_is_bounded_and_keeps_what_is_used(dist):
+    for ok, most, hot in dist.run(2, _bounded, 4):
+        assert ok and most <= 4 and hot == 1, (ok, most, hot)
