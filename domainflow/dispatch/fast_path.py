@@ -5,18 +5,23 @@ recently used entries the CLOCK way.
 
 An entry is learnt, never written by hand: the first call with a key runs the full engine under a
 :class:`~domainflow.dispatch.toolkit.Trace`; only when every step it took declared itself local-exact
-(``toolkit.local_exact``), nothing communicated and the result is one new ShardTensor is its layout
-cached. Later calls skip both ``__torch_dispatch__`` and the handlers (about half of DTensor's per-op
+(``toolkit.local_exact``), nothing communicated and the result is one new ShardTensor, no view of an
+input, is its layout cached. Functions written in Python take it only where a handler of ours answers
+for them (see :func:`learn`). Later calls skip both ``__torch_dispatch__`` and the handlers (about half of DTensor's per-op
 overhead, ``benchmarks/dispatch_overhead.py``); calls that need gradients always take the full engine,
 whose autograd rules they need.
 """
 
 from __future__ import annotations
 
+import threading
+import types
+
 import torch
 
 from domainflow.comm.base import stats as _comm_stats
 from domainflow.dispatch import toolkit as _toolkit
+from domainflow.dispatch.registry import REGISTRY as _REGISTRY
 from domainflow.tensor.shard_tensor import ShardTensor, global_strides_like
 
 MAX_ENTRIES = 8192
@@ -28,6 +33,8 @@ _no_subclass_functions = torch._C.DisableTorchFunctionSubclass
 _grad_enabled = torch.is_grad_enabled
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _UNSEEN = object()
+_PYTHON_FUNCTION = types.FunctionType
+_lock = threading.Lock()
 _PARAMETER = torch.nn.Parameter
 _Tensor = torch.Tensor
 _wrapper = torch.Tensor._make_wrapper_subclass
@@ -90,6 +97,10 @@ def method_function(cls, func, types, args=(), kwargs=None):
         elif t in _SCALARS:
             parts.append(t)
             parts.append(a)
+            local_args.append(a)
+        elif t is _Tensor and not (grad and a.requires_grad):  # a plain operand (weights): inline, it is common
+            parts.append(a.shape)
+            parts.append(a.dtype)
             local_args.append(a)
         else:
             k = _other_key(a, t, grad, parts)
@@ -190,6 +201,12 @@ def learn(key, func, args, kwargs, call):
     tracing = _toolkit.tracing
     if tracing.trace is not None:  # a call inside one being learnt: its steps count there
         return call()
+    if type(func) is _PYTHON_FUNCTION and func not in _REGISTRY.functions:
+        # torch's Python code between the aten steps may read the global size and make scalars of it
+        # (F.kl_div's batchmean divides by input.size(0)): the trace cannot see that, so such a function
+        # takes the engine unless a handler of its own answers for it
+        _never.add(func)
+        return call()
     trace = tracing.trace = _toolkit.Trace()
     sent = sum(_comm_stats.calls.values())
     try:
@@ -200,29 +217,53 @@ def learn(key, func, args, kwargs, call):
         if not (isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out)):
             _never.add(func)  # sizes, numbers, None: a function that returns no tensor at all
         plan = None
+    elif type(out) is ShardTensor and _aliases_input(out, args, kwargs):
+        # in place, or a view (transpose, unsqueeze): autograd links a view to its base (version counter,
+        # in-place ops through the view) only when the op passes through torch's dispatcher
+        _never.add(func)
+        plan = None
     elif (type(out) is ShardTensor and trace.steps and trace.exact == trace.steps
-          and sum(_comm_stats.calls.values()) == sent and not _aliases_input(out, args, kwargs)):
+          and sum(_comm_stats.calls.values()) == sent):
         plan = _Plan(out._spec, out._local)
     else:
         plan = None
-    if len(_plans) >= MAX_ENTRIES:
-        _evict()
-    _plans[key] = plan
+    with _lock:  # threads may learn at once; the hot path only reads
+        if len(_plans) >= MAX_ENTRIES:
+            _evict()
+        _plans[key] = plan
     return out
 
 
 def _evict() -> None:
     """CLOCK sweep: drop the entries not used since the last sweep (and the negative ones), clear the
     bits of the rest; if everything was used, drop the older half."""
-    stale = [k for k, p in _plans.items() if p is None or not p.used]
+    items = list(_plans.items())
+    stale = [k for k, p in items if p is None or not p.used]
     if not stale:
-        stale = list(_plans)[: len(_plans) // 2]
+        stale = [k for k, _ in items[: len(items) // 2]]
     for k in stale:
-        del _plans[k]
-    for p in _plans.values():
-        p.used = False
+        _plans.pop(k, None)
+    for _, p in items:
+        if p is not None:
+            p.used = False
 
 
 def _aliases_input(out, args, kwargs) -> bool:
-    """The result is one of the inputs (an in-place op, ``requires_grad_``): never cached."""
-    return any(out is a for a in args) or bool(kwargs) and any(out is v for v in kwargs.values())
+    """The result is one of the inputs (an in-place op, ``requires_grad_``), an autograd view (torch made
+    it one, on every rank alike, also where the chunk is empty) or shares an input's memory: never cached."""
+    values = list(args) + (list(kwargs.values()) if kwargs else [])
+    if any(out is a for a in values):
+        return True
+    with _no_subclass_functions():
+        if out._is_view():
+            return True
+    storage = out._local.untyped_storage()
+    if not storage.nbytes():
+        return False  # an empty chunk shares no memory
+    ptr = storage.data_ptr()
+    for a in values:
+        if isinstance(a, torch.Tensor):
+            local = a._local if type(a) is ShardTensor else a
+            if local.untyped_storage().data_ptr() == ptr:
+                return True
+    return False

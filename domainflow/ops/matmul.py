@@ -118,8 +118,8 @@ def _contract(func, a, b, nb, bias=None, beta=1, alpha=1):
     a_dst, b_dst, out = plan_contraction(a_spec, b_spec, nb)
     la, lb = _local_in(a, a_spec, a_dst), _local_in(b, b_spec, b_dst)
     local = torch.matmul(la, lb)
-    if bias is None and alpha == 1 and a_spec == a_dst and b_spec == b_dst:
-        local_exact()
+    if bias is None and alpha == 1 and a_spec == a_dst and b_spec == b_dst and la.ndim == lb.ndim == 2 + nb:
+        local_exact()  # torch.mm/bmm itself on the chunks (matmul here also takes what they refuse)
     if alpha != 1:
         local = local * alpha
     if bias is not None and beta != 0:

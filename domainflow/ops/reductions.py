@@ -100,8 +100,10 @@ def sum_mean(func, args, kwargs):
         _sum_layouts[key] = hit
     local_dims, count, out_spec = hit
     fn = torch.nansum if func is aten.nansum.default else torch.sum
-    if unchanged and local_dims and not (is_mean and _sharded_reduced(x._spec, local_dims)):
-        local_exact()  # a sum of the local chunk (a mean over dims held whole)
+    if unchanged and local_dims and not (is_mean and (_sharded_reduced(x._spec, local_dims) or not dtype
+                                                       and not x._local.dtype.is_floating_point
+                                                       and not x._local.dtype.is_complex)):
+        local_exact()  # a sum of the local chunk (a mean over dims held whole, of floats as torch takes)
     if local_dims:
         local = fn(x._local, dim=local_dims, keepdim=keepdim, dtype=dtype)
     else:

@@ -144,14 +144,22 @@ def _view_layout(x: ShardTensor, size):
 
 @register_aten(aten.permute.default)
 def permute(func, args, kwargs):
-    x, dims = args[0], tuple(d % max(args[0].ndim, 1) for d in args[1])
+    x = args[0]
+    dims, spec = _permuted(x._spec, tuple(args[1]))
     local_exact()  # transpose and t come here too: each is itself run on the local chunk
-    return ShardTensor(x._local.permute(dims), _permuted(x._spec, dims))
+    return ShardTensor(x._local.permute(dims), spec)
 
 
 @functools.lru_cache(maxsize=4096)
 def _permuted(spec, dims):
-    """The layout after ``permute(dims)`` (cached per layout and dims: transposes repeat every step)."""
+    """(dims made non-negative, the layout after ``permute(dims)``), cached per layout and dims:
+    transposes repeat every step."""
+    nd = max(len(spec.shape), 1)
+    dims = tuple(d % nd for d in dims)
+    return dims, _permuted_spec(spec, dims)
+
+
+def _permuted_spec(spec, dims):
     inv = {d: i for i, d in enumerate(dims)}
     pl = [Shard(inv[p.dim]) if isinstance(p, Shard) else p for p in spec.placements]
     return _spec(spec, pl, [spec.shape[d] for d in dims], spec.sizes)

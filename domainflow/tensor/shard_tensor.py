@@ -12,6 +12,8 @@ where the layout is DTensor's (chunk sizes), for FSDP2 and DCP.
 
 from __future__ import annotations
 
+import functools
+
 import weakref
 from collections.abc import Mapping, Sequence
 
@@ -34,12 +36,20 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 
 def global_strides_like(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
     """Global strides laid out in the same dim order as the local chunk's memory."""
+    if local.is_contiguous() or len(shape) <= 1:
+        return _strides_in_order(None, tuple(shape))
+    return _strides_in_order(local.stride(), tuple(shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _strides_in_order(local_strides, shape) -> tuple[int, ...]:
+    """Strides of ``shape`` with its dims in the memory order of ``local_strides`` (None: row-major);
+    cached: transposed chunks of the same shapes recur every step."""
     nd = len(shape)
-    if local.is_contiguous() or nd <= 1:
+    if local_strides is None:
         order = range(nd - 1, -1, -1)
     else:
-        st = local.stride()
-        order = sorted(range(nd), key=lambda d: (st[d], d))  # innermost first
+        order = sorted(range(nd), key=lambda d: (local_strides[d], d))  # innermost first
     out = [0] * nd
     acc = 1
     for d in order:
