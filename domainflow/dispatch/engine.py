@@ -1,13 +1,16 @@
 """The dispatch engine: how an op on ShardTensors is routed. It only picks and runs what the registry holds.
 
-``__torch_function__`` (above autograd) routes registered Python-level functions (handlers that need
-their own autograd node, e.g. reductions whose gradient must stay sharded). ``__torch_dispatch__``
-(below autograd) applies DESIGN.md's rules in order, chosen once per op and cached:
+``__torch_function__`` (above autograd) first tries the fast path (``fast_path.py``: learnt local calls
+outside autograd), then routes registered Python-level functions (handlers that need their own autograd
+node, e.g. reductions whose gradient must stay sharded). ``__torch_dispatch__`` (below autograd) applies
+DESIGN.md's rules in order, chosen once per op and cached:
 1. a registered aten handler (``ops/`` registers the built-in ones);
 2. the pointwise rule (``ops/pointwise.py`` registers it) for ops tagged pointwise: arithmetic output
    layouts, one plan cached per input layout;
-3. local execution when every ShardTensor input is replicated;
-4. ``UnsupportedShardedOp``, unless ``fallback("gather")`` is active.
+3. (not in DESIGN.md) an op torch composes of others, reaching us whole (``torch.inference_mode()``): its
+   decomposition;
+4. local execution when every ShardTensor input is replicated;
+5. ``UnsupportedShardedOp``, unless ``fallback("gather")`` is active.
 Plain tensors that need gradients (``nn.Parameter``s) count as replicated; the first time one meets a
 ShardTensor it gets a gradient hook that reduces its summed (often Partial) gradient to a plain tensor,
 so partial gradients are summed over the domain exactly once per backward. Parameters passed to a Python
@@ -153,10 +156,20 @@ def _route(func):
     elif _OUT not in func.tags and (_POINTWISE in func.tags or func in _UNTAGGED_POINTWISE
                                     or _inplace_of_pointwise(func)):
         route = REGISTRY.pointwise or _generic
+    elif torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        route = _decomposed
     else:
         route = _generic
     _routes[func] = route
     return route
+
+
+def _decomposed(func, args, kwargs):
+    """An op torch writes in other ops (CompositeImplicitAutograd: softmax.int, linear, matmul, layer_norm)
+    that reaches us whole, as under ``torch.inference_mode()``, where autograd does not decompose it: run
+    its decomposition, whose ops come back through the engine (DTensor does the same)."""
+    out = func.decompose(*args, **kwargs)
+    return _generic(func, args, kwargs) if out is NotImplemented else out
 
 
 def _inplace_of_pointwise(func) -> bool:

@@ -628,3 +628,32 @@ def test_deferred_param_grads_corner_cases(dist, world):
     a deep copy of a model is hooked afresh; a relaid-out leaf gradient keeps create_graph's graph."""
     for problems in dist.run(world, _deferred_corner_cases):
         assert not problems, problems
+
+
+# -------------------------------------------------------------------------------------------------
+def _under_inference_mode(seed):
+    rank, world = rank_and_world()
+    mesh = df.init_mesh((world,), ("domain",))
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    full = torch.randn(2, 9, 4, generator=gen, dtype=D)
+    x = df.distribute_tensor(full, mesh, [Shard(1)], sharding_shapes={0: random_sizes(9, world, rng)})
+    lin = torch.nn.Linear(4, 3).to(D)
+    ln = torch.nn.LayerNorm(4).to(D)
+    cases = [lambda t: torch.softmax(t, -1), lambda t: F.log_softmax(t, -1), lin, ln, lambda t: F.gelu(t) * 2,
+             lambda t: t.mean(1), lambda t: t.sum(1)]
+    ok = []
+    with torch.inference_mode():
+        for fn in cases:
+            for _ in range(2):  # the second call may take the fast path
+                got = fn(x).redistribute([Replicate()] * mesh.ndim).to_local()
+                ok.append(torch.allclose(got, fn(full), atol=1e-12))
+    return ok
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_ops_run_under_inference_mode(dist, world):
+    """Under torch.inference_mode() autograd does not decompose composite ops (softmax.int, linear,
+    layer_norm): the engine runs their decomposition, as DTensor does, instead of refusing them."""
+    for ok in dist.run(world, _under_inference_mode, 3):
+        assert all(ok), ok
