@@ -6,25 +6,21 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from domainflow.layout.shapes import index_runs
 from domainflow.layout.spec import mesh_coordinate
+from domainflow.memo import PLANS
 from domainflow.comm.p2p import _exchange_start, _exchange_wait, begin_exchange
 
 
-def _runs(positions, rows):
-    """(pos, row, length) runs where consecutive positions take consecutive rows: copied as slices."""
-    out = []
-    for p, r in zip(positions, rows):
-        if out and p == out[-1][0] + out[-1][2] and r == out[-1][1] + out[-1][2]:
-            out[-1][2] += 1
-        else:
-            out.append([p, r, 1])
-    return out
+_runs = index_runs
 
 
-def _copy_rows(dst, dim, positions, src, rows):
-    """dst[positions] = src[rows] along ``dim``, by slices where the indices run contiguously."""
-    positions, rows = list(positions), list(rows)
-    runs = _runs(positions, rows)
+def _copy_rows(dst, dim, positions, src, rows, runs=None):
+    """dst[positions] = src[rows] along ``dim``, by slices where the indices run contiguously (``runs``:
+    already worked out)."""
+    if runs is None:
+        positions, rows = list(positions), list(rows)
+        runs = _runs(positions, rows)
     if len(runs) <= 4:
         for p, r, n in runs:
             dst.narrow(dim, p, n).copy_(src.narrow(dim, r, n))
@@ -40,7 +36,7 @@ def fetch_rows(local: torch.Tensor, dim: int, plan, mesh: DeviceMesh, mesh_dim: 
     :func:`halo_exchange`."""
     pos, rows = plan.own
     seq = begin_exchange(mesh, mesh_dim, "halo exchange")
-    if _keeps_block(plan, local.shape[dim]):
+    if plan.identity_len == local.shape[dim]:
         return local  # nothing to fetch and nothing to pad: the block itself
     sends = {k: _select(local, dim, v) for k, v in plan.send.items()}
     shapes = {k: _with_len(local.shape, dim, len(v)) for k, v in plan.recv.items()}
@@ -48,22 +44,14 @@ def fetch_rows(local: torch.Tensor, dim: int, plan, mesh: DeviceMesh, mesh_dim: 
     # every position is written once (own rows, received rows, zeros), so no zero-filled buffer first
     out = local.new_empty(_with_len(local.shape, dim, plan.length))
     if pos:
-        _copy_rows(out, dim, pos, local, rows)
-    zero = _unfilled(plan)
+        _copy_rows(out, dim, pos, local, rows, plan.own_runs)
+    zero = plan.unfilled
     if zero:
         _fill_zero(out, dim, zero)
     got = _exchange_wait(pending)
     for k, t in got.items():
         _copy_rows(out, dim, plan.recv[k], t, range(len(plan.recv[k])))
     return out
-
-
-def _unfilled(plan) -> tuple[int, ...]:
-    """Positions of a fetch that no own or received row fills (they are zero rows)."""
-    filled = set(plan.own[0])
-    for v in plan.recv.values():
-        filled.update(v)
-    return tuple(p for p in range(plan.length) if p not in filled)
 
 
 def _fill_zero(out: torch.Tensor, dim: int, positions) -> None:
@@ -73,13 +61,6 @@ def _fill_zero(out: torch.Tensor, dim: int, positions) -> None:
             out.narrow(dim, p, n).zero_()
     else:
         out.index_fill_(dim, torch.as_tensor(positions, dtype=torch.long, device=out.device), 0)
-
-
-def _keeps_block(plan, n: int) -> bool:
-    """True when a fetch asks for exactly this rank's own ``n`` rows, in order (nothing moves)."""
-    pos, rows = plan.own
-    return (not plan.recv and not plan.send and plan.length == n == len(pos)
-            and list(pos) == list(range(n)) and list(rows) == list(range(n)))
 
 
 def _with_len(shape, dim: int, n: int) -> list:
@@ -100,12 +81,12 @@ def return_rows(grad: torch.Tensor, dim: int, local_shape, plan, mesh: DeviceMes
     to the owner's row."""
     pos, rows = plan.own
     seq = begin_exchange(mesh, mesh_dim, "halo exchange (backward)")
-    if _keeps_block(plan, local_shape[dim]):
+    if plan.identity_len == local_shape[dim]:
         return grad
     back = {k: _select(grad, dim, v) for k, v in plan.recv.items()}
     shapes = {k: _with_len(local_shape, dim, len(v)) for k, v in plan.send.items()}
     pending = _exchange_start(back, shapes, grad, mesh, mesh_dim, "halo exchange (backward)", seq)
-    if _covers_block(plan, local_shape[dim]):
+    if plan.covers_len == local_shape[dim]:
         # the usual halo: the own rows are the whole block, in order, once: one copy, no zero fill first
         out = grad.narrow(dim, pos[0], len(pos)).clone(memory_format=torch.contiguous_format)
     else:
@@ -116,13 +97,6 @@ def return_rows(grad: torch.Tensor, dim: int, local_shape, plan, mesh: DeviceMes
     for k, t in got.items():
         _add_rows(out, dim, plan.send[k], t, range(len(plan.send[k])))
     return out
-
-
-def _covers_block(plan, n: int) -> bool:
-    """True when the fetch's own rows are the block's ``n`` rows in order, at consecutive positions."""
-    pos, rows = plan.own
-    return (len(pos) == n > 0 and list(rows) == list(range(n))
-            and list(pos) == list(range(pos[0], pos[0] + n)))
 
 
 def _add_rows(dst, dim, rows, src, positions):
@@ -161,14 +135,11 @@ def halo_exchange(local: torch.Tensor, dim: int, sizes, wanted, mesh: DeviceMesh
     return _HaloExchange.apply(local, dim, plan, mesh, mesh_dim)
 
 
-_PLANS: dict = {}
+def fetch(local: torch.Tensor, dim: int, plan, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+    """:func:`halo_exchange` with this rank's plan already made (``shapes.row_fetch_plan``, cached by the
+    caller): what per-step window ops use, so no per-call work grows with the rows."""
+    return _HaloExchange.apply(local, dim, plan, mesh, mesh_dim)
 
 
 def _fetch_plan(sizes, wanted, me, make):
-    key = (sizes, wanted, me)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) > 4096:
-            _PLANS.clear()
-        plan = _PLANS[key] = make(sizes, wanted, me)
-    return plan
+    return PLANS.cached((_fetch_plan, sizes, wanted, me), lambda: make(sizes, wanted, me))

@@ -52,6 +52,8 @@ def _exchange_start(out_pieces: dict, in_shapes: dict, like: torch.Tensor, mesh:
     """Post the sends and receives of :func:`_exchange` and return at once; the caller does local work
     (copying its own rows) while the rows travel, then calls :func:`_exchange_wait`."""
     entered = time.time()
+    if not out_pieces and not in_shapes:  # nothing to trade with anyone (a halo at the domain's edge, 1 rank)
+        return (), {}, (what, mesh, mesh_dim, "", entered), ()
     ranks = _dim_ranks(mesh, mesh_dim)
     ops, received = [], {}
     for k, piece in out_pieces.items():

@@ -1,7 +1,7 @@
 """The fast path: a Python-level call on ShardTensors outside autograd that needs no communication runs
 straight on the local chunks, with its output layout taken from one cache keyed on (function, argument
-schema: static arguments by value, tensors by layout, shape and dtype), bounded and evicting the least
-recently used entries the CLOCK way.
+schema: static arguments by value, tensors by layout, shape and dtype): ``toolkit.PLANS``, the one bounded
+memo the handlers keep their layout plans in too.
 
 An entry is learnt, never written by hand: the first call with a key runs the full engine under a
 :class:`~domainflow.dispatch.toolkit.Trace`; only when every step it took declared itself local-exact
@@ -14,7 +14,6 @@ whose autograd rules they need.
 
 from __future__ import annotations
 
-import threading
 import types
 
 import torch
@@ -24,8 +23,7 @@ from domainflow.dispatch import toolkit as _toolkit
 from domainflow.dispatch.registry import REGISTRY as _REGISTRY
 from domainflow.tensor.shard_tensor import ShardTensor, global_strides_like
 
-MAX_ENTRIES = 8192
-_plans: dict = {}  # key -> _Plan, or None: the call takes the engine
+_plans = _toolkit.PLANS  # key (starting with the function) -> _Plan, or None: the call takes the engine
 _never: set = set()  # functions whose result is no tensor (getters, .item(), .dim()): never looked up
 _SCALARS = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.memory_format,
                       torch.layout})
@@ -34,18 +32,16 @@ _grad_enabled = torch.is_grad_enabled
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _UNSEEN = object()
 _PYTHON_FUNCTION = types.FunctionType
-_lock = threading.Lock()
 _PARAMETER = torch.nn.Parameter
 _Tensor = torch.Tensor
 _wrapper = torch.Tensor._make_wrapper_subclass
 
 
 class _Plan:
-    """What a learnt call gives: the result's layout, its local shape, the local strides of a
-    non-contiguous result with the global strides they give the ShardTensor, and a used-since-last-sweep
-    bit (the cache evicts least recently used entries the CLOCK way: a hit costs one store, no reordering)."""
+    """What a learnt call gives: the result's layout, its local shape, and the local strides of a
+    non-contiguous result with the global strides they give the ShardTensor."""
 
-    __slots__ = ("spec", "shape", "device", "local_strides", "global_strides", "used")
+    __slots__ = ("spec", "shape", "device", "local_strides", "global_strides")
 
     def __init__(self, spec, local):
         self.spec = spec
@@ -53,11 +49,11 @@ class _Plan:
         self.device = local.device  # the inputs' (their layouts name the mesh, so the device type)
         self.local_strides = local.stride()
         self.global_strides = global_strides_like(local, spec.shape)
-        self.used = True
 
 
 def clear() -> None:
-    """Forget every learnt entry (a handler or rule was registered: what was exact may not be)."""
+    """Forget every learnt entry and layout plan (a handler or rule was registered: what was exact may
+    not be)."""
     _plans.clear()
     _never.clear()
 
@@ -135,12 +131,13 @@ def method_function(cls, func, types, args=(), kwargs=None):
     if not sharded:
         return _engine(func, types, args, kwargs)
     key = tuple(parts)
-    plan = _plans.get(key, _UNSEEN)
+    plan = _plans.recent.get(key, _UNSEEN)
     if plan is _UNSEEN:
-        return learn(key, func, args, kwargs, lambda: _engine(func, types, args, kwargs))
+        plan = _plans.get(key, _UNSEEN)
+        if plan is _UNSEEN:
+            return learn(key, func, args, kwargs, lambda: _engine(func, types, args, kwargs))
     if plan is None or unrecorded:
         return _engine(func, types, args, kwargs)
-    plan.used = True
     out = func(*local_args, **local_kwargs) if local_kwargs else func(*local_args)
     if type(out) is not _Tensor or out.shape != plan.shape:
         return _engine(func, types, args, kwargs)  # cannot happen for a key learnt right
@@ -227,25 +224,8 @@ def learn(key, func, args, kwargs, call):
         plan = _Plan(out._spec, out._local)
     else:
         plan = None
-    with _lock:  # threads may learn at once; the hot path only reads
-        if len(_plans) >= MAX_ENTRIES:
-            _evict()
-        _plans[key] = plan
+    _plans.put(key, plan)  # threads may learn at once: the memo's steps are atomic
     return out
-
-
-def _evict() -> None:
-    """CLOCK sweep: drop the entries not used since the last sweep (and the negative ones), clear the
-    bits of the rest; if everything was used, drop the older half."""
-    items = list(_plans.items())
-    stale = [k for k, p in items if p is None or not p.used]
-    if not stale:
-        stale = [k for k, _ in items[: len(items) // 2]]
-    for k in stale:
-        _plans.pop(k, None)
-    for _, p in items:
-        if p is not None:
-            p.used = False
 
 
 def _aliases_input(out, args, kwargs) -> bool:

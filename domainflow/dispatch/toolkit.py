@@ -15,11 +15,19 @@ from domainflow.dispatch.param_grads import accumulates_into_grad, defer_grad, d
 from domainflow.errors import ShardingMismatchError, UnsupportedShardedOp
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.layout.spec import ShardSpec
+from domainflow.memo import PLANS, memoized
 from domainflow.tensor.redistribute import redistribute_local
-from domainflow.tensor.shard_tensor import ShardTensor, TensorMarks, derived_from_local, target_spec
+from domainflow.tensor.shard_tensor import ShardTensor, TensorMarks, derived_from_local, target_spec, wrapped_as
 
 _INPLACE = torch.Tag.inplace
 _R = Replicate()
+PLANS = PLANS  # the one bounded cache of plans (domainflow.memo): handlers key theirs on the op or rule first
+
+
+def layout_rule(fn):
+    """Decorator for a handler's pure layout function of hashable arguments (specs, shapes, dims): computed
+    once per arguments and kept in :data:`PLANS`."""
+    return memoized(PLANS)(fn)
 
 
 def shard_tensors(args, kwargs=None) -> list[ShardTensor]:
@@ -334,6 +342,12 @@ def params_for(mesh, mesh_dims, *params):
     if not need or not mesh_dims or not torch.is_grad_enabled():
         return params
     return _SumGradsOver.apply(mesh, tuple(mesh_dims), *params)
+
+
+def as_sharded(local: torch.Tensor, spec: ShardSpec) -> ShardTensor:
+    """``local`` wrapped with exactly ``spec``, a layout the handler derived (and cached) whose local shape is
+    ``local.shape``: :func:`like` without re-deriving the layout (differentiable; no communication)."""
+    return wrapped_as(local, spec)
 
 
 def like(spec, local: torch.Tensor) -> ShardTensor:

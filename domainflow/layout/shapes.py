@@ -8,6 +8,7 @@ extent along ``d`` held at each coordinate of that mesh dim (zeros allowed).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -337,6 +338,48 @@ class RowFetch:
     own: tuple[tuple[int, ...], tuple[int, ...]]
     recv: dict
     send: dict
+
+    # what every exchange with this plan needs, worked out once per plan (plans are cached)
+    @functools.cached_property
+    def own_runs(self) -> tuple[tuple[int, int, int], ...]:
+        """(position, local row, length) runs of the own rows: copied as slices."""
+        return tuple(tuple(r) for r in index_runs(*self.own))
+
+    @functools.cached_property
+    def unfilled(self) -> tuple[int, ...]:
+        """Positions no own or received row fills (zero rows)."""
+        filled = set(self.own[0])
+        for v in self.recv.values():
+            filled.update(v)
+        return tuple(p for p in range(self.length) if p not in filled)
+
+    @functools.cached_property
+    def identity_len(self) -> int:
+        """n when the fetch asks for exactly this rank's own n rows in order (nothing moves), else -1."""
+        pos, rows = self.own
+        n = len(pos)
+        ok = (not self.recv and not self.send and self.length == n and pos == tuple(range(n))
+              and rows == tuple(range(n)))
+        return n if ok else -1
+
+    @functools.cached_property
+    def covers_len(self) -> int:
+        """n when the own rows are the block's n rows in order at consecutive positions, else -1."""
+        pos, rows = self.own
+        n = len(pos)
+        ok = n > 0 and rows == tuple(range(n)) and pos == tuple(range(pos[0], pos[0] + n))
+        return n if ok else -1
+
+
+def index_runs(positions, rows) -> list[list[int]]:
+    """[pos, row, length] runs where consecutive positions take consecutive rows (copied as slices)."""
+    out = []
+    for p, r in zip(positions, rows):
+        if out and p == out[-1][0] + out[-1][2] and r == out[-1][1] + out[-1][2]:
+            out[-1][2] += 1
+        else:
+            out.append([p, r, 1])
+    return out
 
 
 def row_fetch_plan(sizes: Sequence[int], wanted: Sequence[Sequence[int]], me: int) -> RowFetch:

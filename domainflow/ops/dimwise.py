@@ -4,13 +4,12 @@ chunks (rule 2: no communication); along a sharded dim they need a dedicated han
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from domainflow.layout import shapes
 from domainflow.dispatch.fallback import fallback as _fallback_mode
-from domainflow.dispatch.toolkit import (unsupported_or_fallback, common_mesh, local_as, local_exact, relayout, shard_tensors, to_spec,
+from domainflow.dispatch.toolkit import (layout_rule, unsupported_or_fallback, common_mesh, local_as, local_exact, relayout, shard_tensors, to_spec,
                         warn_relayout)
 from domainflow.layout.spec import mesh_shape
 from domainflow.layout.placements import Partial, Replicate, Shard
@@ -57,13 +56,13 @@ def _dims_of(func, args, kwargs, ndim):
     return [d % ndim for d in val] if ndim else []
 
 
-@functools.lru_cache(maxsize=4096)
+@layout_rule
 def _reshaped(spec: ShardSpec, shape: tuple) -> ShardSpec:
     """``spec`` with another global shape (the sharded dims keep their sizes), cached."""
     return spec.with_(shape=shape)
 
 
-@functools.lru_cache(maxsize=4096)
+@layout_rule
 def _global_spec(spec: ShardSpec, local_shape) -> ShardSpec:
     """The layout of an op's result whose local shape is ``local_shape`` (cached per layout and shape)."""
     shape = [spec.shape[d] if spec.mesh_dim_of(d) is not None else n for d, n in enumerate(local_shape)]

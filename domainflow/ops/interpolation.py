@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from domainflow import comm
-from domainflow.dispatch.toolkit import unsupported_or_fallback, bind, run_function_default
+from domainflow.dispatch.toolkit import bind, layout_rule, run_function_default, unsupported_or_fallback
+from domainflow.layout import shapes
 from domainflow.layout.placements import Shard
 from domainflow.dispatch.registry import register_function
 from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
@@ -66,17 +67,54 @@ def _cc2(x):
     return ((_A * x - 5 * _A) * x + 8 * _A) * x - 4 * _A
 
 
-def _apply(local: torch.Tensor, dim: int, idx: np.ndarray, w: np.ndarray) -> torch.Tensor:
-    """sum_k w[:, k] * local.index_select(dim, idx[:, k]) along ``dim``."""
-    shape = [1] * local.ndim
+def _terms(idx: np.ndarray, w: np.ndarray, ndim: int, dim: int, dtype, device) -> tuple:
+    """(index tensor, weight tensor shaped to broadcast along ``dim`` or None for all ones) per tap."""
+    shape = [1] * ndim
     shape[dim] = -1
-    out = None
+    out = []
     for k in range(idx.shape[1]):
-        term = local.index_select(dim, torch.as_tensor(idx[:, k], device=local.device))
+        weight = None
         if not (w[:, k] == 1).all():
-            term = term * torch.as_tensor(w[:, k], dtype=local.dtype, device=local.device).reshape(shape)
+            weight = torch.as_tensor(w[:, k], dtype=dtype, device=device).reshape(shape)
+        out.append((torch.as_tensor(idx[:, k], device=device), weight))
+    return tuple(out)
+
+
+def _apply_terms(local: torch.Tensor, dim: int, terms) -> torch.Tensor:
+    """sum over taps of weight * local.index_select(dim, index) along ``dim``."""
+    out = None
+    for index, weight in terms:
+        term = local.index_select(dim, index)
+        if weight is not None:
+            term = term * weight
         out = term if out is None else out + term
     return out
+
+
+@layout_rule
+def _sharded_dim_plan(mode, in_size, out_size, align, scale, sizes, me, ndim, dim, dtype, device):
+    """Interpolation along a sharded dim, once per layout and arguments: this rank's row fetch, the output
+    rows per rank, and the taps on the fetched block (None: this rank has no output rows)."""
+    idx, w = taps(mode, in_size, out_size, align, scale)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    # output row o goes to the rank holding its centre, floor((o + 0.5) * in / out): integer scales then
+    # scale every rank's rows alike ([8, 8] -> [16, 16]), matching the layout an encoder had before
+    # pooling, so UNet skip connections need no reshuffle
+    centre = np.minimum(np.floor((np.arange(out_size) + 0.5) * in_size / out_size).astype(np.int64), in_size - 1)
+    owner = np.minimum(np.searchsorted(bounds[1:], centre, side="right"), len(sizes) - 1)
+    wanted, counts = [], []
+    for r in range(len(sizes)):
+        rows = np.flatnonzero(owner == r)
+        counts.append(len(rows))
+        if len(rows) == 0:
+            wanted.append([])
+            continue
+        lo, hi = int(idx[rows].min()), int(idx[rows].max()) + 1
+        wanted.append(list(range(lo, hi)))
+    mine = np.flatnonzero(owner == me)
+    lo = wanted[me][0] if wanted[me] else 0
+    terms = _terms(idx[mine] - lo, w[mine], ndim, dim, dtype, device) if len(mine) else None
+    return shapes.row_fetch_plan(sizes, wanted, me), tuple(counts), terms
 
 
 def _interpolate(func, args, kwargs):
@@ -121,35 +159,16 @@ def _interpolate(func, args, kwargs):
         if m is None or mshape[m] == 1:
             continue  # torch's own kernel below
         done[i] = True
-        idx, w = taps(mode, in_sizes[i], out_sizes[i], align, scales[i])
-        sizes = spec.sizes[m]
-        bounds = np.concatenate([[0], np.cumsum(sizes)])
-        # output row o goes to the rank holding its centre, floor((o + 0.5) * in / out): integer scales then
-        # scale every rank's rows alike ([8, 8] -> [16, 16]), matching the layout an encoder had before
-        # pooling, so UNet skip connections need no reshuffle
-        centre = np.minimum(np.floor((np.arange(out_sizes[i]) + 0.5) * in_sizes[i] / out_sizes[i]).astype(np.int64),
-                            in_sizes[i] - 1)
-        owner = np.minimum(np.searchsorted(bounds[1:], centre, side="right"), len(sizes) - 1)
-        wanted, counts = [], []
-        for r in range(len(sizes)):
-            rows = np.flatnonzero(owner == r)
-            counts.append(len(rows))
-            if len(rows) == 0:
-                wanted.append([])
-                continue
-            lo, hi = int(idx[rows].min()), int(idx[rows].max()) + 1
-            wanted.append(list(range(lo, hi)))
-        me = spec.coord[m]
-        mine = np.flatnonzero(owner == me)
-        local = comm.halo_exchange(local, d, sizes, wanted, spec.mesh, m)
-        lo = wanted[me][0] if wanted[me] else 0
-        if len(mine):
-            local = _apply(local, d, idx[mine] - lo, w[mine])
+        fetch, counts, terms = _sharded_dim_plan(mode, in_sizes[i], out_sizes[i], align, scales[i], spec.sizes[m],
+                                                 spec.coord[m], local.ndim, d, local.dtype, local.device)
+        local = comm.fetch(local, d, fetch, spec.mesh, m)
+        if terms is not None:
+            local = _apply_terms(local, d, terms)
         else:
             shape = list(local.shape)
             shape[d] = 0
             local = local.new_zeros(shape) + local.sum() * 0  # same backward on every rank
-        sizes_out[m] = tuple(counts)
+        sizes_out[m] = counts
     if not all(done):
         # every other dim in one call of torch's kernel; dims already done get scale 1 (exact identity)
         kw = {"mode": mode}

@@ -3,12 +3,11 @@ contracted dim gives a Partial(sum) result that is reduced only when needed."""
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from domainflow.dispatch.param_grads import reduce_param_grads
-from domainflow.dispatch.toolkit import bind, common_mesh, local_exact, run_function_default, shard_tensors
+from domainflow.dispatch.toolkit import bind, common_mesh, layout_rule, local_exact, run_function_default, shard_tensors
 from domainflow.dispatch.toolkit import unsupported_or_fallback
 from domainflow.tensor.redistribute import grad_spec
 from domainflow.layout.placements import Partial, Replicate, Shard
@@ -26,7 +25,7 @@ def _spec_of(t, mesh) -> ShardSpec:
     return _replicated(mesh, t.shape)
 
 
-@functools.lru_cache(maxsize=4096)
+@layout_rule
 def _replicated(mesh, shape) -> ShardSpec:
     return ShardSpec(mesh, (_R,) * mesh.ndim, shape, (None,) * mesh.ndim)
 
@@ -38,7 +37,7 @@ def _local_in(t, spec: ShardSpec, dst: ShardSpec) -> torch.Tensor:
     return local if spec == dst else redistribute_local(local, spec, dst)
 
 
-@functools.lru_cache(maxsize=4096)
+@layout_rule
 def plan_contraction(a_spec: ShardSpec, b_spec: ShardSpec, nb: int):
     """Layouts for ``a[*B, M, K] @ b[*B, K, N]`` (nb batch dims). Returns (a_dst, b_dst, out spec); one
     plan per (layouts, nb), cached (specs are immutable and hashed once)."""
@@ -223,7 +222,7 @@ class _LocalLinear(torch.autograd.Function):
         return ShardTensor(gx, gx_spec), gw, gb
 
 
-@functools.lru_cache(maxsize=4096)
+@layout_rule
 def _linear_specs(spec: ShardSpec, out_features: int):
     """Layouts of a local linear on input ``spec``: (output, output gradient, input gradient, the mesh dims
     the parameters' gradients are summed over), once per (input layout, width)."""

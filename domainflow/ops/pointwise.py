@@ -13,7 +13,7 @@ from domainflow.tensor.redistribute import redistribute_local
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.layout.spec import ShardSpec
 from domainflow.tensor.shard_tensor import ShardTensor
-from domainflow.dispatch.toolkit import common_mesh
+from domainflow.dispatch.toolkit import PLANS, common_mesh
 
 _INPLACE = torch.Tag.inplace
 _R = Replicate()
@@ -31,7 +31,8 @@ _LINEAR_ONE = {_aten.mul.Tensor, _aten.mul.Scalar, _aten.mul_.Tensor, _aten.mul_
                _aten.clone.default}
 
 
-_plan_cache: dict = {}
+_plans = PLANS
+_MISS = object()
 
 
 class _Plan:
@@ -66,12 +67,9 @@ def pointwise(func, args, kwargs):
             if isinstance(v, torch.Tensor):
                 return unsupported_or_fallback(func, args, kwargs, "tensor keyword arguments are not supported")
     key = tuple(key)
-    plan = _plan_cache.get(key)
-    if plan is None:
-        plan = _plan_pointwise(func, args)
-        if len(_plan_cache) > 65536:
-            _plan_cache.clear()
-        _plan_cache[key] = plan
+    plan = _plans.recent.get(key, _MISS)
+    if plan is _MISS:
+        plan = _plans.cached(key, lambda: _plan_pointwise(func, args))
     if isinstance(plan, str):
         return unsupported_or_fallback(func, args, kwargs, plan)
     if plan.local_only:

@@ -13,7 +13,7 @@ import torch
 
 from domainflow import comm
 from domainflow.layout import shapes
-from domainflow.dispatch.toolkit import bind, local_exact, run_function_default, to_spec
+from domainflow.dispatch.toolkit import PLANS, bind, local_exact, run_function_default, to_spec
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_aten, register_function
 from domainflow.tensor.shard_tensor import ShardTensor, product_of_others
@@ -87,17 +87,15 @@ def sum_mean(func, args, kwargs):
     unchanged = x is args[0]
     x = _reduce_partials(x, keep_sum=True)
     unchanged = unchanged and x is args[0]
-    key = (x._spec, None if dims is None else tuple(dims), keepdim)
-    hit = _sum_layouts.get(key)
+    key = (_sum_layouts, x._spec, None if dims is None else tuple(dims), keepdim)
+    hit = PLANS.get(key)
     if hit is None:
         spec = x._spec
         red, where = shapes.reduced_dim_map(x.ndim, dims, keepdim)
         out_shape = _out_shape(spec.shape, red, keepdim)
         count = math.prod(spec.shape[d] for d in red) if red else 1
         hit = (sorted(red), count, _out_spec(spec, red, where, keepdim, "sum", out_shape))
-        if len(_sum_layouts) > 16384:
-            _sum_layouts.clear()
-        _sum_layouts[key] = hit
+        PLANS.put(key, hit)
     local_dims, count, out_spec = hit
     fn = torch.nansum if func is aten.nansum.default else torch.sum
     if unchanged and local_dims and not (is_mean and (_sharded_reduced(x._spec, local_dims) or not dtype
@@ -113,7 +111,7 @@ def sum_mean(func, args, kwargs):
     return ShardTensor(local, out_spec)
 
 
-_sum_layouts: dict = {}
+_sum_layouts = "sum layouts"  # the first part of their keys in toolkit.PLANS
 
 
 _EXTREME = {"max": -math.inf, "min": math.inf}

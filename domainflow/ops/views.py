@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 
-import functools
 
 import torch
 
 from domainflow import comm
 from domainflow.layout import shapes
-from domainflow.dispatch.toolkit import local_exact, unsupported_or_fallback, to_spec, warn_relayout
+from domainflow.dispatch.toolkit import PLANS, layout_rule, local_exact, unsupported_or_fallback, to_spec, warn_relayout
+from domainflow.memo import Memo
 from domainflow.errors import UnsupportedShardedOp
 from domainflow.layout.placements import Replicate, Shard
 from domainflow.dispatch.registry import REGISTRY, register_aten
@@ -45,14 +45,12 @@ def _replicate_dims(x: ShardTensor, dims) -> ShardTensor:
 @register_aten(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default)
 def view(func, args, kwargs):
     x, size = args[0], args[1]
-    key = (x._spec, tuple(size))
-    out = _view_layouts.get(key)
+    key = (_view_layouts, x._spec, tuple(size))
+    out = PLANS.get(key)
     if out is None:
         out = _view_layout(x, size)
         if isinstance(out, ShardSpec):
-            if len(_view_layouts) > 16384:
-                _view_layouts.clear()
-            _view_layouts[key] = out
+            PLANS.put(key, out)
         elif isinstance(out, tuple):  # (gathered input, its spec): a size-1 sharded dim was replicated
             x, out = out
         else:
@@ -73,7 +71,7 @@ def view(func, args, kwargs):
     return ShardTensor(res, out)
 
 
-_view_layouts: dict = {}
+_view_layouts = "view layouts"  # the first part of their keys in toolkit.PLANS
 
 
 def _compatible_layout(spec: ShardSpec, out_shape) -> ShardSpec | None:
@@ -150,7 +148,7 @@ def permute(func, args, kwargs):
     return ShardTensor(x._local.permute(dims), spec)
 
 
-@functools.lru_cache(maxsize=4096)
+@layout_rule
 def _permuted(spec, dims):
     """(dims made non-negative, the layout after ``permute(dims)``), cached per layout and dims:
     transposes repeat every step."""
@@ -327,13 +325,11 @@ def strided(func, args, kwargs):
 # --------------------------------------------------------------------------------------------
 # Forward slices remember (output layout -> input sizes) so their backward restores the input's
 # exact layout without communication; a bounded memo, like the dispatcher's plan cache.
-_slice_origin: dict = {}
+_slice_origin = Memo(4096, "slice origins")
 
 
 def _remember(out: ShardSpec, key, sizes) -> None:
-    if len(_slice_origin) > 4096:
-        _slice_origin.clear()
-    _slice_origin[(out, key)] = sizes
+    _slice_origin.put((out, key), sizes)
 
 
 def _cover_sizes(counts, start, step, n):

@@ -13,12 +13,15 @@ mesh dims once, in backward, in one coalesced all-reduce.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from domainflow import comm
 from domainflow.layout import shapes
-from domainflow.dispatch.toolkit import bind, like, params_for, run_function_default, unsupported_or_fallback, without_partial
+from domainflow.dispatch.toolkit import as_sharded, bind, layout_rule, like, params_for, run_function_default, unsupported_or_fallback
+from domainflow.dispatch.toolkit import without_partial
 from domainflow.layout.placements import Shard
 from domainflow.dispatch.registry import register_function
 from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
@@ -42,8 +45,12 @@ def _tuple(v, n: int, name: str) -> tuple[int, ...]:
 
 def _sharded_spatial(x: ShardTensor, first_spatial: int, op, args, kwargs):
     """[(mesh dim, tensor dim)] of the sharded spatial dims; batch sharding is fine; anything else refused."""
+    return _sharded_spatial_dims(x._spec, first_spatial)
+
+
+def _sharded_spatial_dims(spec, first_spatial: int):
+    """:func:`_sharded_spatial` of a layout: (dims, None), or (None, why not)."""
     out = []
-    spec = x._spec
     seen = set()
     for m, p in enumerate(spec.placements):
         if not isinstance(p, Shard):
@@ -58,16 +65,23 @@ def _sharded_spatial(x: ShardTensor, first_spatial: int, op, args, kwargs):
     return out, None
 
 
-def _widen(local, x_spec, sharded, plans, fill_rows=None):
+def _widen(local, x_spec, sharded, plans):
     """Fetch, along each sharded dim in turn, the input rows each rank's windows need (zeros outside)."""
     mesh = x_spec.mesh
     for m, d in sharded:
-        sizes = x_spec.sizes[m]
-        n = sum(sizes)
-        plan = plans[(m, d)]
-        wanted = [[g if 0 <= g < n else -1 for g in range(lo, hi)] for lo, hi in plan.need]
-        local = comm.halo_exchange(local, d, sizes, wanted, mesh, m)
+        local = comm.fetch(local, d, _window_fetch(x_spec.sizes[m], plans[(m, d)].need, x_spec.coord[m]), mesh, m)
     return local
+
+
+@layout_rule
+def _window_fetch(sizes, need, me):
+    """This rank's row fetch for a window plan's input ranges ``need`` (rows outside the dim are zeros)."""
+    n = sum(sizes)
+    wanted = [[g if 0 <= g < n else -1 for g in range(lo, hi)] for lo, hi in need]
+    return shapes.row_fetch_plan(sizes, wanted, me)
+
+
+window_plan = layout_rule(shapes.window_plan)  # once per (sizes, kernel, stride, dilation, padding, ceil mode)
 
 
 def _valid_mask(x_spec, sharded, plans, ndim, device, dtype, lo_ok, hi_ok):
@@ -134,16 +148,47 @@ def _make_conv(nd: int, func):
 def sharded_conv(func, x: ShardTensor, weight, bias, stride, pads, dilation, groups, args=(), kwargs=None):
     """``func`` (F.conv1d/2d/3d) on ``x`` sharded over batch and/or spatial dims, with zero padding
     ``pads[i] = (before, after)`` per spatial dim (asymmetric and negative allowed: conv_transpose uses it)."""
-    nd = x.ndim - 2
-    kernel = tuple(weight.shape[2:])
     x = without_partial(x)
-    sharded, why = _sharded_spatial(x, 2, func, args, kwargs)
-    if sharded is None:
-        return unsupported_or_fallback(func, args, kwargs or {}, why)
     spec = x._spec
-    plans = {(m, d): shapes.window_plan(spec.sizes[m], kernel[d - 2], stride[d - 2], dilation[d - 2],
-                                        *pads[d - 2]) for m, d in sharded}
-    local = _widen(x.to_local(), spec, sharded, plans)
+    setup = _conv_setup(spec, tuple(weight.shape[2:]), weight.shape[0], tuple(stride), tuple(map(tuple, pads)),
+                        tuple(dilation))
+    if isinstance(setup, str):
+        return unsupported_or_fallback(func, args, kwargs or {}, setup)
+    local = x.to_local()
+    for m, d, fetch in setup.fetches:
+        local = comm.fetch(local, d, fetch, spec.mesh, m)
+    if setup.extra_pad:
+        local = F.pad(local, setup.extra_pad)
+    weight, bias = params_for(spec.mesh, setup.grad_mesh_dims, weight, bias)
+    if setup.out_spec is None:  # no outputs on this rank along a sharded dim
+        return _wrap_out(_empty_like_output(local, weight, bias, spec, setup.sharded, setup.plans, setup.out_shape),
+                         spec, setup.sharded, setup.plans, setup.out_shape)
+    return as_sharded(func(local, weight, bias, stride, setup.conv_pad, dilation, groups), setup.out_spec)
+
+
+class _ConvSetup(NamedTuple):
+    """Everything about a sharded convolution that follows from the input layout and the static arguments."""
+
+    sharded: list  # [(mesh dim, tensor dim)] of the sharded spatial dims
+    plans: dict  # (mesh dim, tensor dim) -> shapes.WindowPlan
+    fetches: tuple  # (mesh dim, tensor dim, this rank's row fetch), in the order they run
+    conv_pad: tuple  # torch's (symmetric) padding: 0 along sharded dims
+    extra_pad: list | None  # F.pad arguments for asymmetric padding of unsharded dims
+    grad_mesh_dims: list  # mesh dims the weights' gradients are summed over
+    out_shape: list
+    out_spec: object  # the output's layout; None where this rank has no outputs
+
+
+@layout_rule
+def _conv_setup(spec, kernel, out_channels, stride, pads, dilation):
+    """The cached plan of a sharded convolution (a string: why it cannot run sharded)."""
+    nd = spec.ndim - 2
+    sharded, why = _sharded_spatial_dims(spec, 2)
+    if sharded is None:
+        return why
+    plans = {(m, d): window_plan(spec.sizes[m], kernel[d - 2], stride[d - 2], dilation[d - 2], *pads[d - 2])
+             for m, d in sharded}
+    fetches = tuple((m, d, _window_fetch(spec.sizes[m], plans[(m, d)].need, spec.coord[m])) for m, d in sharded)
     sharded_dims = {d for _, d in sharded}
     # unsharded dims keep their padding; torch takes symmetric padding only, so pad asymmetric ones here
     conv_pad, extra = [], []
@@ -155,18 +200,19 @@ def sharded_conv(func, x: ShardTensor, weight, bias, stride, pads, dilation, gro
         else:
             conv_pad.append(0)
             extra.append((lo, hi))
-    if any(e != (0, 0) for e in extra):
-        local = F.pad(local, [v for e in reversed(extra) for v in e])
-    weight, bias = params_for(spec.mesh, [m for m, _ in sharded] + _batch_dims(spec), weight, bias)
-    out_shape = [spec.shape[0], weight.shape[0]]
+    extra_pad = [v for e in reversed(extra) for v in e] if any(e != (0, 0) for e in extra) else None
+    out_shape = [spec.shape[0], out_channels]
     for i in range(nd):
         out_shape.append(shapes.window_out_len(spec.shape[i + 2], kernel[i], stride[i], dilation[i], *pads[i]))
     _check_fits(spec.shape[2:], kernel, dilation, pads, out_shape[2:])
-    if any(plans[(m, d)].out_sizes[spec.coord[m]] == 0 for m, d in sharded):
-        out_local = _empty_like_output(local, weight, bias, spec, sharded, plans, out_shape)
-    else:
-        out_local = func(local, weight, bias, stride, tuple(conv_pad), dilation, groups)
-    return _wrap_out(out_local, spec, sharded, plans, out_shape)
+    out_spec = None
+    if not any(plans[(m, d)].out_sizes[spec.coord[m]] == 0 for m, d in sharded):
+        sizes = list(spec.sizes)
+        for m, d in sharded:
+            sizes[m] = plans[(m, d)].out_sizes
+        out_spec = spec.with_(shape=out_shape, sizes=sizes)
+    return _ConvSetup(sharded, plans, fetches, tuple(conv_pad), extra_pad,
+                      [m for m, _ in sharded] + _batch_dims(spec), out_shape, out_spec)
 
 
 def _check_fits(sizes, kernel, dilation, pads, out_sizes) -> None:
@@ -297,26 +343,14 @@ def _pad(func, args, kwargs):
     sizes = list(spec.sizes)
     for m, d in sharded:
         lo, hi = per_dim[d]
-        s = spec.sizes[m]
-        n = sum(s)
-        bounds = [sum(s[:r]) for r in range(len(s) + 1)]
-        wanted, new = [], []
-        for r in range(len(s)):
-            rows = list(range(bounds[r], bounds[r + 1]))
-            if r == 0:
-                rows = list(range(-lo, 0)) + rows
-            if r == len(s) - 1:
-                rows = rows + list(range(n, n + hi))
-            wanted.append([shapes.pad_index(g, n, mode) for g in rows])
-            new.append(len(rows))
-        mine = wanted[spec.coord[m]]
-        local = comm.halo_exchange(local, d, s, wanted, spec.mesh, m)
+        fetch, zero_rows, new = _pad_fetch(spec.sizes[m], lo, hi, mode, spec.coord[m])
+        local = comm.fetch(local, d, fetch, spec.mesh, m)
         if mode == "constant" and value:
-            fill = torch.tensor([g < 0 for g in mine], device=local.device)
+            fill = torch.tensor(zero_rows, device=local.device)
             shape = [1] * local.ndim
-            shape[d] = len(mine)
+            shape[d] = len(zero_rows)
             local = local.masked_fill(fill.reshape(shape), value)
-        sizes[m] = tuple(new)
+        sizes[m] = new
     rest = []
     for i in range(npad):
         d = x.ndim - 1 - i
@@ -328,6 +362,24 @@ def _pad(func, args, kwargs):
 
 
 register_function(F.pad)(_pad)
+
+
+@layout_rule
+def _pad_fetch(s, lo, hi, mode, me):
+    """Padding ``lo`` / ``hi`` rows onto a dim sharded in sizes ``s``: this rank's row fetch, which of its
+    rows are constant padding, and the new sizes (the first rank gains ``lo`` rows, the last ``hi``)."""
+    n = sum(s)
+    bounds = [sum(s[:r]) for r in range(len(s) + 1)]
+    wanted, new = [], []
+    for r in range(len(s)):
+        rows = list(range(bounds[r], bounds[r + 1]))
+        if r == 0:
+            rows = list(range(-lo, 0)) + rows
+        if r == len(s) - 1:
+            rows = rows + list(range(n, n + hi))
+        wanted.append([shapes.pad_index(g, n, mode) for g in rows])
+        new.append(len(rows))
+    return shapes.row_fetch_plan(s, wanted, me), tuple(g < 0 for g in wanted[me]), tuple(new)
 
 
 # --------------------------------------------------------------------------------------------
@@ -358,8 +410,8 @@ def _make_pool(nd: int, func, kind: str):
         dilation = _tuple(a["dilation"], nd, "dilation")
         ceil = bool(a["ceil_mode"])
         spec = x._spec
-        plans = {(m, d): shapes.window_plan(spec.sizes[m], kernel[d - 2], stride[d - 2], dilation[d - 2],
-                                            pad[d - 2], pad[d - 2], ceil) for m, d in sharded}
+        plans = {(m, d): window_plan(spec.sizes[m], kernel[d - 2], stride[d - 2], dilation[d - 2],
+                                     pad[d - 2], pad[d - 2], ceil) for m, d in sharded}
         local = _widen(x.to_local(), spec, sharded, plans)
         sharded_dims = {d for _, d in sharded}
         local_pad = tuple(0 if i + 2 in sharded_dims else pad[i] for i in range(nd))

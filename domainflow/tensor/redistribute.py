@@ -8,12 +8,15 @@ dims or sizes with all-to-alls, gather the shards that must go, then slice local
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from domainflow import comm
 from domainflow.layout import shapes
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.layout.spec import ShardSpec, mesh_shape
+from domainflow.memo import PLANS
 
 _R = Replicate()
 
@@ -47,33 +50,79 @@ def redistribute_local(local: torch.Tensor, src: ShardSpec, dst: ShardSpec) -> t
     """Turn this rank's chunk under ``src`` into its chunk under ``dst`` (same mesh, same global shape)."""
     if src == dst:
         return local
-    steps = _plans.get((src, dst))
-    if steps is None:
-        steps = plan_redistribute(src, dst)
-        if len(_plans) > 16384:
-            _plans.clear()
-        _plans[(src, dst)] = steps
+    steps = PLANS.cached((plan_redistribute, src, dst), lambda: plan_redistribute(src, dst))
     mesh = src.mesh
-    for kind, m, *args in steps:
-        if kind == "reduce":
-            local = comm.all_reduce(local, args[0], mesh, m)
-        elif kind == "all_to_all":
-            local = comm.all_to_all_dims(local, *args, mesh, m)
-        elif kind == "gather":
-            local = comm.all_gather_uneven(local, args[0], args[1], mesh, m)
-        elif kind == "narrow":
-            local = local.narrow(*args)
-        else:  # "partial"
-            local = partial_from_replicate(local, args[0], args[1])
+    for step in steps:
+        local = step.run(local, mesh)
     return local
 
 
-_plans: dict = {}
+# The typed steps of a redistribution plan: each is one collective or one local operation along a mesh dim.
+class Reduce(NamedTuple):
+    """Partial -> Replicate: all-reduce with the Partial's op."""
+
+    mesh_dim: int
+    op: str
+
+    def run(self, local, mesh):
+        return comm.all_reduce(local, self.op, mesh, self.mesh_dim)
+
+
+class AllToAll(NamedTuple):
+    """Shard -> Shard on one mesh dim: split ``split_dim`` into ``split_sizes``, receive ``recv_shapes``,
+    concatenate along ``cat_dim``."""
+
+    mesh_dim: int
+    split_dim: int
+    split_sizes: tuple
+    cat_dim: int
+    recv_shapes: list
+
+    def run(self, local, mesh):
+        return comm.all_to_all_dims(local, self.split_dim, self.split_sizes, self.cat_dim, self.recv_shapes,
+                                    mesh, self.mesh_dim)
+
+
+class Gather(NamedTuple):
+    """Shard -> Replicate: uneven all-gather along ``dim`` of chunks ``sizes``."""
+
+    mesh_dim: int
+    dim: int
+    sizes: tuple
+
+    def run(self, local, mesh):
+        return comm.all_gather_uneven(local, self.dim, self.sizes, mesh, self.mesh_dim)
+
+
+class Narrow(NamedTuple):
+    """Replicate -> Shard: keep this rank's rows (no communication)."""
+
+    mesh_dim: int
+    dim: int
+    start: int
+    length: int
+
+    def run(self, local, mesh):
+        return local.narrow(self.dim, self.start, self.length)
+
+
+class MakePartial(NamedTuple):
+    """Replicate -> Partial: this rank's share of the value (no communication)."""
+
+    mesh_dim: int
+    placement: Partial
+    coord: int
+
+    def run(self, local, mesh):
+        return partial_from_replicate(local, self.placement, self.coord)
+
+
 
 
 def plan_redistribute(src: ShardSpec, dst: ShardSpec) -> tuple:
-    """The steps from layout ``src`` to ``dst`` on this rank, as (kind, mesh dim, *arguments) tuples;
-    pure layout arithmetic, cached per (src, dst) by :func:`redistribute_local`."""
+    """The typed steps (:class:`Reduce`, :class:`AllToAll`, :class:`Gather`, :class:`Narrow`,
+    :class:`MakePartial`) from layout ``src`` to ``dst`` on this rank; pure layout arithmetic, cached per
+    (src, dst) by :func:`redistribute_local`."""
     if src.mesh is not dst.mesh and src.mesh != dst.mesh:
         raise ValueError("redistribute cannot move a tensor between device meshes")
     mesh = src.mesh
@@ -84,7 +133,7 @@ def plan_redistribute(src: ShardSpec, dst: ShardSpec) -> tuple:
     # 1. Partial -> reduce (the only step that changes values).
     for m, (a, b) in enumerate(zip(src.placements, dst.placements)):
         if isinstance(a, Partial) and a != b:
-            steps.append(("reduce", m, a.reduce_op))
+            steps.append(Reduce(m, a.reduce_op))
             cur = _set(cur, m, _R)
 
     # 2. Shard -> Shard on the same mesh dim: all-to-all (other tensor dim, or other sizes).
@@ -98,7 +147,7 @@ def plan_redistribute(src: ShardSpec, dst: ShardSpec) -> tuple:
         if a.dim == b.dim:
             ov = shapes.overlap_splits(cur.sizes[m], dst.sizes[m])
             recv = [shape[:a.dim] + [ov[r][me]] + shape[a.dim + 1:] for r in range(n)]
-            steps.append(("all_to_all", m, a.dim, ov[me], a.dim, recv))
+            steps.append(AllToAll(m, a.dim, ov[me], a.dim, recv))
             cur = _set(cur, m, b, dst.sizes[m])
         elif cur.mesh_dim_of(b.dim) is None:
             recv = []
@@ -107,14 +156,14 @@ def plan_redistribute(src: ShardSpec, dst: ShardSpec) -> tuple:
                 s_[a.dim] = cur.sizes[m][r]
                 s_[b.dim] = dst.sizes[m][me]
                 recv.append(s_)
-            steps.append(("all_to_all", m, b.dim, dst.sizes[m], a.dim, recv))
+            steps.append(AllToAll(m, b.dim, dst.sizes[m], a.dim, recv))
             cur = _set(cur, m, b, dst.sizes[m])
         # else: the target dim is still cut by another mesh dim: gather + slice below
 
     # 3. Shard -> anything else: gather along the mesh dim.
     for m, (a, b) in enumerate(zip(cur.placements, dst.placements)):
         if isinstance(a, Shard) and (a != b or cur.sizes[m] != dst.sizes[m]):
-            steps.append(("gather", m, a.dim, cur.sizes[m]))
+            steps.append(Gather(m, a.dim, cur.sizes[m]))
             cur = _set(cur, m, _R)
 
     # 4. Replicate -> Shard (local slice) or -> Partial.
@@ -123,10 +172,10 @@ def plan_redistribute(src: ShardSpec, dst: ShardSpec) -> tuple:
             continue
         if isinstance(b, Shard):
             k = coord[m]
-            steps.append(("narrow", m, b.dim, sum(dst.sizes[m][:k]), dst.sizes[m][k]))
+            steps.append(Narrow(m, b.dim, sum(dst.sizes[m][:k]), dst.sizes[m][k]))
             cur = _set(cur, m, b, dst.sizes[m])
         elif isinstance(b, Partial):
-            steps.append(("partial", m, b, coord[m]))
+            steps.append(MakePartial(m, b, coord[m]))
             cur = _set(cur, m, b)
     if cur != dst:  # pragma: no cover - a planning bug, never a user error
         raise AssertionError(f"redistribute planned {cur} instead of {dst}")

@@ -24,6 +24,7 @@ from domainflow import comm
 from domainflow.tensor import consistency
 from domainflow.layout import shapes
 from domainflow.errors import ShardingMismatchError, ShardingShapeError
+from domainflow.memo import PLANS
 from domainflow.layout.placements import Partial, Placement, Replicate, Shard, normalize_placements
 from domainflow.tensor.redistribute import grad_spec, partial_from_replicate, redistribute_local
 from domainflow.layout.spec import ShardSpec, mapping_mesh_dim, mesh_coordinate, mesh_shape, sizes_from_mapping
@@ -171,17 +172,16 @@ class ShardTensor(torch.Tensor):
         spec = self._spec
         key = None
         if sharding_shapes is None or isinstance(sharding_shapes, str):
-            key = (spec, tuple(placements) if not isinstance(placements, Placement) else (placements,), sharding_shapes)
-            dst = _redistribute_targets.get(key)
+            key = (_redistribute_targets, spec, tuple(placements) if not isinstance(placements, Placement)
+                   else (placements,), sharding_shapes)
+            dst = PLANS.get(key)
         else:
             dst = None
         if dst is None:
             placements = normalize_placements(placements, spec.ndim, spec.mesh.ndim)
             dst = target_spec(spec, placements, sharding_shapes)
             if key is not None:
-                if len(_redistribute_targets) > 16384:
-                    _redistribute_targets.clear()
-                _redistribute_targets[key] = dst
+                PLANS.put(key, dst)
         if dst == spec:
             return self
         if key is None:
@@ -196,11 +196,7 @@ class ShardTensor(torch.Tensor):
         if spec.is_replicated:
             return self.to_local()
         if not (torch.is_grad_enabled() and self.requires_grad):
-            full = _full_specs.get(spec)
-            if full is None:
-                full = _full_specs[spec] = target_spec(spec, _ALL_REPLICATE[spec.mesh.ndim])
-                if len(_full_specs) > 16384:
-                    _full_specs.clear()
+            full = PLANS.cached((_full_specs, spec), lambda: target_spec(spec, _ALL_REPLICATE[spec.mesh.ndim]))
             return redistribute_local(self._local, spec, full)
         return self.redistribute(_ALL_REPLICATE[spec.mesh.ndim]).to_local()
 
@@ -282,8 +278,14 @@ def derived_from_local(local: torch.Tensor, mesh: DeviceMesh, placements, shardi
     return _FromLocal.apply(local, spec)
 
 
-_redistribute_targets: dict = {}
-_full_specs: dict = {}
+def wrapped_as(local: torch.Tensor, spec: ShardSpec) -> ShardTensor:
+    """``local`` as this rank's chunk of a tensor laid out by ``spec``, a layout the caller derived and cached
+    (its local shape is ``local.shape``); differentiable, nothing re-derived or recorded."""
+    return _FromLocal.apply(local, spec)
+
+
+_redistribute_targets = "redistribute targets"  # first parts of their keys in domainflow.memo.PLANS
+_full_specs = "full specs"
 _MAX_RIDER_NUMEL = 4096
 
 
