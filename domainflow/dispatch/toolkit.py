@@ -163,14 +163,26 @@ def local_exact() -> None:
 _ALIASES = {"input": "self", "axis": "dim", "keepdims": "keepdim"}
 
 
-def bind(args, kwargs, names, **defaults) -> dict:
-    """A torch function's positional and keyword arguments as one dict by parameter name (``input=``
-    and numpy's ``axis=`` / ``keepdims=`` accepted), for function handlers."""
-    out = dict(defaults)
-    out.update(zip(names, args))
-    for k, v in kwargs.items():
-        out[_ALIASES.get(k, k)] = v
-    return out
+class Schema:
+    """A torch function's parameters as a handler declares them, once (at import): names in order and
+    defaults. ``bind`` gives a call's arguments as one dict by name, defaults filled (``input=`` and
+    numpy's ``axis=`` / ``keepdims=`` accepted); the static ones then key the handler's ``@layout_rule``."""
+
+    __slots__ = ("names", "defaults")
+
+    def __init__(self, *names: str, **defaults):
+        self.names = names
+        self.defaults = defaults
+
+    def bind(self, args, kwargs, **overrides) -> dict:
+        """``overrides``: defaults that depend on the call (``sum(x, dtype)``)."""
+        out = dict(self.defaults)
+        if overrides:
+            out.update(overrides)
+        out.update(zip(self.names, args))
+        for k, v in kwargs.items():
+            out[_ALIASES.get(k, k)] = v
+        return out
 
 
 def _plain_grad_hook(tensor):

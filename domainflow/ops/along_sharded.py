@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from domainflow import comm
-from domainflow.dispatch.toolkit import bind, run_function_default
+from domainflow.dispatch.toolkit import Schema, run_function_default
 from domainflow.layout.placements import Replicate, Shard
 from domainflow.dispatch.registry import register_function
 from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
@@ -36,9 +36,12 @@ def _global_max(local: torch.Tensor, dims, spec, mesh_dims) -> torch.Tensor:
         return torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
 
 
+_SOFTMAX_ARGS = Schema("self", "dim", "_stacklevel", "dtype", _stacklevel=3, dtype=None)
+
+
 def _softmax_like(log: bool):
     def handler(func, args, kwargs):
-        a = bind(args, kwargs, ("self", "dim", "_stacklevel", "dtype"), _stacklevel=3, dtype=None)
+        a = _SOFTMAX_ARGS.bind(args, kwargs)
         x, dim = a["self"], a["dim"]
         if not isinstance(x, ShardTensor) or dim is None:
             return run_function_default(func, args, kwargs)
@@ -58,8 +61,11 @@ def _softmax_like(log: bool):
     return handler
 
 
+_LOGSUMEXP_ARGS = Schema("self", "dim", "keepdim", keepdim=False)
+
+
 def _logsumexp(func, args, kwargs):
-    a = bind(args, kwargs, ("self", "dim", "keepdim"), keepdim=False)
+    a = _LOGSUMEXP_ARGS.bind(args, kwargs)
     x = a["self"]
     if not isinstance(x, ShardTensor):
         return run_function_default(func, args, kwargs)
@@ -90,8 +96,11 @@ def _logsumexp(func, args, kwargs):
     return derived_from_local(y, spec.mesh, placements, sharding_shapes=mapping)
 
 
+_ROLL_ARGS = Schema("self", "shifts", "dims", dims=None)
+
+
 def _roll(func, args, kwargs):
-    a = bind(args, kwargs, ("self", "shifts", "dims"), dims=None)
+    a = _ROLL_ARGS.bind(args, kwargs)
     x = a["self"]
     if not isinstance(x, ShardTensor) or a["dims"] in (None, (), []):
         return run_function_default(func, args, kwargs)

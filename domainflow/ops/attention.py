@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from domainflow import comm
-from domainflow.dispatch.toolkit import unsupported_or_fallback, bind, run_function_default, run_replicated, shard_tensors
+from domainflow.dispatch.toolkit import Schema, run_function_default, run_replicated, shard_tensors, unsupported_or_fallback
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_aten, register_function
 from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
@@ -232,10 +232,17 @@ def _ring_specs(q, k, v):
     return mq
 
 
+_FLASH_CPU_ARGS = Schema("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale",
+                         dropout_p=0.0, is_causal=False, attn_mask=None, scale=None)
+_FLASH_CPU_BACKWARD_ARGS = Schema("grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal",
+                                  "attn_mask", "scale", attn_mask=None, scale=None)
+_SDPA_ARGS = Schema("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa",
+                    attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False)
+
+
 @register_aten(_aten._scaled_dot_product_flash_attention_for_cpu.default)
 def _flash_cpu(func, args, kwargs):
-    a = bind(args, kwargs, ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"),
-             dropout_p=0.0, is_causal=False, attn_mask=None, scale=None)
+    a = _FLASH_CPU_ARGS.bind(args, kwargs)
     q, k, v = a["query"], a["key"], a["value"]
     sts = shard_tensors(args, kwargs)
     if all(t._spec.is_replicated for t in sts):
@@ -255,8 +262,7 @@ def _flash_cpu(func, args, kwargs):
 
 @register_aten(_aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
 def _flash_cpu_backward(func, args, kwargs):
-    a = bind(args, kwargs, ("grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal",
-                            "attn_mask", "scale"), attn_mask=None, scale=None)
+    a = _FLASH_CPU_BACKWARD_ARGS.bind(args, kwargs)
     q, k, v = a["query"], a["key"], a["value"]
     sts = shard_tensors(args, kwargs)
     if all(t._spec.is_replicated for t in sts):
@@ -296,8 +302,7 @@ def _seq_mesh_dim(t, seq_dim):
 
 
 def _sdpa(func, args, kwargs):
-    a = bind(args, kwargs, ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
-             attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False)
+    a = _SDPA_ARGS.bind(args, kwargs)
     q, k, v = a["query"], a["key"], a["value"]
     if not any(isinstance(t, ShardTensor) for t in (q, k, v)):
         return run_function_default(func, args, kwargs)

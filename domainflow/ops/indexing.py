@@ -23,7 +23,7 @@ import math
 import torch
 
 from domainflow import comm
-from domainflow.dispatch.toolkit import unsupported_or_fallback, bind, run_function_default
+from domainflow.dispatch.toolkit import Schema, run_function_default, unsupported_or_fallback
 from domainflow.errors import ShardingMismatchError
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_function
@@ -138,8 +138,11 @@ def _fetch_rows(local_rows: torch.Tensor, index: ShardTensor, x_spec, m, what, i
     return comm.gather_indexed(local_rows, plan).reshape(*idx.shape, *local_rows.shape[1:])
 
 
+_INDEX_SELECT_ARGS = Schema("self", "dim", "index")
+
+
 def _index_select(func, args, kwargs):
-    a = bind(args, kwargs, ("self", "dim", "index"))
+    a = _INDEX_SELECT_ARGS.bind(args, kwargs)
     hit = _sharded_dim(a["self"], a["dim"])
     if hit is None:
         return _replicated_source(func, args, kwargs, a["self"], a["index"], a["dim"])
@@ -196,8 +199,11 @@ def _replicated_source(func, args, kwargs, x, index, dim):
     return derived_from_local(out, spec.mesh, placements, sharding_shapes=mapping)
 
 
+_GATHER_ARGS = Schema("self", "dim", "index", "sparse_grad", sparse_grad=False)
+
+
 def _gather(func, args, kwargs):
-    a = bind(args, kwargs, ("self", "dim", "index", "sparse_grad"), sparse_grad=False)
+    a = _GATHER_ARGS.bind(args, kwargs)
     hit = _sharded_dim(a["self"], a["dim"])
     if hit is None:
         return run_function_default(func, args, kwargs)
@@ -276,9 +282,10 @@ def _scatter(kind: str):
         "scatter_add": ("self", "dim", "index", "src"),
         "scatter_reduce": ("self", "dim", "index", "src", "reduce", "include_self"),
     }[kind]
+    schema = Schema(*names, alpha=1, include_self=True, reduce="sum")
 
     def handler(func, args, kwargs):
-        a = bind(args, kwargs, names, alpha=1, include_self=True, reduce="sum")
+        a = schema.bind(args, kwargs)
         a.pop("out", None)
         src = a.get("source", a.get("src"))
         x, dim, index = a["self"], a["dim"], a["index"]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from domainflow import comm
-from domainflow.dispatch.toolkit import bind, layout_rule, run_function_default, unsupported_or_fallback
+from domainflow.dispatch.toolkit import Schema, layout_rule, run_function_default, unsupported_or_fallback
 from domainflow.layout import shapes
 from domainflow.layout.placements import Shard
 from domainflow.dispatch.registry import register_function
@@ -117,11 +117,13 @@ def _sharded_dim_plan(mode, in_size, out_size, align, scale, sizes, me, ndim, di
     return shapes.row_fetch_plan(sizes, wanted, me), tuple(counts), terms
 
 
+_INTERPOLATE_ARGS = Schema("self", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias",
+                           size=None, scale_factor=None, mode="nearest", align_corners=None,
+                           recompute_scale_factor=None, antialias=False)
+
+
 def _interpolate(func, args, kwargs):
-    a = bind(args, kwargs, ("self", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor",
-                            "antialias"),
-             size=None, scale_factor=None, mode="nearest", align_corners=None, recompute_scale_factor=None,
-             antialias=False)
+    a = _INTERPOLATE_ARGS.bind(args, kwargs)
     x = a["self"]
     if not isinstance(x, ShardTensor):
         return run_function_default(func, args, kwargs)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from domainflow.dispatch.param_grads import reduce_param_grads
-from domainflow.dispatch.toolkit import bind, common_mesh, layout_rule, local_exact, run_function_default, shard_tensors
+from domainflow.dispatch.toolkit import Schema, common_mesh, layout_rule, local_exact, run_function_default, shard_tensors
 from domainflow.dispatch.toolkit import unsupported_or_fallback
 from domainflow.tensor.redistribute import grad_spec
 from domainflow.layout.placements import Partial, Replicate, Shard
@@ -240,11 +240,14 @@ def _kept_partial_dims(grad, spec: ShardSpec) -> set:
             if isinstance(p, Partial) and p.reduce_op == "sum" and spec.placements[m] == _R}
 
 
+_LINEAR_ARGS = Schema("self", "weight", "bias", bias=None)
+
+
 def _linear_function(func, args, kwargs):
     if not kwargs and 2 <= len(args) <= 3:  # nn.Linear's own call: F.linear(input, weight, bias)
         x, weight, bias = args[0], args[1], args[2] if len(args) == 3 else None
     else:
-        a = bind(args, kwargs, ("self", "weight", "bias"), bias=None)
+        a = _LINEAR_ARGS.bind(args, kwargs)
         x, weight, bias = a["self"], a["weight"], a["bias"]
     plain = all(t is None or type(t) is not ShardTensor for t in (weight, bias))
     if (not isinstance(x, ShardTensor) or not plain or x.ndim < 2 or x._spec.has_partial

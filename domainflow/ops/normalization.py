@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from domainflow import comm
-from domainflow.dispatch.toolkit import bind, params_for, run_function_default, unsupported_or_fallback
+from domainflow.dispatch.toolkit import Schema, params_for, run_function_default, unsupported_or_fallback
 from domainflow.layout.placements import Shard
 from domainflow.dispatch.registry import register_function
 from domainflow.tensor.shard_tensor import ShardTensor
@@ -153,9 +153,18 @@ def _prepare(func, args, kwargs, x, others):
         return None, unsupported_or_fallback(func, args, kwargs, why), None
     return x, x._spec, mesh_dims
 
+_GROUP_NORM_ARGS = Schema("self", "num_groups", "weight", "bias", "eps", weight=None, bias=None, eps=1e-5)
+_BATCH_NORM_ARGS = Schema("self", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps",
+                          running_mean=None, running_var=None, weight=None, bias=None, training=False, momentum=0.1,
+                          eps=1e-5)
+_INSTANCE_NORM_ARGS = Schema("self", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum",
+                             "eps", running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
+                             momentum=0.1, eps=1e-5)
+_LAYER_NORM_ARGS = Schema("self", "normalized_shape", "weight", "bias", "eps", weight=None, bias=None, eps=1e-5)
+
 
 def _group_norm(func, args, kwargs):
-    a = bind(args, kwargs, ("self", "num_groups", "weight", "bias", "eps"), weight=None, bias=None, eps=1e-5)
+    a = _GROUP_NORM_ARGS.bind(args, kwargs)
     x, spec, mesh_dims = _prepare(func, args, kwargs, a["self"], (a["weight"], a["bias"]))
     if x is None:
         return spec
@@ -174,16 +183,12 @@ def _group_norm(func, args, kwargs):
 
 
 def _batch_norm(func, args, kwargs):
-    a = bind(args, kwargs, ("self", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
-             running_mean=None, running_var=None, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5)
+    a = _BATCH_NORM_ARGS.bind(args, kwargs)
     return _channel_norm(func, args, kwargs, a, stats_over_batch=True, use_batch_stats=a["training"])
 
 
 def _instance_norm(func, args, kwargs):
-    a = bind(args, kwargs, ("self", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum",
-                            "eps"),
-             running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True, momentum=0.1,
-             eps=1e-5)
+    a = _INSTANCE_NORM_ARGS.bind(args, kwargs)
     return _channel_norm(func, args, kwargs, a, stats_over_batch=False, use_batch_stats=a["use_input_stats"])
 
 
@@ -229,7 +234,7 @@ def _layer_norm(func, args, kwargs):
     one all-reduce, the normalisation local. Without a sharded normalised dim the aten handler runs it locally.
     The weight and bias are sliced to this rank's block; their gradients, zero outside the block, are summed
     over every sharded mesh dim once (queued under ``deferred_param_grads``)."""
-    a = bind(args, kwargs, ("self", "normalized_shape", "weight", "bias", "eps"), weight=None, bias=None, eps=1e-5)
+    a = _LAYER_NORM_ARGS.bind(args, kwargs)
     x, weight, bias = a["self"], a["weight"], a["bias"]
     shape = tuple(a["normalized_shape"]) if not isinstance(a["normalized_shape"], int) else (a["normalized_shape"],)
     if not isinstance(x, ShardTensor) or any(isinstance(t, ShardTensor) and not t._spec.reduced().is_replicated

@@ -4,6 +4,8 @@ pending where the op is linear in it (the tables below); anything else is reduce
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from domainflow.dispatch.registry import REGISTRY
@@ -35,14 +37,47 @@ _plans = PLANS
 _MISS = object()
 
 
+# The typed steps of a pointwise plan: how each tensor operand becomes the local argument of the op.
+class AsIs(NamedTuple):
+    """The operand's local chunk (a plain tensor: itself, broadcast)."""
+
+    index: int
+
+    def local(self, a):
+        return a._local if type(a) is ShardTensor else a
+
+
+class Relayout(NamedTuple):
+    """A ShardTensor operand laid out otherwise: redistributed to ``spec`` (communicates; warned once)."""
+
+    index: int
+    spec: ShardSpec
+
+    def local(self, a):
+        return redistribute_local(a._local, a._spec, self.spec)
+
+
+class SliceRows(NamedTuple):
+    """A plain operand with the full extent along sharded output dims: this rank's rows, by ``narrows``
+    ((dim, start, length) each)."""
+
+    index: int
+    narrows: tuple
+
+    def local(self, a):
+        for d, start, length in self.narrows:
+            a = a.narrow(d, start, length)
+        return a
+
+
 class _Plan:
     __slots__ = ("out_spec", "actions", "inplace", "local_only")
 
     def __init__(self, out_spec, actions, inplace):
         self.out_spec = out_spec
-        self.actions = actions  # per tensor arg: (index, None | ShardSpec to redistribute to | narrows)
+        self.actions = actions  # one typed step per tensor operand
         self.inplace = inplace
-        self.local_only = all(not act for _, act in actions)  # every operand used as it is
+        self.local_only = all(type(act) is AsIs for act in actions)  # every operand used as it is
 
 
 def _flat_tensor_args(args):
@@ -78,14 +113,8 @@ def pointwise(func, args, kwargs):
             local_exact()
     else:
         local_args = list(args)
-        for i, act in plan.actions:
-            a = args[i]
-            if type(a) is ShardTensor:
-                local_args[i] = a._local if act is None else redistribute_local(a._local, a._spec, act)
-            elif act:
-                for d, start, length in act:
-                    a = a.narrow(d, start, length)
-                local_args[i] = a
+        for act in plan.actions:
+            local_args[act.index] = act.local(args[act.index])
         out = func(*local_args, **kwargs)
         if plan.inplace and local_args[0] is not args[0]._local:
             relayout(args[0], local_args[0], plan.out_spec)  # self had to change layout
@@ -177,7 +206,7 @@ def _plan_pointwise(func, args):
     for i, a in tensors:
         if isinstance(a, ShardTensor):
             dst = ShardSpec(mesh, targets[i], a.shape, target_sizes[i])
-            actions.append((i, None if dst == a._spec else _valid(dst)))
+            actions.append(AsIs(i) if dst == a._spec else Relayout(i, _valid(dst)))
         else:
             narrows = []
             off = ndim - a.ndim
@@ -188,7 +217,7 @@ def _plan_pointwise(func, args):
                     if d >= 0 and a.shape[d] == out_shape[p.dim]:
                         k = coord[m]
                         narrows.append((d, sum(sizes[m][:k]), sizes[m][k]))
-            actions.append((i, narrows))
+            actions.append(SliceRows(i, tuple(narrows)) if narrows else AsIs(i))
     if moved:
         warn_moved(func, [tensors_i for tensors_i in moved], sts)
     return _Plan(out_spec, actions, inplace)

@@ -13,7 +13,7 @@ import torch
 
 from domainflow import comm
 from domainflow.layout import shapes
-from domainflow.dispatch.toolkit import PLANS, bind, local_exact, run_function_default, to_spec
+from domainflow.dispatch.toolkit import PLANS, Schema, local_exact, run_function_default, to_spec
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_aten, register_function
 from domainflow.tensor.shard_tensor import ShardTensor, product_of_others
@@ -367,6 +367,10 @@ class _SumMean(torch.autograd.Function):
         return ShardTensor(g.to(ctx.in_dtype), in_grad_spec), None, None, None, None
 
 
+_SUM_ARGS = Schema("self", "dim", "keepdim", dim=None, keepdim=False, dtype=None)
+_SUM_DTYPE_ARGS = Schema("self", dim=None, keepdim=False)  # sum(input, dtype)
+
+
 def _differentiable_reduction_args(args, kwargs):
     """(x, dim, keepdim, dtype) of a sum/mean/prod call on a ShardTensor that needs a gradient, else
     None (the call then runs through the aten-level rules)."""
@@ -374,9 +378,9 @@ def _differentiable_reduction_args(args, kwargs):
     if not (type(first) is ShardTensor and first.requires_grad and torch.is_grad_enabled()):
         return None
     if len(args) > 1 and isinstance(args[1], torch.dtype):  # sum(input, dtype)
-        a = bind(args[:1], kwargs, ("self",), dim=None, keepdim=False, dtype=args[1])
+        a = _SUM_DTYPE_ARGS.bind(args[:1], kwargs, dtype=args[1])
     else:
-        a = bind(args, kwargs, ("self", "dim", "keepdim"), dim=None, keepdim=False, dtype=None)
+        a = _SUM_ARGS.bind(args, kwargs)
     if "out" in a:
         return None
     return a["self"], a["dim"], a["keepdim"], a["dtype"]

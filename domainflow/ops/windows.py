@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from domainflow import comm
 from domainflow.layout import shapes
-from domainflow.dispatch.toolkit import as_sharded, bind, layout_rule, like, params_for, run_function_default, unsupported_or_fallback
+from domainflow.dispatch.toolkit import Schema, as_sharded, layout_rule, like, params_for, run_function_default, unsupported_or_fallback
 from domainflow.dispatch.toolkit import without_partial
 from domainflow.layout.placements import Shard
 from domainflow.dispatch.registry import register_function
@@ -127,10 +127,13 @@ def _conv_padding(padding, kernel, dilation, stride, nd):
     return [(p, p) for p in _tuple(padding, nd, "padding")]
 
 
+_CONV_ARGS = Schema("self", "weight", "bias", "stride", "padding", "dilation", "groups",
+                    bias=None, stride=1, padding=0, dilation=1, groups=1)
+
+
 def _make_conv(nd: int, func):
     def handler(_func, args, kwargs):
-        a = bind(args, kwargs, ("self", "weight", "bias", "stride", "padding", "dilation", "groups"),
-                 bias=None, stride=1, padding=0, dilation=1, groups=1)
+        a = _CONV_ARGS.bind(args, kwargs)
         x, weight, bias = a["self"], a["weight"], a["bias"]
         if not isinstance(x, ShardTensor) or any(isinstance(t, ShardTensor) for t in (weight, bias)):
             return run_function_default(func, args, kwargs)
@@ -290,10 +293,13 @@ def _scatter_strided(local, new_shape, d, s):
     return local.new_zeros(new_shape).index_copy(d, idx, local)
 
 
+_CONV_TRANSPOSE_ARGS = Schema("self", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation",
+                              bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1)
+
+
 def _make_conv_transpose(nd: int, func, conv):
     def handler(_func, args, kwargs):
-        a = bind(args, kwargs, ("self", "weight", "bias", "stride", "padding", "output_padding", "groups",
-                                "dilation"), bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1)
+        a = _CONV_TRANSPOSE_ARGS.bind(args, kwargs)
         x, weight, bias = a["self"], a["weight"], a["bias"]
         if not isinstance(x, ShardTensor) or any(isinstance(t, ShardTensor) for t in (weight, bias)):
             return run_function_default(func, args, kwargs)
@@ -326,8 +332,11 @@ for _nd, _f, _c in ((1, F.conv_transpose1d, F.conv1d), (2, F.conv_transpose2d, F
 # --------------------------------------------------------------------------------------------
 # padding
 # --------------------------------------------------------------------------------------------
+_PAD_ARGS = Schema("self", "pad", "mode", "value", mode="constant", value=None)
+
+
 def _pad(func, args, kwargs):
-    a = bind(args, kwargs, ("self", "pad", "mode", "value"), mode="constant", value=None)
+    a = _PAD_ARGS.bind(args, kwargs)
     x, pad, mode, value = a["self"], list(a["pad"]), a["mode"], a["value"]
     if not isinstance(x, ShardTensor):
         return run_function_default(func, args, kwargs)
@@ -389,10 +398,11 @@ def _make_pool(nd: int, func, kind: str):
     names = (("self", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
              if kind == "max" else
              ("self", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"))
+    schema = Schema(*names, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False,
+                    count_include_pad=True, divisor_override=None)
 
     def handler(_func, args, kwargs):
-        a = bind(args, kwargs, names, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False,
-                 count_include_pad=True, divisor_override=None)
+        a = schema.bind(args, kwargs)
         x = a["self"]
         if not isinstance(x, ShardTensor):
             return run_function_default(func, args, kwargs)
@@ -461,9 +471,12 @@ for _nd, _f in ((1, F.avg_pool1d), (2, F.avg_pool2d), (3, F.avg_pool3d)):
     register_function(_f)(_make_pool(_nd, _f, "avg"))
 
 
+_ADAPTIVE_ARGS = Schema("self", "output_size")
+
+
 def _adaptive_avg(func):
     def handler(_func, args, kwargs):
-        a = bind(args, kwargs, ("self", "output_size"))
+        a = _ADAPTIVE_ARGS.bind(args, kwargs)
         x, size = a["self"], a["output_size"]
         nd = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}[func]
         sizes = _tuple(size, nd, "output_size") if size is not None else None

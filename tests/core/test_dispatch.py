@@ -657,3 +657,14 @@ def test_ops_run_under_inference_mode(dist, world):
     layer_norm): the engine runs their decomposition, as DTensor does, instead of refusing them."""
     for ok in dist.run(world, _under_inference_mode, 3):
         assert all(ok), ok
+
+
+def test_a_schema_binds_names_defaults_and_aliases():
+    from domainflow.dispatch.toolkit import Schema
+
+    schema = Schema("self", "dim", "keepdim", keepdim=False, dtype=None)
+    assert schema.bind((1, 2), {}) == {"self": 1, "dim": 2, "keepdim": False, "dtype": None}
+    assert schema.bind((), {"input": 1, "axis": 0, "keepdims": True}) == {"self": 1, "dim": 0, "keepdim": True,
+                                                                         "dtype": None}
+    assert schema.bind((1,), {}, dtype=torch.float64)["dtype"] is torch.float64
+    assert schema.defaults == {"keepdim": False, "dtype": None}  # a call never changes the declaration
