@@ -68,15 +68,18 @@ def _cc2(x):
 
 
 def _terms(idx: np.ndarray, w: np.ndarray, ndim: int, dim: int, dtype, device) -> tuple:
-    """(index tensor, weight tensor shaped to broadcast along ``dim`` or None for all ones) per tap."""
+    """(index tensor, weight tensor shaped to broadcast along ``dim`` or None for all ones) per tap. Cached
+    plans outlive the call: made as normal tensors even under ``torch.inference_mode()`` (an inference
+    tensor cannot be saved for a later training step's backward)."""
     shape = [1] * ndim
     shape[dim] = -1
     out = []
-    for k in range(idx.shape[1]):
-        weight = None
-        if not (w[:, k] == 1).all():
-            weight = torch.as_tensor(w[:, k], dtype=dtype, device=device).reshape(shape)
-        out.append((torch.as_tensor(idx[:, k], device=device), weight))
+    with torch.inference_mode(False):
+        for k in range(idx.shape[1]):
+            weight = None
+            if not (w[:, k] == 1).all():
+                weight = torch.as_tensor(w[:, k], dtype=dtype, device=device).reshape(shape)
+            out.append((torch.as_tensor(idx[:, k], device=device), weight))
     return tuple(out)
 
 

@@ -355,7 +355,7 @@ def _pad(func, args, kwargs):
         fetch, zero_rows, new = _pad_fetch(spec.sizes[m], lo, hi, mode, spec.coord[m])
         local = comm.fetch(local, d, fetch, spec.mesh, m)
         if mode == "constant" and value:
-            fill = torch.tensor(zero_rows, device=local.device)
+            fill = torch.tensor(zero_rows, dtype=torch.bool, device=local.device)  # bool also when empty
             shape = [1] * local.ndim
             shape[d] = len(zero_rows)
             local = local.masked_fill(fill.reshape(shape), value)
@@ -365,7 +365,15 @@ def _pad(func, args, kwargs):
         d = x.ndim - 1 - i
         rest += [0, 0] if any(d == sd for _, sd in sharded) else list(per_dim[d])
     if any(rest):
-        local = F.pad(local, rest, mode=mode, value=value) if mode == "constant" else F.pad(local, rest, mode=mode)
+        if mode != "constant" and local.numel() == 0:
+            # torch refuses reflect/replicate/circular padding of an empty block (a rank without rows): the
+            # result is empty too, with the other dims padded, still wired to the input for backward
+            shape = list(local.shape)
+            for i in range(npad):
+                shape[x.ndim - 1 - i] += rest[2 * i] + rest[2 * i + 1]
+            local = local.new_zeros(shape) + local.sum() * 0
+        else:
+            local = F.pad(local, rest, mode=mode, value=value) if mode == "constant" else F.pad(local, rest, mode=mode)
     mapping = {m: list(sizes[m]) for m, p in enumerate(spec.placements) if isinstance(p, Shard)}
     return derived_from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
 

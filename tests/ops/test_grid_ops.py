@@ -98,6 +98,24 @@ def test_padding_modes_and_periodic_wrap(dist, world):
     assert all(dist.run(world, _padding_modes, 300 + world))
 
 
+def _pad_with_an_empty_rank(seed):
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 2, 7, 3, generator=gen, dtype=torch.float64)
+    for pad, mode, value in [((0, 0, 1, 2), "constant", 1.5), ((1, 2, 2, 1), "replicate", None),
+                             ((1, 1, 1, 1), "reflect", None), ((2, 1, 1, 2), "circular", None)]:
+        kw = {"mode": mode} if value is None else {"mode": mode, "value": value}
+        check_sharded(lambda t, pad=pad, kw=kw: F.pad(t, pad, **kw), [Sharded(x, [Shard(2)], {0: (2, 0, 5)})], mesh)
+    return True
+
+
+def test_padding_with_an_empty_middle_rank(dist):
+    """A rank holding no rows pads like the others (a constant fill, reflect/replicate/circular of the other
+    dims): no rank fails alone, leaving its peers waiting in the next collective."""
+    assert all(dist.run(3, _pad_with_an_empty_rank, 31))
+
+
 POOL_CASES = [  # (kernel, stride, padding, ceil_mode)
     (2, 2, 0, False), (3, 2, 1, False), (3, 2, 1, True), (3, 1, 1, False), (2, None, 0, True), (4, 3, 2, True),
 ]
@@ -281,6 +299,30 @@ def _interp(seed):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_interpolate_matches_single_device(dist, world):
     assert all(dist.run(world, _interp, 600 + world))
+
+
+def _interp_after_inference(seed):
+    import domainflow as df
+
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 2, 9, 6, generator=gen, dtype=torch.float64)
+    up = lambda t: F.interpolate(t, scale_factor=2, mode="bilinear")  # noqa: E731
+    sizes = random_sizes(9, world, random.Random(seed))
+    with torch.inference_mode():  # a validation pass first: the layout's plan is made here
+        st = df.distribute_tensor(x, mesh, [Shard(2)], sharding_shapes={0: sizes})
+        ok = torch.allclose(up(st).full_tensor(), up(x))
+    for _ in range(2):  # then training with the same layout reuses the plan
+        check_sharded(up, [Sharded(x, [Shard(2)], {0: sizes})], mesh)
+    return ok
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_interpolate_trains_after_a_pass_under_inference_mode(dist, world):
+    """Plans cached under torch.inference_mode() hold no inference tensors: a later training step can save
+    them for backward."""
+    assert all(dist.run(world, _interp_after_inference, 700 + world))
 
 
 class _UNet(torch.nn.Module):
