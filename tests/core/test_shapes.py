@@ -145,3 +145,35 @@ def test_local_shape_and_offsets():
     dim_sizes = ((4, 0, 6), (7, 0))
     assert shapes.local_shape(shape, shard_dims, dim_sizes, (2, 0)) == (6, 7, 3)
     assert shapes.local_offsets(3, shard_dims, dim_sizes, (2, 1)) == (4, 7, 0)
+
+
+def test_row_fetch_plan_summaries_match_the_rows():
+    """A row fetch's cached summaries (own runs, zero positions, identity and cover tests) agree with the
+    positions and rows they summarise, for halos, wrap-around, repeats and empty ranks."""
+    import random
+
+    rng = random.Random(5)
+    for _ in range(300):
+        parts = rng.randint(1, 4)
+        sizes = [rng.randint(0, 6) for _ in range(parts)]
+        n = sum(sizes)
+        wanted = []
+        for _ in range(parts):
+            k = rng.randint(0, 9)
+            wanted.append([rng.choice([-1] + list(range(n))) if rng.random() < 0.3 or not n else
+                           min(n - 1, max(0, i)) for i in range(k)])
+        me = rng.randrange(parts)
+        wanted[me] = rng.choice([wanted[me], list(range(sum(sizes[:me]), sum(sizes[:me + 1])))])
+        plan = shapes.row_fetch_plan(sizes, wanted, me)
+        pos, rows = plan.own
+        expanded = [(p + i, r + i) for p, r, length in plan.own_runs for i in range(length)]
+        assert expanded == list(zip(pos, rows))
+        filled = set(pos) | {p for v in plan.recv.values() for p in v}
+        assert plan.unfilled == tuple(p for p in range(plan.length) if p not in filled)
+        start = sum(sizes[:me])
+        # nothing moves: this rank keeps exactly its rows and trades none with anyone
+        identity = wanted[me] == list(range(start, start + sizes[me])) and not plan.send and not plan.recv
+        assert (plan.identity_len == sizes[me]) == identity
+        covers = len(pos) == sizes[me] > 0 and list(rows) == list(range(sizes[me])) and \
+            list(pos) == list(range(pos[0], pos[0] + sizes[me]))
+        assert (plan.covers_len == sizes[me]) == covers
