@@ -8,12 +8,13 @@ autograd so their gradients come back sharded like the input instead of as repli
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from domainflow import comm
 from domainflow.layout import shapes
-from domainflow.dispatch.toolkit import PLANS, Schema, local_exact, run_function_default, to_spec
+from domainflow.dispatch.toolkit import PLANS, Schema, layout_rule, local_exact, run_function_default, to_spec
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_aten, register_function
 from domainflow.tensor.shard_tensor import ShardTensor, product_of_others
@@ -332,39 +333,57 @@ def var_std(func, args, kwargs):
 # --------------------------------------------------------------------------------------------
 # above autograd: sum / mean whose gradient stays sharded like the input
 # --------------------------------------------------------------------------------------------
+class _SumMeanPlan(NamedTuple):
+    """A differentiable sum / mean over reduced dims that include a sharded one, worked out once per (input
+    layout, reduced dims, keepdim, mean): the local reduction, the scale, the output's layout (a pending
+    Partial sum), and for backward the input gradient's layout and the output gradient's wanted layout."""
+
+    red: list  # the reduced dims, sorted
+    count: int  # the elements each output sums for a mean (1 for a sum)
+    scale: float  # the gradient's scale: 1 / count (NaN over nothing, as torch)
+    out_spec: ShardSpec
+    in_grad_spec: ShardSpec
+    grad_want: ShardSpec  # the output's gradient laid out like the output, partial dims replicated
+
+
+@layout_rule
+def _sum_mean_plan(spec: ShardSpec, dims, keepdim: bool, mean: bool) -> _SumMeanPlan:
+    from domainflow.tensor.redistribute import grad_spec
+
+    red, where = shapes.reduced_dim_map(spec.ndim, dims, keepdim)
+    count = math.prod(spec.shape[d] for d in red) if mean and red else 1
+    out_shape = _out_shape(spec.shape, red, keepdim)
+    in_grad_spec = grad_spec(spec)
+    return _SumMeanPlan(sorted(red), count, 1.0 / count if count else math.nan,
+                        _out_spec(spec, red, where, keepdim, "sum", out_shape), in_grad_spec,
+                        _out_spec(in_grad_spec, red, where, keepdim, None, out_shape))
+
+
 class _SumMean(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dims, keepdim, mean, dtype):
-        ctx.spec, ctx.keepdim = x._spec, keepdim
-        red, _ = shapes.reduced_dim_map(x.ndim, dims, keepdim)
-        ctx.red = sorted(red)
-        count = math.prod(x.shape[d] for d in red) if mean and red else 1
-        ctx.scale = 1.0 / count if count else math.nan  # torch: mean over nothing is NaN
-        ctx.in_dtype = x.dtype
-        op = aten.mean.dim if mean else aten.sum.dim_IntList
-        with torch.no_grad():
-            return sum_mean(op, (x, sorted(red), keepdim), {"dtype": dtype})
+    def forward(ctx, x, plan, keepdim, dtype):
+        ctx.plan, ctx.keepdim, ctx.in_dtype = plan, keepdim, x.dtype
+        # what sum_mean computes for an input without Partials: the local sum (scaled for a mean), pending
+        local = torch.sum(x._local, dim=plan.red, keepdim=keepdim, dtype=dtype)
+        if plan.count != 1:
+            local = local / plan.count  # as sum_mean divides (0 / 0 over nothing is NaN, as torch)
+        return ShardTensor(local, plan.out_spec)
 
     @staticmethod
     def backward(ctx, grad):
-        spec = ctx.spec
-        from domainflow.tensor.redistribute import grad_spec
-
-        in_grad_spec = grad_spec(spec)
+        plan = ctx.plan
+        want, in_grad_spec = plan.grad_want, plan.in_grad_spec
         if not isinstance(grad, ShardTensor):
+            spec = in_grad_spec
             grad = ShardTensor(grad, ShardSpec(spec.mesh, (_R,) * spec.mesh.ndim, grad.shape, (None,) * spec.mesh.ndim))
-        # the output's gradient laid out like the output, partial dims replicated
-        red = set(ctx.red)
-        _, where = shapes.reduced_dim_map(spec.ndim, ctx.red, ctx.keepdim)
-        want = _out_spec(in_grad_spec, red, where, ctx.keepdim, None, grad.shape)
         g = to_spec(grad, want) if grad._spec != want else grad._local
         if not ctx.keepdim:
-            for d in ctx.red:
+            for d in plan.red:
                 g = g.unsqueeze(d)
         g = g.expand(in_grad_spec.local_shape)
-        if ctx.scale != 1.0:
-            g = g * ctx.scale
-        return ShardTensor(g.to(ctx.in_dtype), in_grad_spec), None, None, None, None
+        if plan.scale != 1.0:
+            g = g * plan.scale
+        return ShardTensor(g.to(ctx.in_dtype), in_grad_spec), None, None, None
 
 
 _SUM_ARGS = Schema("self", "dim", "keepdim", dim=None, keepdim=False, dtype=None)
@@ -393,12 +412,14 @@ def _sum_mean_function(func, args, kwargs):
     if parsed is None:
         return run_function_default(func, args, kwargs)  # no gradient: the aten-level rule suffices
     x, dim, keepdim, dtype = parsed
-    dims = _dims_arg(x, dim)
-    red, _ = shapes.reduced_dim_map(x.ndim, dims, keepdim)
-    is_mean = func in (torch.mean, torch.Tensor.mean)
-    if not _sharded_reduced(x._spec, red) or x._spec.has_partial:
+    dims = None if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
+    spec = x._spec
+    if spec.has_partial:
         return run_function_default(func, args, kwargs)
-    return _SumMean.apply(x, sorted(red), keepdim, is_mean, dtype)
+    plan = _sum_mean_plan(spec, dims, bool(keepdim), func in (torch.mean, torch.Tensor.mean))
+    if not _sharded_reduced(spec, plan.red):
+        return run_function_default(func, args, kwargs)
+    return _SumMean.apply(x, plan, keepdim, dtype)
 
 
 register_function(torch.sum, torch.Tensor.sum, torch.mean, torch.Tensor.mean)(_sum_mean_function)
