@@ -15,13 +15,12 @@ from domainflow.dispatch.param_grads import accumulates_into_grad, defer_grad, d
 from domainflow.errors import ShardingMismatchError, UnsupportedShardedOp
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.layout.spec import ShardSpec
-from domainflow.memo import PLANS, memoized
+from domainflow.memo import PLANS, memoized  # PLANS: the one plan cache, re-exported for handlers
 from domainflow.tensor.redistribute import redistribute_local
 from domainflow.tensor.shard_tensor import ShardTensor, TensorMarks, derived_from_local, target_spec, wrapped_as
 
 _INPLACE = torch.Tag.inplace
 _R = Replicate()
-PLANS = PLANS  # the one bounded cache of plans (domainflow.memo): handlers key theirs on the op or rule first
 
 
 def layout_rule(fn):
