@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo bench clean distclean
+.PHONY: venv test demo bench peers clean distclean
 
 # Internal: create the venv and install the project into it (editable).
 # The stamp makes a re-run a no-op until pyproject.toml or this Makefile change.
@@ -43,10 +43,17 @@ bench: venv
 		$(PY) "$$f"; \
 	done
 
+# Optional: PhysicsNeMo, the peer the halo benchmarks compare against, with --no-deps (its declared
+# dependencies would replace torch) and only the packages its domain-parallel code imports.
+PEER_PACKAGES := nvidia-physicsnemo==2.2.2 warp-lang==1.19.0 treelib==1.8.0 tensordict==0.15.3 \
+	pyvers==0.2.3 termcolor==3.3.0 einops==0.8.2 jaxtyping==0.3.11 wadler-lindig==0.1.8
+peers: venv
+	$(PIP) install --no-deps --target .peers/physicsnemo $(PEER_PACKAGES)
+
 clean:
 	rm -rf build dist *.egg-info .pytest_cache demo_output
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 # Also drop the venv (the next `make` rebuilds it from the on-disk torch wheel).
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) .peers

@@ -5,6 +5,12 @@ rows (nearest: 1, linear: 2, cubic: 4), at source positions given by torch's own
 here, float32 where torch uses float). Each output row goes to the rank holding its centre, which fetches
 the few rows it lacks from its neighbours (the halo exchange), then every dim is applied as an
 index-select and weighted sum on the local block; unsharded dims the same way without a fetch.
+
+The common upsampling (``nn.Upsample(scale_factor=2)``: one sharded dim, a power-of-two factor, not
+``align_corners``) instead runs torch's own kernel once on the block with its fetched rows and keeps this
+rank's output rows: with such a factor the source position of every kept row, computed by torch on the
+block, is the global one shifted by a whole number of rows, bit for bit (an exact multiple of a power of
+two in float32), and the block holds every row its taps read, so nothing is clamped that globally is not.
 """
 
 from __future__ import annotations
@@ -117,7 +123,24 @@ def _sharded_dim_plan(mode, in_size, out_size, align, scale, sizes, me, ndim, di
     mine = np.flatnonzero(owner == me)
     lo = wanted[me][0] if wanted[me] else 0
     terms = _terms(idx[mine] - lo, w[mine], ndim, dim, dtype, device) if len(mine) else None
-    return shapes.row_fetch_plan(sizes, wanted, me), tuple(counts), terms
+    # for torch's kernel on the fetched block (a power-of-two factor): the first kept output row of the
+    # block's output
+    first = int(mine[0]) - round(lo * out_size / in_size) if len(mine) else 0
+    return shapes.row_fetch_plan(sizes, wanted, me), tuple(counts), terms, first
+
+
+_NATIVE_MODES = frozenset({"nearest", "nearest-exact", "linear", "bilinear", "trilinear"})
+
+
+def _native_exact(mode: str, align: bool, scale, in_size: int, out_size: int) -> bool:
+    """Whether torch's kernel on a block of rows gives the global result on its rows, bit for bit: a
+    power-of-two upsampling factor given as ``scale_factor`` (torch then uses 1 / factor, exact, so a shift of
+    the block by whole rows shifts every source position exactly), no ``align_corners``, no cubic taps (which
+    read clamped rows near the block's edge)."""
+    if mode not in _NATIVE_MODES or align or scale is None or scale < 1 or out_size != in_size * scale:
+        return False
+    k = int(scale)
+    return k == scale and k & (k - 1) == 0
 
 
 _INTERPOLATE_ARGS = Schema("self", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias",
@@ -157,6 +180,9 @@ def _interpolate(func, args, kwargs):
     from domainflow.layout.spec import mesh_shape
 
     mshape = mesh_shape(spec.mesh)
+    split = [i for i in range(nd) if (m := spec.mesh_dim_of(i + 2)) is not None and mshape[m] > 1]
+    if len(split) == 1 and _native_exact(mode, align, scales[split[0]], in_sizes[split[0]], out_sizes[split[0]]):
+        return _native_on_block(x, local, split[0] + 2, mode, a, in_sizes, out_sizes, scales, align)
     done = [False] * nd
     for i in range(nd):
         d = i + 2
@@ -164,7 +190,7 @@ def _interpolate(func, args, kwargs):
         if m is None or mshape[m] == 1:
             continue  # torch's own kernel below
         done[i] = True
-        fetch, counts, terms = _sharded_dim_plan(mode, in_sizes[i], out_sizes[i], align, scales[i], spec.sizes[m],
+        fetch, counts, terms, _ = _sharded_dim_plan(mode, in_sizes[i], out_sizes[i], align, scales[i], spec.sizes[m],
                                                  spec.coord[m], local.ndim, d, local.dtype, local.device)
         local = comm.fetch(local, d, fetch, spec.mesh, m)
         if terms is not None:
@@ -194,6 +220,34 @@ def _interpolate(func, args, kwargs):
                 sizes_out[m] = (out_sizes[i],)
     mapping = {m: list(s) for m, s in enumerate(sizes_out) if s is not None}
     return derived_from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+
+
+def _native_on_block(x, local, d, mode, a, in_sizes, out_sizes, scales, align):
+    """One sharded dim ``d`` with an exact power-of-two factor (:func:`_native_exact`): fetch the rows the
+    taps read, run torch's kernel on the block, keep this rank's output rows (their owners as in the
+    general path, so layouts agree)."""
+    spec = x._spec
+    m = spec.mesh_dim_of(d)
+    i = d - 2
+    fetch, counts, _, first = _sharded_dim_plan(mode, in_sizes[i], out_sizes[i], align, scales[i], spec.sizes[m],
+                                                spec.coord[m], local.ndim, d, local.dtype, local.device)
+    mine = counts[spec.coord[m]]
+    block = comm.fetch(local, d, fetch, spec.mesh, m)
+    kw = {"mode": mode, "scale_factor": scales} if mode in ("nearest", "nearest-exact") else \
+        {"mode": mode, "scale_factor": scales, "align_corners": align}
+    if mine and block.numel():
+        out = F.interpolate(block, **kw).narrow(d, first, mine)
+    else:  # a rank without rows (or channels): the right empty shape, still wired for backward
+        shape = [block.shape[0], block.shape[1]] + [mine if k + 2 == d else out_sizes[k] for k in range(len(out_sizes))]
+        out = block.new_zeros(shape) + block.sum() * 0
+    sizes_out = list(spec.sizes)
+    sizes_out[m] = counts
+    for k in range(len(out_sizes)):
+        mk = spec.mesh_dim_of(k + 2)
+        if mk is not None and mk != m:  # a spatial dim on a mesh dim of size 1
+            sizes_out[mk] = (out_sizes[k],)
+    mapping = {mm: list(s) for mm, s in enumerate(sizes_out) if s is not None}
+    return derived_from_local(out, spec.mesh, list(spec.placements), sharding_shapes=mapping)
 
 
 register_function(F.interpolate)(_interpolate)

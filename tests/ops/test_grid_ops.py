@@ -274,7 +274,9 @@ INTERP = [dict(scale_factor=2, mode="nearest"), dict(size=(13, 9), mode="nearest
           dict(scale_factor=1.7, mode="nearest-exact"), dict(scale_factor=2, mode="bilinear", align_corners=False),
           dict(scale_factor=2, mode="bilinear", align_corners=True), dict(size=(5, 11), mode="bilinear"),
           dict(size=(17, 6), mode="bicubic", align_corners=False),
-          dict(scale_factor=2.5, mode="bicubic", align_corners=True), dict(scale_factor=0.5, mode="bilinear")]
+          dict(scale_factor=2.5, mode="bicubic", align_corners=True), dict(scale_factor=0.5, mode="bilinear"),
+          dict(scale_factor=4, mode="bilinear"), dict(scale_factor=(2, 4), mode="nearest-exact"),
+          dict(scale_factor=(4, 2), mode="bilinear", align_corners=False)]
 
 
 def _interp(seed):
@@ -316,6 +318,38 @@ def _interp_after_inference(seed):
     for _ in range(2):  # then training with the same layout reuses the plan
         check_sharded(up, [Sharded(x, [Shard(2)], {0: sizes})], mesh)
     return ok
+
+
+def _upsample_bit_exact(seed):
+    import domainflow as df
+
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,), ("domain",))
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    for kw in (dict(scale_factor=2, mode="bilinear"), dict(scale_factor=4, mode="bilinear"),
+               dict(scale_factor=2, mode="nearest"), dict(scale_factor=(2, 1), mode="bilinear")):
+        x = torch.randn(1, 3, 11, 6, generator=gen) * 100 + 7
+        sizes = _sizes(11, world, rng, small=True)
+        st = df.distribute_tensor(x, mesh, [Shard(2)], sharding_shapes={0: sizes})
+        got = F.interpolate(st, **kw)
+        assert torch.equal(got.full_tensor(), F.interpolate(x, **kw)), (kw, sizes)
+        k = kw["scale_factor"][0] if isinstance(kw["scale_factor"], tuple) else kw["scale_factor"]
+        assert got.placements[0] == Shard(2) and got.to_local().shape[2] == sizes[rank] * k
+    x = torch.randn(1, 2, 9, generator=gen)
+    sizes = _sizes(9, world, rng, small=True)
+    st = df.distribute_tensor(x, mesh, [Shard(2)], sharding_shapes={0: sizes})
+    assert torch.equal(F.interpolate(st, scale_factor=8, mode="linear").full_tensor(),
+                       F.interpolate(x, scale_factor=8, mode="linear"))
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_power_of_two_upsampling_is_bit_exact_in_float32(dist, world):
+    """Upsampling by a power of two along the sharded dim (torch's kernel on each rank's block with its
+    fetched rows) equals the single-device float32 result bit for bit, with uneven and empty shards; each
+    rank keeps the output rows of its own input rows."""
+    assert all(dist.run(world, _upsample_bit_exact, 750 + world))
 
 
 @pytest.mark.parametrize("world", [1, 2])
