@@ -132,13 +132,16 @@ def halo_exchange(local: torch.Tensor, dim: int, sizes, wanted, mesh: DeviceMesh
 
     me = mesh_coordinate(mesh)[mesh_dim]
     plan = _fetch_plan(tuple(sizes), tuple(tuple(w) for w in wanted), me, row_fetch_plan)
-    return _HaloExchange.apply(local, dim, plan, mesh, mesh_dim)
+    return fetch(local, dim, plan, mesh, mesh_dim)
 
 
 def fetch(local: torch.Tensor, dim: int, plan, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
     """:func:`halo_exchange` with this rank's plan already made (``shapes.row_fetch_plan``, cached by the
-    caller): what per-step window ops use, so no per-call work grows with the rows."""
-    return _HaloExchange.apply(local, dim, plan, mesh, mesh_dim)
+    caller): what per-step window ops use, so no per-call work grows with the rows. Outside autograd (no
+    gradient wanted) the rows are fetched without an autograd node."""
+    if local.requires_grad and torch.is_grad_enabled():
+        return _HaloExchange.apply(local, dim, plan, mesh, mesh_dim)
+    return fetch_rows(local, dim, plan, mesh, mesh_dim)
 
 
 def _fetch_plan(sizes, wanted, me, make):

@@ -4,6 +4,7 @@ chunks (rule 2: no communication); along a sharded dim they need a dedicated han
 
 from __future__ import annotations
 
+from typing import NamedTuple
 
 import torch
 
@@ -57,12 +58,6 @@ def _dims_of(func, args, kwargs, ndim):
 
 
 @layout_rule
-def _reshaped(spec: ShardSpec, shape: tuple) -> ShardSpec:
-    """``spec`` with another global shape (the sharded dims keep their sizes), cached."""
-    return spec.with_(shape=shape)
-
-
-@layout_rule
 def _global_spec(spec: ShardSpec, local_shape) -> ShardSpec:
     """The layout of an op's result whose local shape is ``local_shape`` (cached per layout and shape)."""
     shape = [spec.shape[d] if spec.mesh_dim_of(d) is not None else n for d, n in enumerate(local_shape)]
@@ -85,59 +80,94 @@ def layout_avoiding(spec: ShardSpec, dims, shape) -> ShardSpec | None:
     return ShardSpec.build(spec.mesh, pl, shape, sz)
 
 
+class _DimPlan(NamedTuple):
+    """How a dim-wise op runs for given operand layouts and dims (one propagation, cached)."""
+
+    ref: ShardSpec | None  # the layout every operand is used in; None: only replicating would do
+    moved: bool  # no operand leaves the op's dims unsharded: the shard moves off them
+    mixed: bool  # some operands are sharded along the op's dims, others not: laid out like the others
+    exact: bool  # every operand a ShardTensor laid out as ``ref`` already (no communication)
+
+
+@layout_rule
+def _dim_plan(specs: tuple, dims: tuple) -> _DimPlan:
+    """``specs``: each leading tensor operand's layout (None for a plain tensor)."""
+    sts = [s for s in specs if s is not None]
+    # lay every operand out like one that does not shard the dims the op works along; in backward
+    # passes a gradient can arrive sharded on such a dim (laid out like some other operand)
+    usable = [s for s in sts if not any(s.mesh_dim_of(d) is not None for d in dims)]
+    if usable:
+        ref, moved = usable[0].reduced(), False
+    else:
+        ref, moved = layout_avoiding(sts[0].reduced(), set(dims), tuple(sts[0].shape)), True
+    return _DimPlan(ref, moved, bool(usable) and len(usable) != len(sts),
+                    len(sts) == len(specs) and all(s == ref for s in sts))
+
+
 @register_aten(*_DIM_OPS)
 def dim_local(func, args, kwargs):
     n_t = _DIM_OPS[func][2]
-    tensors = list(args[:n_t])
-    sts = shard_tensors(tensors)
-    mesh = common_mesh(sts, func)
-    ndim = sts[0].ndim
-    dims = _dims_of(func, args, kwargs, ndim)
-    # lay every operand out like one that does not shard the dims the op works along; in backward
-    # passes a gradient can arrive sharded on such a dim (laid out like some other operand)
-    usable = [s for s in sts if not any(s._spec.mesh_dim_of(d) is not None for d in dims)]
-    if usable:
-        ref = usable[0]._spec.reduced()
-    else:
-        ref = layout_avoiding(sts[0]._spec.reduced(), set(dims), tuple(sts[0].shape))
+    tensors = args[:n_t]
+    specs = tuple(t._spec if type(t) is ShardTensor else None for t in tensors)
+    if n_t > 1:
+        common_mesh(shard_tensors(tensors), func)
+    first = next(s for s in specs if s is not None)
+    dims = _dims_of(func, args, kwargs, first.ndim)
+    plan = _dim_plan(specs, tuple(dims))
+    ref = plan.ref
+    if plan.moved:
         if _fallback_mode.current() == "gather" or ref is None:
             return unsupported_or_fallback(func, args, kwargs, f"it works along dim(s) {dims}, which are sharded")
         warn_relayout(func, f"moved the shard off dim(s) {dims}, which the op works along")
-    if len(usable) != len(sts) and usable:
+    if plan.mixed:
         warn_relayout(func, "laid an operand sharded along the op's dim out like the others")
-    if len(sts) == n_t and all(s._spec == ref for s in sts):
+    if plan.exact:
         local_exact()  # every operand sharded and used as it is
+        locs = [t._local for t in tensors]
+    else:
+        locs = [local_as(t, ref) for t in tensors]
     if func is aten.logsumexp.default:
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-        local = torch.logsumexp(to_spec(sts[0], ref), dims, keepdim)
+        local = torch.logsumexp(locs[0], dims, keepdim)
         pl, sz = list(ref.placements), list(ref.sizes)
-        keep = [d for d in range(ndim) if keepdim or d not in dims]
+        keep = [d for d in range(first.ndim) if keepdim or d not in dims]
         pos = {d: i for i, d in enumerate(keep)}
         pl = [Shard(pos[p.dim]) if isinstance(p, Shard) else p for p in pl]
         shape = [1 if d in dims else ref.shape[d] for d in keep]
-        return ShardTensor(local, ShardSpec(mesh, pl, shape, sz))
-    locs = [local_as(t, ref) for t in tensors]
+        return ShardTensor(local, ShardSpec(ref.mesh, pl, shape, sz))
     out = func(*locs, *args[n_t:], **kwargs)
     if isinstance(out, torch.Tensor):
         return ShardTensor(out, _global_spec(ref, out.shape))
     return type(out)(ShardTensor(o, _global_spec(ref, o.shape)) for o in out)
 
 
+@layout_rule
+def _layer_norm_plan(spec: ShardSpec, n_normalized: int):
+    """(the input's layout with pending sums reduced, the statistics' layout), or why it cannot run
+    locally (a normalised dim is sharded: ``ops/normalization.py`` handles that above autograd)."""
+    reduced = spec.reduced()
+    axis = spec.ndim - n_normalized
+    if any(reduced.mesh_dim_of(d) is not None for d in range(axis, spec.ndim)):
+        return "it normalises over a sharded dim"
+    return reduced, reduced.with_(shape=tuple(reduced.shape[:axis]) + (1,) * n_normalized)
+
+
 @register_aten(aten.native_layer_norm.default)
 def layer_norm(func, args, kwargs):
     """Normalising over trailing dims that are not sharded: local; statistics keep the leading layout."""
     x, normalized_shape, weight, bias, eps = args
-    spec = x._spec.reduced()
-    axis = x.ndim - len(normalized_shape)
-    if any(spec.mesh_dim_of(d) is not None for d in range(axis, x.ndim)):
-        return unsupported_or_fallback(func, args, kwargs, "it normalises over a sharded dim")
-    lx = to_spec(x, spec)
-    if x._spec == spec:
+    plan = _layer_norm_plan(x._spec, len(normalized_shape))
+    if type(plan) is str:
+        return unsupported_or_fallback(func, args, kwargs, plan)
+    spec, stat_spec = plan
+    if x._spec is spec or x._spec == spec:
         local_exact()
+        lx = x._local
+    else:
+        lx = to_spec(x, spec)
     lw = weight._local if isinstance(weight, ShardTensor) else weight
     lb = bias._local if isinstance(bias, ShardTensor) else bias
     out, mean, rstd = func(lx, normalized_shape, lw, lb, eps)
-    stat_spec = _reshaped(spec, tuple(spec.shape[:axis]) + (1,) * len(normalized_shape))
     return ShardTensor(out, spec), ShardTensor(mean, stat_spec), ShardTensor(rstd, stat_spec)
 
 

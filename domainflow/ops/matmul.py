@@ -3,13 +3,14 @@ contracted dim gives a Partial(sum) result that is reduced only when needed."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
 
 import torch
 
 from domainflow.dispatch.param_grads import reduce_param_grads
 from domainflow.dispatch.toolkit import Schema, common_mesh, layout_rule, local_exact, run_function_default, shard_tensors
 from domainflow.dispatch.toolkit import unsupported_or_fallback
-from domainflow.tensor.redistribute import grad_spec
+from domainflow.tensor.redistribute import grad_spec, redistribute_local
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_aten, register_function
 from domainflow.tensor.shard_tensor import ShardTensor
@@ -31,8 +32,6 @@ def _replicated(mesh, shape) -> ShardSpec:
 
 
 def _local_in(t, spec: ShardSpec, dst: ShardSpec) -> torch.Tensor:
-    from domainflow.tensor.redistribute import redistribute_local
-
     local = t._local if isinstance(t, ShardTensor) else t
     return local if spec == dst else redistribute_local(local, spec, dst)
 
@@ -111,13 +110,39 @@ def _partial_rank_zero(spec: ShardSpec) -> bool:
     return all(coord[m] == 0 for m, p in enumerate(spec.placements) if isinstance(p, Partial))
 
 
-def _contract(func, a, b, nb, bias=None, beta=1, alpha=1):
-    mesh = common_mesh(shard_tensors([a, b] + ([bias] if bias is not None else [])), func)
-    a_spec, b_spec = _spec_of(a, mesh), _spec_of(b, mesh)
+class _Contraction(NamedTuple):
+    """A contraction's plan for given operand layouts: each operand's layout to compute in (None: as it is)
+    and the output's layout."""
+
+    a_dst: ShardSpec | None
+    b_dst: ShardSpec | None
+    out: ShardSpec
+
+
+@layout_rule
+def _contraction(a_spec: ShardSpec, b_spec: ShardSpec, nb: int) -> _Contraction:
     a_dst, b_dst, out = plan_contraction(a_spec, b_spec, nb)
-    la, lb = _local_in(a, a_spec, a_dst), _local_in(b, b_spec, b_dst)
+    return _Contraction(None if a_dst == a_spec else a_dst, None if b_dst == b_spec else b_dst, out)
+
+
+def _local_at(t, spec: ShardSpec, dst: ShardSpec | None) -> torch.Tensor:
+    """``t``'s local tensor, redistributed from ``spec`` to ``dst`` unless that is None."""
+    local = t._local if isinstance(t, ShardTensor) else t
+    return local if dst is None else redistribute_local(local, spec, dst)
+
+
+def _contract(func, a, b, nb, bias=None, beta=1, alpha=1):
+    a_sharded, b_sharded = isinstance(a, ShardTensor), isinstance(b, ShardTensor)
+    if (a_sharded and b_sharded) or bias is not None:
+        mesh = common_mesh(shard_tensors([a, b] + ([bias] if bias is not None else [])), func)
+    else:
+        mesh = (a if a_sharded else b)._spec.mesh
+    a_spec, b_spec = _spec_of(a, mesh), _spec_of(b, mesh)
+    plan = _contraction(a_spec, b_spec, nb)
+    out = plan.out
+    la, lb = _local_at(a, a_spec, plan.a_dst), _local_at(b, b_spec, plan.b_dst)
     local = torch.matmul(la, lb)
-    if bias is None and alpha == 1 and a_spec == a_dst and b_spec == b_dst and la.ndim == lb.ndim == 2 + nb:
+    if bias is None and alpha == 1 and plan.a_dst is None and plan.b_dst is None and la.ndim == lb.ndim == 2 + nb:
         local_exact()  # torch.mm/bmm itself on the chunks (matmul here also takes what they refuse)
     if alpha != 1:
         local = local * alpha

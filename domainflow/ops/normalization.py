@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from domainflow import comm
-from domainflow.dispatch.toolkit import Schema, params_for, run_function_default, unsupported_or_fallback
+from domainflow.dispatch.toolkit import Schema, layout_rule, params_for, run_function_default, unsupported_or_fallback
 from domainflow.layout.placements import Shard
 from domainflow.dispatch.registry import register_function
 from domainflow.tensor.shard_tensor import ShardTensor
@@ -229,6 +229,13 @@ def _channel_norm(func, args, kwargs, a, stats_over_batch: bool, use_batch_stats
     return like(spec, y)
 
 
+@layout_rule
+def _layer_norm_layout(spec, axis: int):
+    """(the layout once pending sums are reduced, the mesh dims sharding a normalised dim)."""
+    spec = spec.reduced()
+    return spec, tuple(m for m, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim >= axis)
+
+
 def _layer_norm(func, args, kwargs):
     """Layer norm over trailing dims, some of them sharded (a row's statistics span ranks): global moments in
     one all-reduce, the normalisation local. Without a sharded normalised dim the aten handler runs it locally.
@@ -241,9 +248,8 @@ def _layer_norm(func, args, kwargs):
                                              for t in (weight, bias)):
         return run_function_default(func, args, kwargs)
     axis = x.ndim - len(shape)
-    spec = x._spec.reduced()  # the layout once pending sums are reduced (no communication to know it)
-    stat_mesh = [m for m, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim >= axis]
-    if not stat_mesh:
+    spec, stat_mesh = _layer_norm_layout(x._spec, axis)
+    if not stat_mesh:  # no normalised dim sharded: torch's own, whose aten op runs on the local chunks
         return run_function_default(func, args, kwargs)
     x = without_partial(x)
     local = x.to_local()

@@ -156,7 +156,7 @@ class ShardTensor(torch.Tensor):
                                shape)
         if not isinstance(sharding_shapes, str) or sharding_shapes != "infer":
             consistency.record_layout(spec, "ShardTensor.from_local")  # each rank's word: checked later
-        return _FromLocal.apply(local, spec)
+        return _from_local(local, spec)
 
     def to_local(self, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's chunk. Differentiable; ``grad_placements`` says how the local gradients combine
@@ -224,7 +224,7 @@ class ShardTensor(torch.Tensor):
         sizes = [shapes.chunk_sizes(dt.shape[p.dim], mesh.shape[m]) if isinstance(p, Shard) else None
                  for m, p in enumerate(placements)]
         spec = ShardSpec.build(mesh, placements, dt.shape, sizes)
-        return _FromLocal.apply(dt.to_local(), spec)
+        return _from_local(dt.to_local(), spec)
 
 
 class TensorMarks:
@@ -275,13 +275,13 @@ def derived_from_local(local: torch.Tensor, mesh: DeviceMesh, placements, shardi
     for the cross-rank layout check (that would cost a collective per op)."""
     spec = _spec_for_local(local, mesh, normalize_placements(placements, local.ndim, mesh.ndim), sharding_shapes,
                            None)
-    return _FromLocal.apply(local, spec)
+    return _from_local(local, spec)
 
 
 def wrapped_as(local: torch.Tensor, spec: ShardSpec) -> ShardTensor:
     """``local`` as this rank's chunk of a tensor laid out by ``spec``, a layout the caller derived and cached
     (its local shape is ``local.shape``); differentiable, nothing re-derived or recorded."""
-    return _FromLocal.apply(local, spec)
+    return _from_local(local, spec)
 
 
 _redistribute_targets = "redistribute targets"  # first parts of their keys in domainflow.memo.PLANS
@@ -448,6 +448,20 @@ def _as_shard(grad, spec: ShardSpec) -> "ShardTensor":
     if isinstance(grad, ShardTensor):
         return grad
     return ShardTensor(grad, spec)  # a plain local gradient laid out like the forward tensor
+
+
+def _from_local(local: torch.Tensor, spec: ShardSpec) -> "ShardTensor":
+    """``local`` wrapped with ``spec``: through :class:`_FromLocal` where autograd records it, else directly
+    (an autograd.Function costs about 15 us even when it records nothing). A chunk that requires grad,
+    wrapped under no_grad, is detached as the Function's output would be: the result is a constant."""
+    if local.requires_grad:
+        if _grad_enabled():
+            return _FromLocal.apply(local, spec)
+        local = local.detach()
+    return ShardTensor(local, spec)
+
+
+_grad_enabled = torch.is_grad_enabled
 
 
 class _FromLocal(torch.autograd.Function):
@@ -639,7 +653,7 @@ def scatter_tensor(tensor: torch.Tensor | None, src: int, mesh: DeviceMesh, plac
     for m, p in enumerate(spec.placements):
         if isinstance(p, Partial):
             local = partial_from_replicate(local, p, spec.coord[m])
-    return _FromLocal.apply(local, spec)
+    return _from_local(local, spec)
 
 
 def _all_coords(mesh_shape) -> list[tuple[int, ...]]:
