@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from domainflow.dispatch.toolkit import (unsupported_or_fallback, common_mesh, local_as, replicate_local, replicated_spec,
+from domainflow.dispatch.toolkit import (unsupported_or_fallback, common_mesh, layout_rule, local_as, replicate_local, replicated_spec,
                         shard_tensors, to_spec)
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_aten
@@ -21,14 +21,28 @@ _R = Replicate()
 _NONE, _MEAN, _SUM = 0, 1, 2
 
 
-def _ref_spec(func, tensors) -> ShardSpec:
-    sts = shard_tensors(tensors)
-    mesh = common_mesh(sts, func)
-    sharded = [s for s in sts if not s._spec.is_replicated and s.shape == tensors[0].shape]
-    spec = (sharded or sts)[0]._spec
-    if spec.shape != tensors[0].shape:
-        spec = replicated_spec(mesh, tensors[0].shape)
-    return spec.reduced()
+def _ref_specs(func, tensors) -> tuple[ShardSpec, ShardSpec]:
+    """:func:`_loss_layouts` of the operands ``tensors`` (which must share one mesh)."""
+    common_mesh(shard_tensors(tensors), func)
+    return _loss_layouts(tuple(t._spec if isinstance(t, ShardTensor) else (None if t is None else t.shape)
+                               for t in tensors))
+
+
+@layout_rule
+def _loss_layouts(layouts: tuple):
+    """(the layout an elementwise loss or its backward runs in: the first sharded operand's of the input's
+    shape, reduced; the layout of its summed scalar: Partial(sum) over the sharded mesh dims). ``layouts``:
+    each tensor operand's ShardSpec, else its shape (None where absent)."""
+    specs = [lay for lay in layouts if isinstance(lay, ShardSpec)]
+    shape = tuple(layouts[0].shape if isinstance(layouts[0], ShardSpec) else layouts[0])
+    sharded = [s for s in specs if not s.is_replicated and tuple(s.shape) == shape]
+    spec = (sharded or specs)[0]
+    if tuple(spec.shape) != shape:
+        spec = replicated_spec(spec.mesh, shape)
+    spec = spec.reduced()
+    mesh = spec.mesh
+    pl = [Partial("sum") if isinstance(p, Shard) else p for p in spec.placements]
+    return spec, ShardSpec(mesh, pl, (), (None,) * mesh.ndim)
 
 
 # loss op -> number of leading tensor args (self, target[, weight, pos_weight]); reduction position
@@ -50,7 +64,7 @@ def elementwise_loss(func, args, kwargs):
     tensors = args[:n_t]
     if any(t is not None and t.shape != tensors[0].shape for t in tensors[1:2]):
         return unsupported_or_fallback(func, tuple(args), kwargs, "input and target shapes differ")
-    spec = _ref_spec(func, [t for t in tensors])
+    spec, summed = _ref_specs(func, tensors)
     # weights of other shapes broadcast: slice them only where they are full along a sharded dim
     locs = [local_as(t, spec) for t in tensors[:2]] + [
         None if w is None else (local_as(w, spec) if w.shape == spec.shape else
@@ -61,9 +75,7 @@ def elementwise_loss(func, args, kwargs):
     local = func(*locs, _SUM, *extra, **kwargs)
     if reduction == _MEAN:
         local = local / spec.shape.numel()
-    mesh = spec.mesh
-    pl = [Partial("sum") if isinstance(p, Shard) else p for p in spec.placements]
-    return ShardTensor(local, ShardSpec(mesh, pl, (), (None,) * mesh.ndim))
+    return ShardTensor(local, summed)
 
 
 # backward op -> reduction position
@@ -78,7 +90,7 @@ _LOSS_BACKWARDS = {
 def elementwise_loss_backward(func, args, kwargs):
     grad, x, target = args[0], args[1], args[2]
     reduction = args[3]
-    spec = _ref_spec(func, [x, target])
+    spec = _ref_specs(func, [x, target])[0]
     lx, lt = local_as(x, spec), local_as(target, spec)
     if reduction == _NONE:
         lg = local_as(grad, spec)

@@ -23,14 +23,17 @@ from domainflow.tensor.shard_tensor import ShardTensor
 from domainflow.dispatch.toolkit import without_partial, like
 
 
-def _sharded_mesh_dims(spec, allowed_dims) -> tuple[list[int], str | None]:
+@layout_rule
+def _sharded_mesh_dims(spec) -> tuple[tuple[int, ...], str | None]:
+    """The mesh dims sharding the batch or spatial dims of a norm's input (N, C, *spatial), or why its
+    statistics cannot be taken sharded (the channel dim is sharded)."""
     dims = []
     for m, p in enumerate(spec.placements):
         if isinstance(p, Shard):
-            if p.dim not in allowed_dims:
-                return [], f"dim {p.dim} is sharded; these statistics need it whole (shard batch or spatial dims)"
+            if p.dim == 1:
+                return (), f"dim {p.dim} is sharded; these statistics need it whole (shard batch or spatial dims)"
             dims.append(m)
-    return dims, None
+    return tuple(dims), None
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -148,7 +151,7 @@ def _prepare(func, args, kwargs, x, others):
     if not isinstance(x, ShardTensor) or any(isinstance(t, ShardTensor) for t in others):
         return None, run_function_default(func, args, kwargs), None
     x = without_partial(x)
-    mesh_dims, why = _sharded_mesh_dims(x._spec, {0} | set(range(2, x.ndim)))
+    mesh_dims, why = _sharded_mesh_dims(x._spec)
     if why:
         return None, unsupported_or_fallback(func, args, kwargs, why), None
     return x, x._spec, mesh_dims
@@ -174,7 +177,7 @@ def _group_norm(func, args, kwargs):
     local = x.to_local()
     view = local.reshape(local.shape[0], G, C // G, *local.shape[2:])  # stats per (sample, group)
     dims = tuple(range(2, view.ndim))
-    count = (C // G) * (int(torch.tensor(x.shape[2:]).prod().item()) if x.ndim > 2 else 1)
+    count = (C // G) * (math.prod(x.shape[2:]))
     _, var, centred, delta = _centred_moments(view, dims, count, spec, spatial_mesh_dims)
     affine = (1, G, C // G) + (1,) * (x.ndim - 2)
     y = _normalize(view, centred, a["weight"], a["bias"], delta, var, a["eps"], dims, count, spec,
@@ -203,7 +206,7 @@ def _channel_norm(func, args, kwargs, a, stats_over_batch: bool, use_batch_stats
     C = x.shape[1]
     spatial = tuple(range(2, x.ndim))
     affine = (1, C) + (1,) * (x.ndim - 2)
-    n_space = int(torch.tensor(x.shape[2:]).prod().item()) if x.ndim > 2 else 1
+    n_space = math.prod(x.shape[2:])
     if stats_over_batch:
         dims, reduce_mesh, count = (0,) + spatial, mesh_dims, x.shape[0] * n_space
     else:

@@ -6,11 +6,11 @@ import torch
 
 from domainflow.layout import shapes
 from domainflow.ops.pointwise import pointwise
-from domainflow.dispatch.toolkit import common_mesh, local_as, replicate_local, run_function_default, unsupported_or_fallback, replicated_spec, shard_tensors, to_spec
+from domainflow.dispatch.toolkit import common_mesh, layout_rule, local_as, replicate_local, run_function_default, unsupported_or_fallback, replicated_spec, shard_tensors, to_spec
 from domainflow.layout.placements import Replicate
 from domainflow.dispatch.registry import register_aten, register_function
 from domainflow.tensor.shard_tensor import ShardTensor, keep_leaf_layout
-from domainflow.layout.spec import ShardSpec
+from domainflow.layout.spec import ShardSpec, mesh_shape
 
 aten = torch.ops.aten
 _R = Replicate()
@@ -123,24 +123,31 @@ def cat(func, args, kwargs):
     """Concatenate along a dim no operand is sharded on; operands are aligned like pointwise inputs."""
     tensors = [t for t in args[0] if not (t.ndim == 1 and t.shape[0] == 0 and not isinstance(t, ShardTensor))]
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    ref_t = next(t for t in tensors if isinstance(t, ShardTensor))
-    dim = dim % ref_t.ndim
-    mesh = common_mesh([t for t in tensors if isinstance(t, ShardTensor)], func)
-    m = next((t._spec.mesh_dim_of(dim) for t in tensors if isinstance(t, ShardTensor)
-              and t._spec.mesh_dim_of(dim) is not None), None)
+    sts = [t for t in tensors if isinstance(t, ShardTensor)]
+    common_mesh(sts, func)
+    layouts = tuple(t._spec if isinstance(t, ShardTensor) else t.shape for t in tensors)
+    targets, out = _cat_plan(layouts, dim % sts[0].ndim)
+    return ShardTensor(torch.cat([local_as(t, spec) for t, spec in zip(tensors, targets)], dim), out)
+
+
+@layout_rule
+def _cat_plan(layouts: tuple, dim: int):
+    """(each operand's layout to concatenate in, the output's layout); ``layouts``: each operand's
+    ShardSpec, or its shape for a plain tensor."""
+    specs = [lay for lay in layouts if isinstance(lay, ShardSpec)]
+    lengths = [lay.shape[dim] if isinstance(lay, ShardSpec) else lay[dim] for lay in layouts]
+    m = next((s.mesh_dim_of(dim) for s in specs if s.mesh_dim_of(dim) is not None), None)
     if m is not None:
-        return _cat_sharded_dim(tensors, dim, m, mesh)
-    ref = ref_t._spec.reduced()
-    locals_, total = [], 0
-    for t in tensors:
+        return _cat_sharded_dim_plan(layouts, lengths, dim, m)
+    ref = specs[0].reduced()
+    targets = []
+    for length in lengths:
         shape = list(ref.shape)
-        shape[dim] = t.shape[dim]
-        spec = ShardSpec(mesh, ref.placements, shape, ref.sizes)
-        locals_.append(local_as(t, spec))
-        total += t.shape[dim]
+        shape[dim] = length
+        targets.append(ShardSpec(ref.mesh, ref.placements, shape, ref.sizes))
     out_shape = list(ref.shape)
-    out_shape[dim] = total
-    return ShardTensor(torch.cat(locals_, dim), ShardSpec(mesh, ref.placements, out_shape, ref.sizes))
+    out_shape[dim] = sum(lengths)
+    return tuple(targets), ShardSpec(ref.mesh, ref.placements, out_shape, ref.sizes)
 
 
 @register_aten(aten.stack.default)
@@ -151,41 +158,35 @@ def stack(func, args, kwargs):
     return cat(aten.cat.default, ([t.unsqueeze(dim) for t in tensors], dim), {})
 
 
-def _cat_sharded_dim(tensors, dim, m, mesh):
-    """Concatenate along a dim sharded over mesh dim ``m``. Rank k's output is one contiguous range of
+def _cat_sharded_dim_plan(layouts, lengths, dim, m):
+    """Concatenation along a dim sharded over mesh dim ``m``. Rank k's output is one contiguous range of
     sum_i(size of operand i on rank k) rows; each operand is resharded so that rank k holds exactly its
     part of that range, then locals are concatenated. For operands that tile one sharded tensor (the
     pieces of a split) the target equals their layout: no communication."""
-    n = mesh.shape[m]
-    ref = next(t for t in tensors if isinstance(t, ShardTensor) and t._spec.mesh_dim_of(dim) == m)
-    ref_spec = ref._spec.reduced()
+    ref_spec = next(s for s in layouts if isinstance(s, ShardSpec) and s.mesh_dim_of(dim) == m).reduced()
+    mesh = ref_spec.mesh
+    n = mesh_shape(mesh)[m]
     per_rank = [0] * n
-    op_sizes = []
-    for t in tensors:
-        s = t._spec.sizes[m] if isinstance(t, ShardTensor) and t._spec.mesh_dim_of(dim) == m else None
+    for lay, length in zip(layouts, lengths):
+        s = lay.sizes[m] if isinstance(lay, ShardSpec) and lay.mesh_dim_of(dim) == m else None
         if s is None:
-            s = shapes.chunk_sizes(t.shape[dim], n)
-        op_sizes.append(s)
+            s = shapes.chunk_sizes(length, n)
         per_rank = [a + b for a, b in zip(per_rank, s)]
     out_off = shapes.offsets(per_rank)
-    locals_, start = [], 0
-    for t in tensors:
-        length = t.shape[dim]
+    targets, start = [], 0
+    for length in lengths:
         target = tuple(max(0, min(o + c, start + length) - max(o, start)) for o, c in zip(out_off, per_rank))
-        pl = list(ref_spec.placements)
         sz = list(ref_spec.sizes)
         sz[m] = target
         shape = list(ref_spec.shape)
         shape[dim] = length
-        spec = ShardSpec(mesh, pl, shape, sz)
-        locals_.append(local_as(t, spec))
+        targets.append(ShardSpec(mesh, ref_spec.placements, shape, sz))
         start += length
     shape = list(ref_spec.shape)
     shape[dim] = start
     sz = list(ref_spec.sizes)
     sz[m] = tuple(per_rank)
-    return ShardTensor(torch.cat(locals_, dim), ShardSpec(mesh, ref_spec.placements, shape, sz))
-
+    return tuple(targets), ShardSpec(mesh, ref_spec.placements, shape, sz)
 
 
 @register_function(torch.Tensor.requires_grad_, torch.Tensor.requires_grad.__set__)
