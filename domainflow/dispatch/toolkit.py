@@ -13,11 +13,11 @@ from domainflow.dispatch.fallback import fallback as _fallback_mode
 from domainflow.dispatch.fallback import warn_once as _warn_fallback
 from domainflow.dispatch.param_grads import accumulates_into_grad, defer_grad, deferring, reduce_param_grads
 from domainflow.errors import ShardingMismatchError, UnsupportedShardedOp
-from domainflow.layout.placements import Partial, Replicate, Shard
+from domainflow.layout.placements import Partial, Replicate, Shard, normalize_placements
 from domainflow.layout.spec import ShardSpec
 from domainflow.memo import PLANS, memoized  # PLANS: the one plan cache, re-exported for handlers
 from domainflow.tensor.redistribute import redistribute_local
-from domainflow.tensor.shard_tensor import ShardTensor, TensorMarks, derived_from_local, target_spec, wrapped_as
+from domainflow.tensor.shard_tensor import ShardTensor, TensorMarks, derived_from_local, spec_of_local_shape, target_spec, wrapped_as
 
 _INPLACE = torch.Tag.inplace
 _R = Replicate()
@@ -362,9 +362,16 @@ def as_sharded(local: torch.Tensor, spec: ShardSpec) -> ShardTensor:
 
 
 def like(spec, local: torch.Tensor) -> ShardTensor:
-    """``local`` wrapped with ``spec``'s placements and per-rank sizes (differentiable; no communication)."""
+    """``local`` wrapped with ``spec``'s placements and per-rank sizes (differentiable; no communication);
+    the layout is derived once per (spec, local shape)."""
+    return wrapped_as(local, _like_spec(spec, tuple(local.shape)))
+
+
+@layout_rule
+def _like_spec(spec, local_shape: tuple):
     mapping = {m: list(s) for m, s in enumerate(spec.sizes) if s is not None}
-    return derived_from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+    return spec_of_local_shape(local_shape, spec.mesh, normalize_placements(spec.placements, len(local_shape),
+                                                                            spec.mesh.ndim), mapping)
 
 
 def without_partial(x: ShardTensor) -> ShardTensor:

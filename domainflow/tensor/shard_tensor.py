@@ -272,10 +272,27 @@ def keep_leaf_layout(leaf: ShardTensor) -> None:
 
 def derived_from_local(local: torch.Tensor, mesh: DeviceMesh, placements, sharding_shapes) -> ShardTensor:
     """``from_local`` for the engine's own outputs, whose sizes it derived from checked layouts: not recorded
-    for the cross-rank layout check (that would cost a collective per op)."""
+    for the cross-rank layout check (that would cost a collective per op). With a mapping of sizes the
+    layout is derived once per (mesh, placements, local shape, sizes) and kept in the plan cache."""
+    if isinstance(sharding_shapes, Mapping):
+        key = (_derived_specs, mesh, tuple(placements), tuple(local.shape),
+               tuple((k, tuple(v)) for k, v in sharding_shapes.items()))
+        try:
+            hash(key)
+        except TypeError:  # sizes given as lists of lists: derived each time
+            key = None
+        if key is not None:
+            spec = PLANS.get(key)
+            if spec is None:
+                spec = PLANS.put(key, _spec_for_local(local, mesh, normalize_placements(placements, local.ndim, mesh.ndim),
+                                                      sharding_shapes, None))
+            return _from_local(local, spec)
     spec = _spec_for_local(local, mesh, normalize_placements(placements, local.ndim, mesh.ndim), sharding_shapes,
                            None)
     return _from_local(local, spec)
+
+
+_derived_specs = "derived specs"  # first part of their keys in domainflow.memo.PLANS
 
 
 def wrapped_as(local: torch.Tensor, spec: ShardSpec) -> ShardTensor:
@@ -340,6 +357,8 @@ def _spec_for_local(local, mesh, placements, sharding_shapes, shape) -> ShardSpe
         else:
             raise ValueError(f"sharding_shapes={sharding_shapes!r}: use 'infer', 'chunk' or a mapping")
     elif isinstance(sharding_shapes, Mapping):
+        if shape is None:
+            return spec_of_local_shape(lshape, mesh, placements, sharding_shapes)
         sizes = sizes_from_mapping(mesh, placements, lshape, sharding_shapes)
         gshape = list(lshape)
         for m, p in enumerate(placements):
@@ -354,6 +373,22 @@ def _spec_for_local(local, mesh, placements, sharding_shapes, shape) -> ShardSpe
             f"pass sharding_shapes='infer' or the right mapping")
     if shape is not None and tuple(shape) != tuple(spec.shape):
         raise ShardingShapeError(f"shape={tuple(shape)} disagrees with the sharding shapes, which give {tuple(spec.shape)}")
+    return spec
+
+
+def spec_of_local_shape(lshape: tuple, mesh, placements, sharding_shapes) -> ShardSpec:
+    """The layout of a chunk of shape ``lshape`` given every rank's sizes (a mapping, as ``from_local``
+    takes it): the global shape follows from the sizes along sharded dims, ``lshape`` elsewhere."""
+    sizes = sizes_from_mapping(mesh, placements, lshape, sharding_shapes)
+    gshape = list(lshape)
+    for m, p in enumerate(placements):
+        if isinstance(p, Shard):
+            gshape[p.dim] = sum(sizes[m])
+    spec = ShardSpec.build(mesh, placements, gshape, sizes)
+    if spec.local_shape != tuple(lshape):
+        raise ShardingShapeError(
+            f"rank {_rank()} local tensor has shape {tuple(lshape)} but the layout {spec} gives it {spec.local_shape}; "
+            f"pass sharding_shapes='infer' or the right mapping")
     return spec
 
 
