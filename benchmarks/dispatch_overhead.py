@@ -36,8 +36,9 @@ class _MinimalSubclass(torch.Tensor):
     logic at all; it shows how much of the overhead is the Python dispatch round trip itself."""
 
     @staticmethod
-    def __new__(cls, local):
-        r = torch.Tensor._make_wrapper_subclass(cls, local.shape, dtype=local.dtype, device=local.device)
+    def __new__(cls, local, requires_grad=False):
+        r = torch.Tensor._make_wrapper_subclass(cls, local.shape, dtype=local.dtype, device=local.device,
+                                                requires_grad=requires_grad)
         r._l = local
         return r
 
@@ -72,7 +73,9 @@ def per_op_overhead(n: int = 20000, autograd: bool = False) -> list[dict]:
     dt = dt_distribute(base, mesh, [DShard(0)])
     st_img = df.distribute_tensor(img, mesh, [df.Shard(2)])
     dt_img = dt_distribute(img, mesh, [DShard(2)])
-    floor = _MinimalSubclass(base) if not autograd else None
+    # with autograd the floor's wrappers need gradients too: autograd (C++) records the op above the
+    # Python __torch_dispatch__, as it does for ShardTensor and DTensor
+    floor = _MinimalSubclass(base, requires_grad=autograd)
     # the second operand as each library takes it: plain for torch and ShardTensor (parameters stay plain
     # tensors), a replicated DTensor for DTensor (which refuses plain tensors mixed in)
     dw = dt_distribute(w, mesh, [DReplicate()])
@@ -98,7 +101,7 @@ def per_op_overhead(n: int = 20000, autograd: bool = False) -> list[dict]:
         else:
             o = w if other else None
             args = {"plain": (base, o), "st": (st, o), "dt": (dt, dw if other else None),
-                    "floor": (floor, _MinimalSubclass(w) if other else None) if floor is not None else None}
+                    "floor": (floor, _MinimalSubclass(w, requires_grad=autograd) if other else None)}
         with torch.set_grad_enabled(autograd):  # inference runs under no_grad (as `domainflow predict` does)
             times = {k: _best_us(lambda a=a: op(*a), n=n) if a is not None else None for k, a in args.items()}
         plain = times["plain"]
