@@ -156,7 +156,7 @@ class ShardTensor(torch.Tensor):
                                shape)
         if not isinstance(sharding_shapes, str) or sharding_shapes != "infer":
             consistency.record_layout(spec, "ShardTensor.from_local")  # each rank's word: checked later
-        return _from_local(local, spec)
+        return _from_callers_local(local, spec)
 
     def to_local(self, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's chunk. Differentiable; ``grad_placements`` says how the local gradients combine
@@ -224,7 +224,7 @@ class ShardTensor(torch.Tensor):
         sizes = [shapes.chunk_sizes(dt.shape[p.dim], mesh.shape[m]) if isinstance(p, Shard) else None
                  for m, p in enumerate(placements)]
         spec = ShardSpec.build(mesh, placements, dt.shape, sizes)
-        return _from_local(dt.to_local(), spec)
+        return _from_callers_local(dt.to_local(), spec)
 
 
 class TensorMarks:
@@ -497,6 +497,15 @@ def _from_local(local: torch.Tensor, spec: ShardSpec) -> "ShardTensor":
 
 
 _grad_enabled = torch.is_grad_enabled
+
+
+def _from_callers_local(local: torch.Tensor, spec: ShardSpec) -> "ShardTensor":
+    """:func:`_from_local` for a tensor the caller keeps (``from_local``, ``from_dtensor``): the chunk is a
+    new tensor object sharing its memory, as DTensor's, so an in-place change of the caller's tensor's
+    shape (``unsqueeze_``, ``resize_``) cannot change the ShardTensor's chunk."""
+    if local.requires_grad and _grad_enabled():
+        return _FromLocal.apply(local, spec)
+    return ShardTensor(local.detach() if local.requires_grad else local.view_as(local), spec)
 
 
 class _FromLocal(torch.autograd.Function):

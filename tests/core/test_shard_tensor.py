@@ -68,6 +68,25 @@ def _make(full, mesh, placements, sizes, seed):
 
 
 # -------------------------------------------------------------------------------------------------
+def _callers_tensor_stays_its_own(world):
+    mesh = get_mesh((world,))
+    for grad in (False, True):
+        t = torch.ones(3, 2)
+        with torch.set_grad_enabled(grad):
+            st = ShardTensor.from_local(t, mesh, [Shard(0)], sharding_shapes={0: [3] * world})
+        t.unsqueeze_(0)  # the caller's tensor changes shape in place; the ShardTensor's chunk must not
+        assert st.to_local().shape == (3, 2) and st.full_tensor().shape == (3 * world, 2) == st.shape
+        t[0, 0, 0] = 5  # memory is shared, as DTensor.from_local shares it
+        assert st.to_local()[0, 0] == 5
+    return True
+
+
+def test_from_local_chunk_is_not_the_callers_tensor_object(dist):
+    """from_local shares the caller's memory but not its tensor object (a view, as DTensor): an in-place shape
+    change of the caller's tensor leaves the ShardTensor's layout and chunk alone, with or without grad mode."""
+    assert all(dist.run(2, _callers_tensor_stays_its_own, 2))
+
+
 def _round_trips(mesh_shape, seed):
     mesh = get_mesh(mesh_shape)
     rng = random.Random(seed)
