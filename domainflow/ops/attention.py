@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from domainflow import comm
-from domainflow.dispatch.toolkit import Schema, run_function_default, run_replicated, shard_tensors, unsupported_or_fallback
+from domainflow.dispatch.toolkit import Schema, layout_rule, run_function_default, run_replicated, shard_tensors, unsupported_or_fallback
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_aten, register_function
 from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
@@ -225,11 +225,20 @@ _aten = torch.ops.aten
 
 
 def _ring_specs(q, k, v):
-    mq = _seq_mesh_dim(q, q.ndim - 2)
-    if mq is None or any(_seq_mesh_dim(t, t.ndim - 2) != mq for t in (k, v)) or \
-            any(t._spec.placements != q._spec.placements for t in (k, v)) or q._spec.has_partial:
-        return None
-    return mq
+    """The mesh dim sharding the sequence of ``q``, ``k`` and ``v`` alike (ring attention), else None."""
+    return _ring_layouts(q._spec, k._spec, v._spec)[0]
+
+
+@layout_rule
+def _ring_layouts(q_spec, k_spec, v_spec):
+    """(the mesh dim sharding the sequence dim of all three alike, or None; the output's layout; the
+    log-sum-exp's layout), once per operand layouts."""
+    mq = _spec_seq_mesh_dim(q_spec, q_spec.ndim - 2)
+    if mq is None or any(_spec_seq_mesh_dim(s, s.ndim - 2) != mq for s in (k_spec, v_spec)) or \
+            any(s.placements != q_spec.placements for s in (k_spec, v_spec)) or q_spec.has_partial:
+        return None, None, None
+    lead = tuple(q_spec.shape[:-1])
+    return mq, q_spec.with_(shape=lead + (v_spec.shape[-1],)), q_spec.with_(shape=lead)
 
 
 _FLASH_CPU_ARGS = Schema("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale",
@@ -247,7 +256,8 @@ def _flash_cpu(func, args, kwargs):
     sts = shard_tensors(args, kwargs)
     if all(t._spec.is_replicated for t in sts):
         return run_replicated(func, args, kwargs, sts)  # nothing sharded (e.g. attention among slice tokens)
-    m = _ring_specs(q, k, v) if all(isinstance(t, ShardTensor) for t in (q, k, v)) else None
+    m, out_spec, lse_spec = _ring_layouts(q._spec, k._spec, v._spec) \
+        if all(isinstance(t, ShardTensor) for t in (q, k, v)) else (None, None, None)
     if m is None or a["dropout_p"] or a["attn_mask"] is not None:
         return unsupported_or_fallback(func, args, kwargs, "scaled dot product attention needs query, key and "
                                         "value sharded alike on the sequence dim, no dropout and no mask here")
@@ -255,9 +265,7 @@ def _flash_cpu(func, args, kwargs):
     spec = q._spec
     out, lse = ring_forward(q._local, k._local, v._local, spec.sizes[m], k._spec.sizes[m], spec.mesh, m,
                             bool(a["is_causal"]), scale, 1)
-    lse_spec = spec.with_(shape=tuple(spec.shape[:-1]))
-    return ShardTensor(out, spec.with_(shape=tuple(spec.shape[:-1]) + (v.shape[-1],))), \
-        ShardTensor(lse.squeeze(-1), lse_spec)
+    return ShardTensor(out, out_spec), ShardTensor(lse.squeeze(-1), lse_spec)
 
 
 @register_aten(_aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
@@ -295,7 +303,12 @@ def _flash_cpu_backward(func, args, kwargs):
 def _seq_mesh_dim(t, seq_dim):
     if not isinstance(t, ShardTensor):
         return None
-    for m, p in enumerate(t._spec.placements):
+    return _spec_seq_mesh_dim(t._spec, seq_dim)
+
+
+def _spec_seq_mesh_dim(spec, seq_dim):
+    """The mesh dim sharding tensor dim ``seq_dim`` of a layout, else None."""
+    for m, p in enumerate(spec.placements):
         if isinstance(p, Shard) and p.dim == seq_dim:
             return m
     return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from domainflow.dispatch.registry import register_function
-from domainflow.dispatch.toolkit import like, run_function_default, unsupported_or_fallback, without_partial
+from domainflow.dispatch.toolkit import layout_rule, like, run_function_default, unsupported_or_fallback, without_partial
 from domainflow.ops.dimwise import layout_avoiding
 from domainflow.tensor.shard_tensor import ShardTensor
 
@@ -36,6 +36,12 @@ def _dims(name: str, args, kwargs, ndim: int) -> list[int]:
     return sorted(d % ndim for d in dims)
 
 
+@layout_rule
+def _target(spec, dims: tuple):
+    """The layout to transform in: ``spec`` with the shards on ``dims`` moved to other dims (None: none free)."""
+    return layout_avoiding(spec, set(dims), tuple(spec.shape))
+
+
 def _handler(name: str):
     def handler(func, args, kwargs):
         x = args[0] if args else kwargs.get("input")
@@ -45,7 +51,7 @@ def _handler(name: str):
         x = without_partial(x)
         spec = x._spec
         if any(spec.mesh_dim_of(d) is not None for d in dims):
-            target = layout_avoiding(spec, set(dims), tuple(x.shape))
+            target = _target(spec, tuple(dims))
             if target is None:
                 return unsupported_or_fallback(func, args, kwargs, f"it transforms dim(s) {dims}, which are sharded, "
                                                                    f"and no other dim can take the shard")
