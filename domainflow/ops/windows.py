@@ -23,6 +23,7 @@ from domainflow.layout import shapes
 from domainflow.dispatch.toolkit import Schema, as_sharded, layout_rule, like, params_for, run_function_default, unsupported_or_fallback
 from domainflow.dispatch.toolkit import without_partial
 from domainflow.layout.placements import Shard
+from domainflow.layout.spec import mesh_shape
 from domainflow.dispatch.registry import register_function
 from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
 
@@ -191,8 +192,11 @@ def _conv_setup(spec, kernel, out_channels, stride, pads, dilation):
         return why
     plans = {(m, d): window_plan(spec.sizes[m], kernel[d - 2], stride[d - 2], dilation[d - 2], *pads[d - 2])
              for m, d in sharded}
-    fetches = tuple((m, d, _window_fetch(spec.sizes[m], plans[(m, d)].need, spec.coord[m])) for m, d in sharded)
-    sharded_dims = {d for _, d in sharded}
+    # a dim "sharded" over a mesh dim of one rank has nothing to fetch: torch pads it, as an unsharded one
+    split = mesh_shape(spec.mesh)
+    fetches = tuple((m, d, _window_fetch(spec.sizes[m], plans[(m, d)].need, spec.coord[m])) for m, d in sharded
+                    if split[m] > 1)
+    sharded_dims = {d for _, d, _ in fetches}
     # unsharded dims keep their padding; torch takes symmetric padding only, so pad asymmetric ones here
     conv_pad, extra = [], []
     for i in range(nd):

@@ -565,6 +565,31 @@ def test_handlers_on_a_2d_domain_mesh(dist):
     assert all(dist.run(4, _two_d_mesh_handlers, 31))
 
 
+def _conv_on_one_rank_mesh_dims():
+    """Spatial dims sharded over mesh dims of one rank (a (2, 1) mesh, and the W dim on the size-1 dim):
+    nothing to fetch there, torch pads those dims itself; strides, asymmetric "same" padding and transposed
+    convolutions keep the single-device values, gradients and output sizes."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 9, 8, generator=gen, dtype=torch.float64)
+    w = torch.randn(4, 3, 3, 2, generator=gen, dtype=torch.float64)
+    wt = torch.randn(3, 2, 3, 3, generator=gen, dtype=torch.float64)
+    cases = [lambda t: F.conv2d(t, w, padding=1, stride=2), lambda t: F.conv2d(t, w, padding="same"),
+             lambda t: F.conv2d(t, w, padding=(2, 0), dilation=2),
+             lambda t: F.conv_transpose2d(t, wt, stride=2, padding=1, output_padding=1)]
+    for mesh_shape, placements, sizes in (((2, 1), [Shard(2), Shard(3)], {0: (4, 5)}),
+                                          ((1, 2), [Shard(2), Shard(3)], {1: (5, 3)}),
+                                          ((2, 1), [Shard(0), Shard(2)], {}),
+                                          ((1, 2), [Shard(2), Shard(0)], {})):
+        mesh = get_mesh(mesh_shape, ("a", "b"))
+        for fn in cases:
+            check_sharded(fn, [Sharded(x, placements, sizes)], mesh)
+    return True
+
+
+def test_convolutions_over_mesh_dims_of_one_rank(dist):
+    assert all(dist.run(2, _conv_on_one_rank_mesh_dims))
+
+
 def _too_few_rows_everywhere():
     """A 7x7 kernel over ranks of 1-2 rows: halos reach three ranks away; a kernel wider than the whole dim
     is refused the way torch refuses it."""
