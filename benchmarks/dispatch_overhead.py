@@ -92,7 +92,7 @@ def per_op_overhead(n: int = 20000, autograd: bool = False) -> list[dict]:
         "linear (F.linear)": (lambda x, o: F.linear(x, o), "w"),
         "layer_norm (last dim)": (lambda x, o: F.layer_norm(x, (8,)), None),
         "softmax (last dim)": (lambda x, o: torch.softmax(x, -1), None),
-        "conv2d (3x3, halo)": (lambda x, o: F.conv2d(x, o, padding=1), "conv"),
+        "conv2d (3x3, pad 1)": (lambda x, o: F.conv2d(x, o, padding=1), "conv"),
     }
     rows = []
     for name, (op, other) in ops.items():
