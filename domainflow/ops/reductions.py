@@ -62,6 +62,18 @@ def _out_spec(spec: ShardSpec, red, where, keepdim, partial: str | None, out_sha
     return ShardSpec(spec.mesh, pl, out_shape, sz)
 
 
+@layout_rule
+def _reduction_layout(spec: ShardSpec, dims, keepdim: bool, kind):
+    """(the reduced dims, sorted; the output's layout, pending ``kind`` over the sharded reduced dims), once
+    per input layout and arguments."""
+    red, where = shapes.reduced_dim_map(spec.ndim, dims, keepdim)
+    return sorted(red), _out_spec(spec, red, where, keepdim, kind, _out_shape(spec.shape, red, keepdim))
+
+
+def _key_dims(dims):
+    return None if dims is None else tuple(dims)
+
+
 def _out_shape(shape, red, keepdim):
     return [1 if d in red else n for d, n in enumerate(shape) if keepdim or d not in red]
 
@@ -137,7 +149,7 @@ def amax_amin(func, args, kwargs):
     else:
         dims = _dims_arg(x, args[1] if len(args) > 1 else kwargs.get("dim", []))
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-    red, where = shapes.reduced_dim_map(x.ndim, dims, keepdim)
+    red, out_spec = _reduction_layout(spec, _key_dims(dims), bool(keepdim), kind)
     local = x._local
     if local.numel() == 0 and _sharded_reduced(spec, red):
         # this rank's part is empty: contribute the identity of the reduction
@@ -146,8 +158,8 @@ def amax_amin(func, args, kwargs):
         out = torch.full(shape, _fill_for(local.dtype, kind), dtype=local.dtype, device=local.device)
     else:
         op = torch.amax if kind == "max" else torch.amin
-        out = op(local, dim=sorted(red), keepdim=keepdim) if x.ndim else local.clone()
-    return ShardTensor(out, _out_spec(spec, red, where, keepdim, kind, _out_shape(spec.shape, red, keepdim)))
+        out = op(local, dim=red, keepdim=keepdim) if x.ndim else local.clone()
+    return ShardTensor(out, out_spec)
 
 
 @register_aten(aten.prod.default, aten.prod.dim_int)
@@ -161,8 +173,7 @@ def prod(func, args, kwargs):
         dims, keepdim = [args[1]], (args[2] if len(args) > 2 else kwargs.get("keepdim", False))
         dtype = args[3] if len(args) > 3 else kwargs.get("dtype")
         local = torch.prod(x._local, dims[0], keepdim=keepdim, dtype=dtype)
-    red, where = shapes.reduced_dim_map(x.ndim, dims, keepdim)
-    return ShardTensor(local, _out_spec(spec, red, where, keepdim, "product", _out_shape(spec.shape, red, keepdim)))
+    return ShardTensor(local, _reduction_layout(spec, _key_dims(dims), bool(keepdim), "product")[1])
 
 
 @register_aten(aten.any.default, aten.all.default, aten.any.dim, aten.all.dim, aten.any.dims, aten.all.dims)
@@ -175,10 +186,10 @@ def any_all(func, args, kwargs):
     else:
         dims = _dims_arg(x, args[1] if len(args) > 1 else kwargs.get("dim"))
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-    red, where = shapes.reduced_dim_map(x.ndim, dims, keepdim)
+    red, out_spec = _reduction_layout(spec, _key_dims(dims), bool(keepdim), kind)
     op = torch.any if kind == "max" else torch.all
-    local = op(x._local, dim=tuple(sorted(red)), keepdim=keepdim) if x.ndim else op(x._local)
-    return ShardTensor(local, _out_spec(spec, red, where, keepdim, kind, _out_shape(spec.shape, red, keepdim)))
+    local = op(x._local, dim=tuple(red), keepdim=keepdim) if x.ndim else op(x._local)
+    return ShardTensor(local, out_spec)
 
 
 @register_aten(aten.linalg_vector_norm.default)

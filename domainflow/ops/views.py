@@ -183,12 +183,16 @@ def t(func, args, kwargs):
 @register_aten(aten.unsqueeze.default)
 def unsqueeze(func, args, kwargs):
     x, dim = args[0], args[1] % (args[0].ndim + 1)
-    spec = x._spec
+    local_exact()
+    return ShardTensor(x._local.unsqueeze(dim), _unsqueezed(x._spec, dim))
+
+
+@layout_rule
+def _unsqueezed(spec: ShardSpec, dim: int) -> ShardSpec:
     pl = [Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in spec.placements]
     shape = list(spec.shape)
     shape.insert(dim, 1)
-    local_exact()
-    return ShardTensor(x._local.unsqueeze(dim), _spec(spec, pl, shape, spec.sizes))
+    return _spec(spec, pl, shape, spec.sizes)
 
 
 @register_aten(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
@@ -203,12 +207,16 @@ def squeeze(func, args, kwargs):
         dims = [d % nd for d in args[1]] if nd else []
     dims = [d for d in dims if x.shape[d] == 1]
     x = _replicate_dims(x, dims)
-    spec = x._spec
-    keep = [d for d in range(nd) if d not in dims]
+    out = _squeezed(x._spec, tuple(dims))
+    return ShardTensor(x._local.reshape(out.local_shape), out)
+
+
+@layout_rule
+def _squeezed(spec: ShardSpec, dims: tuple) -> ShardSpec:
+    keep = [d for d in range(spec.ndim) if d not in dims]
     pos = {d: i for i, d in enumerate(keep)}
     pl = [Shard(pos[p.dim]) if isinstance(p, Shard) else p for p in spec.placements]
-    out = _spec(spec, pl, [spec.shape[d] for d in keep], spec.sizes)
-    return ShardTensor(x._local.reshape(out.local_shape), out)
+    return _spec(spec, pl, [spec.shape[d] for d in keep], spec.sizes)
 
 
 @register_aten(aten.expand.default)
@@ -219,10 +227,14 @@ def expand(func, args, kwargs):
     out_shape = [s if s != -1 else spec.shape[i - lead] for i, s in enumerate(size)]
     grow = [d for d in range(x.ndim) if spec.shape[d] == 1 and out_shape[d + lead] != 1]
     x = _replicate_dims(x, grow)
-    spec = x._spec
-    pl = [Shard(p.dim + lead) if isinstance(p, Shard) else p for p in spec.placements]
-    out = _spec(spec, pl, out_shape, spec.sizes)
+    out = _expanded(x._spec, tuple(out_shape), lead)
     return ShardTensor(x._local.expand(out.local_shape), out)
+
+
+@layout_rule
+def _expanded(spec: ShardSpec, out_shape: tuple, lead: int) -> ShardSpec:
+    pl = [Shard(p.dim + lead) if isinstance(p, Shard) else p for p in spec.placements]
+    return _spec(spec, pl, out_shape, spec.sizes)
 
 
 @register_aten(aten.slice.Tensor)
@@ -237,20 +249,29 @@ def slice_(func, args, kwargs):
     spec = x._spec
     n = spec.shape[dim]
     start, end, step = shapes.normalize_slice(n, start, end, step)
+    out, local_slice = _sliced(spec, dim, start, end, step)
+    local = x._local[(slice(None),) * dim + (local_slice,)]
+    m = spec.mesh_dim_of(dim)
+    if m is not None:
+        _remember(out, (dim, start, end, step, n), spec.sizes[m])
+    return ShardTensor(local, out)
+
+
+@layout_rule
+def _sliced(spec: ShardSpec, dim: int, start: int, end: int, step: int):
+    """(the layout of ``x[start:end:step]`` along ``dim``, this rank's slice of its chunk): along a sharded dim
+    each rank keeps its part of the selection."""
     m = spec.mesh_dim_of(dim)
     shape = list(spec.shape)
     shape[dim] = len(range(start, end, step))
     if m is None:
-        return ShardTensor(x._local[(slice(None),) * dim + (slice(start, end, step),)], _spec(spec, spec.placements, shape, spec.sizes))
+        return _spec(spec, spec.placements, shape, spec.sizes), slice(start, end, step)
     counts, starts = shapes.slice_sizes(spec.sizes[m], start, end, step)
     k = spec.coord[m]
     sz = list(spec.sizes)
     sz[m] = counts
     lo = starts[k]
-    local = x._local[(slice(None),) * dim + (slice(lo, lo + (counts[k] - 1) * step + 1 if counts[k] else lo, step),)]
-    out = _spec(spec, spec.placements, shape, sz)
-    _remember(out, (dim, start, end, step, n), spec.sizes[m])
-    return ShardTensor(local, out)
+    return _spec(spec, spec.placements, shape, sz), slice(lo, lo + (counts[k] - 1) * step + 1 if counts[k] else lo, step)
 
 
 @register_aten(aten.select.int)
