@@ -218,8 +218,7 @@ def _interpolate(func, args, kwargs):
             m = spec.mesh_dim_of(i + 2)
             if m is not None and not done[i]:
                 sizes_out[m] = (out_sizes[i],)
-    mapping = {m: list(s) for m, s in enumerate(sizes_out) if s is not None}
-    return derived_from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+    return _wrap(local, spec, sizes_out)
 
 
 def _native_on_block(x, local, d, mode, a, in_sizes, out_sizes, scales, align):
@@ -246,8 +245,13 @@ def _native_on_block(x, local, d, mode, a, in_sizes, out_sizes, scales, align):
         mk = spec.mesh_dim_of(k + 2)
         if mk is not None and mk != m:  # a spatial dim on a mesh dim of size 1
             sizes_out[mk] = (out_sizes[k],)
-    mapping = {mm: list(s) for mm, s in enumerate(sizes_out) if s is not None}
-    return derived_from_local(out, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+    return _wrap(out, spec, sizes_out)
+
+
+def _wrap(local, spec, sizes_out) -> ShardTensor:
+    """The interpolated chunk, laid out like the input with every rank's output sizes ``sizes_out``."""
+    mapping = {m: list(s) for m, s in enumerate(sizes_out) if s is not None}
+    return derived_from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
 
 
 register_function(F.interpolate)(_interpolate)

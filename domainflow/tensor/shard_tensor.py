@@ -278,11 +278,10 @@ def derived_from_local(local: torch.Tensor, mesh: DeviceMesh, placements, shardi
         key = (_derived_specs, mesh, tuple(placements), tuple(local.shape),
                tuple((k, tuple(v)) for k, v in sharding_shapes.items()))
         try:
-            hash(key)
+            spec = PLANS.get(key)
         except TypeError:  # sizes given as lists of lists: derived each time
             key = None
         if key is not None:
-            spec = PLANS.get(key)
             if spec is None:
                 spec = PLANS.put(key, _spec_for_local(local, mesh, normalize_placements(placements, local.ndim, mesh.ndim),
                                                       sharding_shapes, None))
@@ -356,21 +355,11 @@ def _spec_for_local(local, mesh, placements, sharding_shapes, shape) -> ShardSpe
                      for m, p in enumerate(placements)]
         else:
             raise ValueError(f"sharding_shapes={sharding_shapes!r}: use 'infer', 'chunk' or a mapping")
+        spec = _checked_spec(lshape, mesh, placements, gshape, sizes)
     elif isinstance(sharding_shapes, Mapping):
-        if shape is None:
-            return spec_of_local_shape(lshape, mesh, placements, sharding_shapes)
-        sizes = sizes_from_mapping(mesh, placements, lshape, sharding_shapes)
-        gshape = list(lshape)
-        for m, p in enumerate(placements):
-            if isinstance(p, Shard):
-                gshape[p.dim] = sum(sizes[m])
+        spec = spec_of_local_shape(lshape, mesh, placements, sharding_shapes)
     else:
         raise TypeError(f"sharding_shapes must be 'infer', 'chunk' or a mapping, not {type(sharding_shapes).__name__}")
-    spec = ShardSpec.build(mesh, placements, gshape, sizes)
-    if spec.local_shape != lshape:
-        raise ShardingShapeError(
-            f"rank {_rank()} local tensor has shape {lshape} but the layout {spec} gives it {spec.local_shape}; "
-            f"pass sharding_shapes='infer' or the right mapping")
     if shape is not None and tuple(shape) != tuple(spec.shape):
         raise ShardingShapeError(f"shape={tuple(shape)} disagrees with the sharding shapes, which give {tuple(spec.shape)}")
     return spec
@@ -384,10 +373,16 @@ def spec_of_local_shape(lshape: tuple, mesh, placements, sharding_shapes) -> Sha
     for m, p in enumerate(placements):
         if isinstance(p, Shard):
             gshape[p.dim] = sum(sizes[m])
+    return _checked_spec(tuple(lshape), mesh, placements, gshape, sizes)
+
+
+def _checked_spec(lshape: tuple, mesh, placements, gshape, sizes) -> ShardSpec:
+    """The layout of the given global shape and sizes; ShardingShapeError unless it gives this rank
+    ``lshape``."""
     spec = ShardSpec.build(mesh, placements, gshape, sizes)
-    if spec.local_shape != tuple(lshape):
+    if spec.local_shape != lshape:
         raise ShardingShapeError(
-            f"rank {_rank()} local tensor has shape {tuple(lshape)} but the layout {spec} gives it {spec.local_shape}; "
+            f"rank {_rank()} local tensor has shape {lshape} but the layout {spec} gives it {spec.local_shape}; "
             f"pass sharding_shapes='infer' or the right mapping")
     return spec
 
