@@ -28,6 +28,7 @@ from domainflow.dispatch.toolkit import Schema, layout_rule, run_function_defaul
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_aten, register_function
 from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
+from domainflow.layout.spec import ShardSpec
 from domainflow.dispatch.toolkit import like, params_for, warn_relayout, without_partial
 
 
@@ -224,6 +225,13 @@ class _RingAttention(torch.autograd.Function):
 _aten = torch.ops.aten
 
 
+@layout_rule
+def _reshaped(spec: ShardSpec, shape: tuple) -> ShardSpec:
+    """``spec`` with global shape ``shape`` (an output or gradient laid out like an operand, its last dim
+    or its whole shape changed where no dim is sharded)."""
+    return spec.with_(shape=shape)
+
+
 def _ring_specs(q, k, v):
     """The mesh dim sharding the sequence of ``q``, ``k`` and ``v`` alike (ring attention), else None."""
     return _ring_layouts(q._spec, k._spec, v._spec)[0]
@@ -284,7 +292,7 @@ def _flash_cpu_backward(func, args, kwargs):
         local = [t._local if isinstance(t, ShardTensor) else t for t in args]
         lk = {key: (val._local if isinstance(val, ShardTensor) else val) for key, val in kwargs.items()}
         outs = func(*local, **lk)
-        return tuple(ShardTensor(o, g._spec.with_(shape=tuple(o.shape))) for o in outs)
+        return tuple(ShardTensor(o, _reshaped(g._spec, tuple(o.shape))) for o in outs)
     m = _ring_specs(q, k, v)
     if m is None:
         return unsupported_or_fallback(func, args, kwargs, "attention backward with mixed layouts")
@@ -348,7 +356,7 @@ def _sdpa(func, args, kwargs):
             return unsupported_or_fallback(func, args, kwargs, "query, key and value laid out differently")
         out = _RingAttention.apply(q.to_local(), k.to_local(), v.to_local(), spec.sizes[mq], k._spec.sizes[mq],
                                    spec.mesh, mq, causal, scale, groups, mask)
-        return like(spec.with_(shape=tuple(spec.shape[:-1]) + (out.shape[-1],)), out)
+        return like(_reshaped(spec, tuple(spec.shape[:-1]) + (out.shape[-1],)), out)
     if mq is not None:  # replicated K/V: local attention, K/V gradients summed over the ranks
         q = without_partial(q)
         spec = q._spec
@@ -362,7 +370,7 @@ def _sdpa(func, args, kwargs):
             out = F.dropout(torch.softmax(s, -1), dropout) @ _expand(v_full, groups)
         else:
             out = F.scaled_dot_product_attention(ql, k_full, v_full, scale=scale, enable_gqa=a["enable_gqa"])
-        return like(spec.with_(shape=tuple(spec.shape[:-1]) + (out.shape[-1],)), out)
+        return like(_reshaped(spec, tuple(spec.shape[:-1]) + (out.shape[-1],)), out)
     # replicated queries, sharded K/V: partial attention per rank, combined by log-sum-exp weights
     if causal or mask is not None:
         return unsupported_or_fallback(func, args, kwargs, "is_causal or attn_mask with replicated queries and "

@@ -128,17 +128,20 @@ def dim_local(func, args, kwargs):
         locs = [local_as(t, ref) for t in tensors]
     if func is aten.logsumexp.default:
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-        local = torch.logsumexp(locs[0], dims, keepdim)
-        pl, sz = list(ref.placements), list(ref.sizes)
-        keep = [d for d in range(first.ndim) if keepdim or d not in dims]
-        pos = {d: i for i, d in enumerate(keep)}
-        pl = [Shard(pos[p.dim]) if isinstance(p, Shard) else p for p in pl]
-        shape = [1 if d in dims else ref.shape[d] for d in keep]
-        return ShardTensor(local, ShardSpec(ref.mesh, pl, shape, sz))
+        return ShardTensor(torch.logsumexp(locs[0], dims, keepdim), _logsumexp_layout(ref, tuple(dims), bool(keepdim)))
     out = func(*locs, *args[n_t:], **kwargs)
     if isinstance(out, torch.Tensor):
         return ShardTensor(out, _global_spec(ref, out.shape))
     return type(out)(ShardTensor(o, _global_spec(ref, o.shape)) for o in out)
+
+
+@layout_rule
+def _logsumexp_layout(ref: ShardSpec, dims: tuple, keepdim: bool) -> ShardSpec:
+    """The layout of logsumexp over ``dims`` (none of them sharded in ``ref``)."""
+    keep = [d for d in range(ref.ndim) if keepdim or d not in dims]
+    pos = {d: i for i, d in enumerate(keep)}
+    pl = [Shard(pos[p.dim]) if isinstance(p, Shard) else p for p in ref.placements]
+    return ShardSpec(ref.mesh, pl, [1 if d in dims else ref.shape[d] for d in keep], ref.sizes)
 
 
 @layout_rule
@@ -171,25 +174,35 @@ def layer_norm(func, args, kwargs):
     return ShardTensor(out, spec), ShardTensor(mean, stat_spec), ShardTensor(rstd, stat_spec)
 
 
-@register_aten(aten.native_layer_norm_backward.default)
-def layer_norm_backward(func, args, kwargs):
-    """Input gradient local; weight/bias gradients sum over the (sharded) leading dims: Partial(sum)."""
-    grad, x, normalized_shape, mean, rstd, weight, bias, mask = args
-    sts = shard_tensors([grad, x, mean, rstd])
-    spec = x._spec.reduced() if isinstance(x, ShardTensor) else sts[0]._spec.reduced()
+@layout_rule
+def _layer_norm_backward_plan(x_spec: ShardSpec, normalized_shape: tuple, stat_shape: tuple):
+    """(the layout the backward runs in, its statistics' layout, the weight and bias gradients' layout: a
+    pending sum over the sharded leading dims), or None when only replicating would do."""
+    spec = x_spec.reduced()
     axis = len(spec.shape) - len(normalized_shape)
     if any(spec.mesh_dim_of(d) is not None for d in range(axis, len(spec.shape))):
         spec = layout_avoiding(spec, set(range(axis, len(spec.shape))), tuple(spec.shape))
         if spec is None:
-            return unsupported_or_fallback(func, args, kwargs, "it normalises over a sharded dim")
+            return None
+    pspec = ShardSpec(spec.mesh, [Partial("sum") if isinstance(p, Shard) else p for p in spec.placements],
+                      normalized_shape, (None,) * spec.mesh.ndim)
+    return spec, spec.with_(shape=stat_shape), pspec
+
+
+@register_aten(aten.native_layer_norm_backward.default)
+def layer_norm_backward(func, args, kwargs):
+    """Input gradient local; weight/bias gradients sum over the (sharded) leading dims: Partial(sum)."""
+    grad, x, normalized_shape, mean, rstd, weight, bias, mask = args
+    x_spec = x._spec if isinstance(x, ShardTensor) else shard_tensors([grad, x, mean, rstd])[0]._spec
+    plan = _layer_norm_backward_plan(x_spec, tuple(normalized_shape), tuple(mean.shape))
+    if plan is None:
+        return unsupported_or_fallback(func, args, kwargs, "it normalises over a sharded dim")
+    spec, stat_spec, pspec = plan
     lg, lx = local_as(grad, spec), local_as(x, spec)
-    stat_spec = spec.with_(shape=list(mean.shape))
     lm, lr = local_as(mean, stat_spec), local_as(rstd, stat_spec)
     lw = weight._local if isinstance(weight, ShardTensor) else weight
     lb = bias._local if isinstance(bias, ShardTensor) else bias
     gi, gw, gb = func(lg, lx, normalized_shape, lm, lr, lw, lb, mask)
-    pspec = ShardSpec(spec.mesh, [Partial("sum") if isinstance(p, Shard) else p for p in spec.placements],
-                      tuple(normalized_shape), (None,) * spec.mesh.ndim)
     return (ShardTensor(gi, spec) if gi is not None else None,
             ShardTensor(gw, pspec) if gw is not None else None,
             ShardTensor(gb, pspec) if gb is not None else None)

@@ -221,16 +221,11 @@ class _LocalLinear(torch.autograd.Function):
     def backward(ctx, grad):
         local, weight = ctx.saved_tensors
         spec = ctx.spec
-        _, out_spec, gx_spec, mesh_dims = _linear_specs(spec, weight.shape[0])
         # a pending sum of gradients over a mesh dim the input is replicated on (e.g. tokens a contraction
         # over the sharded points made) stays pending: every gradient here is linear in it, so the input's
         # gradient stays Partial and the parameters' join their sum over the sharded dims
-        kept = _kept_partial_dims(grad, spec)
-        if kept:
-            mesh_dims = [m for m, p in enumerate(spec.placements) if isinstance(p, Shard) or m in kept]
-            out_spec = out_spec.with_(placements=tuple(grad._spec.placements[m] if m in kept else p
-                                                        for m, p in enumerate(out_spec.placements)),
-                                      sizes=tuple(None if m in kept else s for m, s in enumerate(out_spec.sizes)))
+        out_spec, gx_spec, mesh_dims = _linear_backward_plan(
+            spec, weight.shape[0], grad._spec if isinstance(grad, ShardTensor) and grad._spec.has_partial else None)
         g = _local_in(grad, grad._spec, out_spec) if isinstance(grad, ShardTensor) else grad
         # under autocast the forward ran in a lower precision: compute in the gradient's dtype, as torch's
         # own linear backward does, and hand each gradient back in its input's dtype
@@ -241,9 +236,6 @@ class _LocalLinear(torch.autograd.Function):
         gb = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
         # summed over the domain now, or once per backward for the whole model (deferred_param_grads)
         gw, gb = reduce_param_grads(ctx.params, (gw, gb), spec.mesh, mesh_dims)
-        if kept:
-            gx_spec = gx_spec.with_(placements=tuple(grad._spec.placements[m] if m in kept else p
-                                                      for m, p in enumerate(gx_spec.placements)))
         return ShardTensor(gx, gx_spec), gw, gb
 
 
@@ -257,12 +249,25 @@ def _linear_specs(spec: ShardSpec, out_features: int):
     return out_spec, gout_spec, gx_spec, tuple(m for m, p in enumerate(spec.placements) if isinstance(p, Shard))
 
 
-def _kept_partial_dims(grad, spec: ShardSpec) -> set:
-    """Mesh dims on which ``grad`` is a pending sum while the linear's input is replicated there."""
-    if not isinstance(grad, ShardTensor) or not grad._spec.has_partial:
-        return set()
-    return {m for m, p in enumerate(grad._spec.placements)
-            if isinstance(p, Partial) and p.reduce_op == "sum" and spec.placements[m] == _R}
+@layout_rule
+def _linear_backward_plan(spec: ShardSpec, out_features: int, partial_grad: ShardSpec | None):
+    """(the output gradient's wanted layout, the input gradient's layout, the mesh dims the parameters'
+    gradients are summed over) for a local linear on input ``spec``; ``partial_grad``: the output gradient's
+    layout when it holds pending sums. A pending sum over a mesh dim the input is replicated on stays pending
+    in the input's gradient and joins the parameters' sum."""
+    _, out_spec, gx_spec, mesh_dims = _linear_specs(spec, out_features)
+    kept = () if partial_grad is None else tuple(
+        m for m, p in enumerate(partial_grad.placements)
+        if isinstance(p, Partial) and p.reduce_op == "sum" and spec.placements[m] == _R)
+    if not kept:
+        return out_spec, gx_spec, mesh_dims
+    mesh_dims = tuple(m for m, p in enumerate(spec.placements) if isinstance(p, Shard) or m in kept)
+    out_spec = out_spec.with_(placements=tuple(partial_grad.placements[m] if m in kept else p
+                                                for m, p in enumerate(out_spec.placements)),
+                              sizes=tuple(None if m in kept else s for m, s in enumerate(out_spec.sizes)))
+    gx_spec = gx_spec.with_(placements=tuple(partial_grad.placements[m] if m in kept else p
+                                              for m, p in enumerate(gx_spec.placements)))
+    return out_spec, gx_spec, mesh_dims
 
 
 _LINEAR_ARGS = Schema("self", "weight", "bias", bias=None)

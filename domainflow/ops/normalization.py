@@ -171,18 +171,39 @@ def _group_norm(func, args, kwargs):
     x, spec, mesh_dims = _prepare(func, args, kwargs, a["self"], (a["weight"], a["bias"]))
     if x is None:
         return spec
-    spatial_mesh_dims = [m for m in mesh_dims if spec.placements[m].dim >= 2]
     G = a["num_groups"]
     C = x.shape[1]
+    spatial_mesh_dims, dims, count, affine = _group_norm_plan(spec, G)
     local = x.to_local()
     view = local.reshape(local.shape[0], G, C // G, *local.shape[2:])  # stats per (sample, group)
-    dims = tuple(range(2, view.ndim))
-    count = (C // G) * (math.prod(x.shape[2:]))
     _, var, centred, delta = _centred_moments(view, dims, count, spec, spatial_mesh_dims)
-    affine = (1, G, C // G) + (1,) * (x.ndim - 2)
     y = _normalize(view, centred, a["weight"], a["bias"], delta, var, a["eps"], dims, count, spec,
                    spatial_mesh_dims, mesh_dims, True, affine)
     return like(spec, y.reshape(local.shape))
+
+
+@layout_rule
+def _group_norm_plan(spec, groups: int):
+    """(the mesh dims sharding space, the dims of the (N, G, C/G, *space) view the statistics reduce, the
+    elements each statistic counts, the affine parameters' shape on that view)."""
+    C, nd = spec.shape[1], spec.ndim
+    spatial_mesh_dims = tuple(m for m, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim >= 2)
+    return (spatial_mesh_dims, tuple(range(2, nd + 1)), (C // groups) * math.prod(spec.shape[2:]),
+            (1, groups, C // groups) + (1,) * (nd - 2))
+
+
+@layout_rule
+def _channel_norm_plan(spec, stats_over_batch: bool):
+    """(the dims the statistics reduce, the mesh dims their sums span, the elements each counts, the affine
+    parameters' shape): per channel over batch and space (batch norm) or per sample and channel over space."""
+    nd = spec.ndim
+    spatial = tuple(range(2, nd))
+    n_space = math.prod(spec.shape[2:])
+    sharded = [(m, p.dim) for m, p in enumerate(spec.placements) if isinstance(p, Shard)]
+    affine = (1, spec.shape[1]) + (1,) * (nd - 2)
+    if stats_over_batch:
+        return (0,) + spatial, tuple(m for m, _ in sharded), spec.shape[0] * n_space, affine
+    return spatial, tuple(m for m, d in sharded if d >= 2), n_space, affine
 
 
 def _batch_norm(func, args, kwargs):
@@ -203,14 +224,7 @@ def _channel_norm(func, args, kwargs, a, stats_over_batch: bool, use_batch_stats
     if x is None:
         return spec
     local = x.to_local()
-    C = x.shape[1]
-    spatial = tuple(range(2, x.ndim))
-    affine = (1, C) + (1,) * (x.ndim - 2)
-    n_space = math.prod(x.shape[2:])
-    if stats_over_batch:
-        dims, reduce_mesh, count = (0,) + spatial, mesh_dims, x.shape[0] * n_space
-    else:
-        dims, reduce_mesh, count = spatial, [m for m in mesh_dims if spec.placements[m].dim >= 2], n_space
+    dims, reduce_mesh, count, affine = _channel_norm_plan(spec, stats_over_batch)
     if use_batch_stats:
         mean, var, centred, delta = _centred_moments(local, dims, count, spec, reduce_mesh)
         rm, rv = a["running_mean"], a["running_var"]

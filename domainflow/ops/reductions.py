@@ -14,7 +14,7 @@ import torch
 
 from domainflow import comm
 from domainflow.layout import shapes
-from domainflow.dispatch.toolkit import PLANS, Schema, layout_rule, local_exact, run_function_default, to_spec
+from domainflow.dispatch.toolkit import Schema, layout_rule, local_exact, run_function_default, to_spec
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_aten, register_function
 from domainflow.tensor.shard_tensor import ShardTensor, product_of_others
@@ -62,12 +62,23 @@ def _out_spec(spec: ShardSpec, red, where, keepdim, partial: str | None, out_sha
     return ShardSpec(spec.mesh, pl, out_shape, sz)
 
 
+class _Reduction(NamedTuple):
+    """A reduction over ``dims`` of one input layout, worked out once per layout and arguments."""
+
+    red: list  # the reduced dims, sorted
+    out_spec: ShardSpec  # the output's layout: pending ``kind`` over sharded reduced dims, or replicated there
+    count: int  # the elements each output reduces over the whole domain
+    mesh_dims: tuple  # the mesh dims that shard a reduced dim (where a collective finishes the reduction)
+
+
 @layout_rule
-def _reduction_layout(spec: ShardSpec, dims, keepdim: bool, kind):
-    """(the reduced dims, sorted; the output's layout, pending ``kind`` over the sharded reduced dims), once
-    per input layout and arguments."""
+def _reduction_layout(spec: ShardSpec, dims, keepdim: bool, kind) -> _Reduction:
+    """The reduced dims and the output's layout (pending ``kind`` over the sharded reduced dims, replicated
+    there when ``kind`` is None), once per input layout and arguments."""
     red, where = shapes.reduced_dim_map(spec.ndim, dims, keepdim)
-    return sorted(red), _out_spec(spec, red, where, keepdim, kind, _out_shape(spec.shape, red, keepdim))
+    out = _out_spec(spec, red, where, keepdim, kind, _out_shape(spec.shape, red, keepdim))
+    mesh_dims = tuple(m for m, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim in red)
+    return _Reduction(sorted(red), out, math.prod(spec.shape[d] for d in red) if red else 1, mesh_dims)
 
 
 def _key_dims(dims):
@@ -100,18 +111,9 @@ def sum_mean(func, args, kwargs):
     unchanged = x is args[0]
     x = _reduce_partials(x, keep_sum=True)
     unchanged = unchanged and x is args[0]
-    key = (_sum_layouts, x._spec, None if dims is None else tuple(dims), keepdim)
-    hit = PLANS.get(key)
-    if hit is None:
-        spec = x._spec
-        red, where = shapes.reduced_dim_map(x.ndim, dims, keepdim)
-        out_shape = _out_shape(spec.shape, red, keepdim)
-        count = math.prod(spec.shape[d] for d in red) if red else 1
-        hit = (sorted(red), count, _out_spec(spec, red, where, keepdim, "sum", out_shape))
-        PLANS.put(key, hit)
-    local_dims, count, out_spec = hit
+    local_dims, out_spec, count, mesh_dims = _reduction_layout(x._spec, _key_dims(dims), bool(keepdim), "sum")
     fn = torch.nansum if func is aten.nansum.default else torch.sum
-    if unchanged and local_dims and not (is_mean and (_sharded_reduced(x._spec, local_dims) or not dtype
+    if unchanged and local_dims and not (is_mean and (mesh_dims or not dtype
                                                        and not x._local.dtype.is_floating_point
                                                        and not x._local.dtype.is_complex)):
         local_exact()  # a sum of the local chunk (a mean over dims held whole, of floats as torch takes)
@@ -122,9 +124,6 @@ def sum_mean(func, args, kwargs):
     if is_mean:
         local = local / count
     return ShardTensor(local, out_spec)
-
-
-_sum_layouts = "sum layouts"  # the first part of their keys in toolkit.PLANS
 
 
 _EXTREME = {"max": -math.inf, "min": math.inf}
@@ -149,9 +148,9 @@ def amax_amin(func, args, kwargs):
     else:
         dims = _dims_arg(x, args[1] if len(args) > 1 else kwargs.get("dim", []))
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-    red, out_spec = _reduction_layout(spec, _key_dims(dims), bool(keepdim), kind)
+    red, out_spec, _, mesh_dims = _reduction_layout(spec, _key_dims(dims), bool(keepdim), kind)
     local = x._local
-    if local.numel() == 0 and _sharded_reduced(spec, red):
+    if local.numel() == 0 and mesh_dims:
         # this rank's part is empty: contribute the identity of the reduction
         shape = [1 if d in red else n for d, n in enumerate(local.shape)] if keepdim else \
             [n for d, n in enumerate(local.shape) if d not in red]
@@ -173,7 +172,7 @@ def prod(func, args, kwargs):
         dims, keepdim = [args[1]], (args[2] if len(args) > 2 else kwargs.get("keepdim", False))
         dtype = args[3] if len(args) > 3 else kwargs.get("dtype")
         local = torch.prod(x._local, dims[0], keepdim=keepdim, dtype=dtype)
-    return ShardTensor(local, _reduction_layout(spec, _key_dims(dims), bool(keepdim), "product")[1])
+    return ShardTensor(local, _reduction_layout(spec, _key_dims(dims), bool(keepdim), "product").out_spec)
 
 
 @register_aten(aten.any.default, aten.all.default, aten.any.dim, aten.all.dim, aten.any.dims, aten.all.dims)
@@ -186,7 +185,7 @@ def any_all(func, args, kwargs):
     else:
         dims = _dims_arg(x, args[1] if len(args) > 1 else kwargs.get("dim"))
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-    red, out_spec = _reduction_layout(spec, _key_dims(dims), bool(keepdim), kind)
+    red, out_spec, _, _ = _reduction_layout(spec, _key_dims(dims), bool(keepdim), kind)
     op = torch.any if kind == "max" else torch.all
     local = op(x._local, dim=tuple(red), keepdim=keepdim) if x.ndim else op(x._local)
     return ShardTensor(local, out_spec)
@@ -201,27 +200,25 @@ def vector_norm(func, args, kwargs):
     keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
     dtype = args[4] if len(args) > 4 else kwargs.get("dtype")
     spec = x._spec
-    red, where = shapes.reduced_dim_map(x.ndim, dims, keepdim)
-    if not _sharded_reduced(spec, red):
-        out = torch.linalg.vector_norm(x._local, ordv, dim=sorted(red) if x.ndim else None, keepdim=keepdim, dtype=dtype)
-        return ShardTensor(out, _out_spec(spec, red, where, keepdim, None, _out_shape(spec.shape, red, keepdim)))
+    rd, out_spec, _, mesh_dims = _reduction_layout(spec, _key_dims(dims), bool(keepdim), None)
+    if not mesh_dims:
+        out = torch.linalg.vector_norm(x._local, ordv, dim=rd if x.ndim else None, keepdim=keepdim, dtype=dtype)
+        return ShardTensor(out, out_spec)
     a = x._local.abs() if dtype is None else x._local.to(dtype).abs()
-    rd = sorted(red)
     if ordv in (math.inf, -math.inf):
         kind = "max" if ordv > 0 else "min"
         local = (a.amax(rd, keepdim=keepdim) if kind == "max" else a.amin(rd, keepdim=keepdim)) if a.numel() else \
-            torch.full(_out_shape(a.shape, red, keepdim), _fill_for(a.dtype, kind), dtype=a.dtype, device=a.device)
+            torch.full(_out_shape(a.shape, rd, keepdim), _fill_for(a.dtype, kind), dtype=a.dtype, device=a.device)
         post = None
     elif ordv == 0:
         kind, local, post = "sum", (a != 0).to(a.dtype).sum(rd, keepdim=keepdim), None
     else:
         kind, local, post = "sum", a.pow(ordv).sum(rd, keepdim=keepdim), ordv
-    for m, p in enumerate(spec.placements):
-        if isinstance(p, Shard) and p.dim in red:
-            local = comm.all_reduce(local, kind, spec.mesh, m)
+    for m in mesh_dims:
+        local = comm.all_reduce(local, kind, spec.mesh, m)
     if post is not None:
         local = local.pow(1.0 / post)
-    return ShardTensor(local, _out_spec(spec, red, where, keepdim, None, _out_shape(spec.shape, red, keepdim)))
+    return ShardTensor(local, out_spec)
 
 
 @register_aten(aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default)
@@ -240,9 +237,7 @@ def indexed_reduction(func, args, kwargs):
         return ShardTensor(flat_idx.reshape(shape), ShardSpec(spec.mesh, (_R,) * spec.mesh.ndim, shape,
                                                               (None,) * spec.mesh.ndim))
     dim %= max(x.ndim, 1)
-    red, where = shapes.reduced_dim_map(x.ndim, [dim], keepdim)
-    out_shape = _out_shape(spec.shape, red, keepdim)
-    out_spec = _out_spec(spec, red, where, keepdim, None, out_shape)
+    out_spec = _reduction_layout(spec, (dim,), bool(keepdim), None).out_spec
     m = spec.mesh_dim_of(dim)
     local = x._local
     if m is None:
@@ -318,13 +313,8 @@ def var_std(func, args, kwargs):
     correction = kwargs.get("correction", args[2] if len(args) > 2 else None)
     correction = 1 if correction is None else correction
     keepdim = kwargs.get("keepdim", args[3] if len(args) > 3 else False)
-    red, where = shapes.reduced_dim_map(x.ndim, dims, keepdim)
-    out_shape = _out_shape(spec.shape, red, keepdim)
-    out_spec = _out_spec(spec, red, where, keepdim, None, out_shape)
-    rd = sorted(red)
-    count = math.prod(spec.shape[d] for d in red)
+    rd, out_spec, count, mesh_dims = _reduction_layout(spec, _key_dims(dims), bool(keepdim), None)
     local = x._local
-    mesh_dims = [m for m, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim in red]
     s = local.sum(rd, keepdim=True)
     for m in mesh_dims:
         s = comm.all_reduce(s, "sum", spec.mesh, m)

@@ -285,26 +285,34 @@ def select(func, args, kwargs):
     if not -n <= index < n:
         raise IndexError(f"index {index} is out of bounds for dim {dim} with size {n}")
     index %= n
+    out, m, owner, local_index = _selected(spec, dim, index)
+    if m is None:
+        return ShardTensor(x._local.select(dim, index), out)
+    _remember(out, ("select", dim, index, n), (m, spec.sizes[m]))
+    if spec.coord[m] == owner:
+        # the owner keeps a true view, so `x[i] = v` (select, then an in-place write) lands in x
+        view = x._local.select(dim, local_index)
+        comm.broadcast(view.contiguous(), owner, spec.mesh, m)
+        return ShardTensor(view, out)
+    return ShardTensor(comm.broadcast(x._local.new_empty(out.local_shape), owner, spec.mesh, m), out)
+
+
+@layout_rule
+def _selected(spec: ShardSpec, dim: int, index: int):
+    """(the layout of ``x.select(dim, index)``, the mesh dim sharding ``dim`` or None, the rank owning
+    ``index`` there, ``index`` in its chunk): replicated over that mesh dim."""
     m = spec.mesh_dim_of(dim)
-    keep = [d for d in range(x.ndim) if d != dim]
+    keep = [d for d in range(spec.ndim) if d != dim]
     pos = {d: i for i, d in enumerate(keep)}
     shape = [spec.shape[d] for d in keep]
     if m is None:
         pl = [Shard(pos[p.dim]) if isinstance(p, Shard) else p for p in spec.placements]
-        return ShardTensor(x._local.select(dim, index), _spec(spec, pl, shape, spec.sizes))
+        return _spec(spec, pl, shape, spec.sizes), None, None, index
     offs = shapes.offsets(spec.sizes[m])
     owner = max(k for k in range(len(offs)) if offs[k] <= index and spec.sizes[m][k] > 0)
     pl = [_R if mm == m else (Shard(pos[p.dim]) if isinstance(p, Shard) else p) for mm, p in enumerate(spec.placements)]
     sz = [None if mm == m else s for mm, s in enumerate(spec.sizes)]
-    out = _spec(spec, pl, shape, sz)
-    k = spec.coord[m]
-    _remember(out, ("select", dim, index, n), (m, spec.sizes[m]))
-    if k == owner:
-        # the owner keeps a true view, so `x[i] = v` (select, then an in-place write) lands in x
-        view = x._local.select(dim, index - offs[k])
-        comm.broadcast(view.contiguous(), owner, spec.mesh, m)
-        return ShardTensor(view, out)
-    return ShardTensor(comm.broadcast(x._local.new_empty(out.local_shape), owner, spec.mesh, m), out)
+    return _spec(spec, pl, shape, sz), m, owner, index - offs[owner]
 
 
 @register_aten(aten.split.Tensor, aten.split_with_sizes.default)
@@ -381,23 +389,33 @@ def slice_backward(func, args, kwargs):
     n = input_sizes[dim]
     start, end, step = shapes.normalize_slice(n, start, end, step)
     m = spec.mesh_dim_of(dim)
-    pl, sz = list(spec.placements), list(spec.sizes)
+    origin = None if m is None else _slice_origin.get((spec, (dim, start, end, step, n)))
+    out, rows = _slice_grad_layout(spec, tuple(input_sizes), dim, start, end, step, origin)
     if m is None:
-        out = _spec(spec, pl, input_sizes, sz)
         return ShardTensor(func(grad._local, out.local_shape, dim, start, end, step), out)
-    in_sizes = _slice_origin.get((spec, (dim, start, end, step, n)))
+    local = grad._local.new_zeros(out.local_shape)
+    if rows is not None:
+        local[(slice(None),) * dim + (rows,)] = grad._local
+    return ShardTensor(local, out)
+
+
+@layout_rule
+def _slice_grad_layout(spec: ShardSpec, input_sizes: tuple, dim: int, start: int, end: int, step: int, origin):
+    """(the layout of a slice's input gradient, this rank's rows of it the slice's gradient fills or None):
+    along a sharded dim the forward input's sizes when remembered (``origin``), else a cover of the rows."""
+    m = spec.mesh_dim_of(dim)
+    if m is None:
+        return _spec(spec, spec.placements, input_sizes, spec.sizes), None
+    in_sizes = origin
     if in_sizes is None or shapes.slice_sizes(in_sizes, start, end, step)[0] != spec.sizes[m]:
-        in_sizes = _cover_sizes(spec.sizes[m], start, step, n)
+        in_sizes = _cover_sizes(spec.sizes[m], start, step, input_sizes[dim])
+    sz = list(spec.sizes)
     sz[m] = in_sizes
-    out = _spec(spec, pl, input_sizes, sz)
     k = spec.coord[m]
     counts, local_starts = shapes.slice_sizes(in_sizes, start, end, step)
-    local = grad._local.new_zeros(out.local_shape)
-    if counts[k]:
-        lo = local_starts[k]
-        idx = (slice(None),) * dim + (slice(lo, lo + (counts[k] - 1) * step + 1, step),)
-        local[idx] = grad._local
-    return ShardTensor(local, out)
+    lo = local_starts[k]
+    rows = slice(lo, lo + (counts[k] - 1) * step + 1, step) if counts[k] else None
+    return _spec(spec, spec.placements, input_sizes, sz), rows
 
 
 @register_aten(aten.select_backward.default)
@@ -408,22 +426,29 @@ def select_backward(func, args, kwargs):
     n = input_sizes[dim]
     index %= n
     origin = _slice_origin.get((spec, ("select", dim, index, n)))
+    out, row = _select_grad_layout(spec, tuple(input_sizes), dim, index, origin)
     if origin is None:  # the forward did not cut a sharded dim: insert the dim locally
-        pl = [Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in spec.placements]
-        out = _spec(spec, pl, input_sizes, spec.sizes)
         return ShardTensor(func(grad._local, out.local_shape, dim, index), out)
+    local = grad._local.new_zeros(out.local_shape)
+    if row is not None:
+        local.select(dim, row).copy_(grad._local)
+    return ShardTensor(local, out)
+
+
+@layout_rule
+def _select_grad_layout(spec: ShardSpec, input_sizes: tuple, dim: int, index: int, origin):
+    """(the layout of a select's input gradient, this rank's row of it that holds the gradient or None):
+    ``origin`` (the mesh dim and sizes the forward cut along ``dim``) shards ``dim`` again."""
+    if origin is None:
+        pl = [Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in spec.placements]
+        return _spec(spec, pl, input_sizes, spec.sizes), None
     m, in_sizes = origin
     pl = [Shard(dim) if mm == m else (Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p)
           for mm, p in enumerate(spec.placements)]
     sz = [in_sizes if mm == m else s for mm, s in enumerate(spec.sizes)]
-    out = _spec(spec, pl, input_sizes, sz)
-    g = grad._local
-    local = g.new_zeros(out.local_shape)
-    k = spec.coord[m]
-    off = sum(in_sizes[:k])
-    if off <= index < off + in_sizes[k]:
-        local.select(dim, index - off).copy_(g)
-    return ShardTensor(local, out)
+    off = sum(in_sizes[:spec.coord[m]])
+    row = index - off if off <= index < off + in_sizes[spec.coord[m]] else None
+    return _spec(spec, pl, input_sizes, sz), row
 
 
 _OUT_OF_PLACE = {
