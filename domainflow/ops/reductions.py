@@ -78,7 +78,8 @@ def _reduction_layout(spec: ShardSpec, dims, keepdim: bool, kind) -> _Reduction:
     red, where = shapes.reduced_dim_map(spec.ndim, dims, keepdim)
     out = _out_spec(spec, red, where, keepdim, kind, _out_shape(spec.shape, red, keepdim))
     mesh_dims = tuple(m for m, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim in red)
-    return _Reduction(sorted(red), out, math.prod(spec.shape[d] for d in red) if red else 1, mesh_dims)
+    # a 0-d tensor reduced over its dim 0 (or -1), as torch allows, counts its one element
+    return _Reduction(sorted(red), out, math.prod(spec.shape[d] for d in red if d < spec.ndim), mesh_dims)
 
 
 def _key_dims(dims):

@@ -285,34 +285,34 @@ def select(func, args, kwargs):
     if not -n <= index < n:
         raise IndexError(f"index {index} is out of bounds for dim {dim} with size {n}")
     index %= n
-    out, m, owner, local_index = _selected(spec, dim, index)
+    out, m, offs = _selected(spec, dim)
     if m is None:
         return ShardTensor(x._local.select(dim, index), out)
     _remember(out, ("select", dim, index, n), (m, spec.sizes[m]))
+    sizes = spec.sizes[m]
+    owner = max(k for k in range(len(offs)) if offs[k] <= index and sizes[k] > 0)
     if spec.coord[m] == owner:
         # the owner keeps a true view, so `x[i] = v` (select, then an in-place write) lands in x
-        view = x._local.select(dim, local_index)
+        view = x._local.select(dim, index - offs[owner])
         comm.broadcast(view.contiguous(), owner, spec.mesh, m)
         return ShardTensor(view, out)
     return ShardTensor(comm.broadcast(x._local.new_empty(out.local_shape), owner, spec.mesh, m), out)
 
 
 @layout_rule
-def _selected(spec: ShardSpec, dim: int, index: int):
-    """(the layout of ``x.select(dim, index)``, the mesh dim sharding ``dim`` or None, the rank owning
-    ``index`` there, ``index`` in its chunk): replicated over that mesh dim."""
+def _selected(spec: ShardSpec, dim: int):
+    """(the layout of ``x.select(dim, i)``, the mesh dim sharding ``dim`` or None, that mesh dim's rank
+    offsets): replicated over that mesh dim. Not keyed on the index: ``unbind`` selects every one."""
     m = spec.mesh_dim_of(dim)
     keep = [d for d in range(spec.ndim) if d != dim]
     pos = {d: i for i, d in enumerate(keep)}
     shape = [spec.shape[d] for d in keep]
     if m is None:
         pl = [Shard(pos[p.dim]) if isinstance(p, Shard) else p for p in spec.placements]
-        return _spec(spec, pl, shape, spec.sizes), None, None, index
-    offs = shapes.offsets(spec.sizes[m])
-    owner = max(k for k in range(len(offs)) if offs[k] <= index and spec.sizes[m][k] > 0)
+        return _spec(spec, pl, shape, spec.sizes), None, None
     pl = [_R if mm == m else (Shard(pos[p.dim]) if isinstance(p, Shard) else p) for mm, p in enumerate(spec.placements)]
     sz = [None if mm == m else s for mm, s in enumerate(spec.sizes)]
-    return _spec(spec, pl, shape, sz), m, owner, index - offs[owner]
+    return _spec(spec, pl, shape, sz), m, tuple(shapes.offsets(spec.sizes[m]))
 
 
 @register_aten(aten.split.Tensor, aten.split_with_sizes.default)
@@ -426,19 +426,21 @@ def select_backward(func, args, kwargs):
     n = input_sizes[dim]
     index %= n
     origin = _slice_origin.get((spec, ("select", dim, index, n)))
-    out, row = _select_grad_layout(spec, tuple(input_sizes), dim, index, origin)
+    out, rows = _select_grad_layout(spec, tuple(input_sizes), dim, origin)
     if origin is None:  # the forward did not cut a sharded dim: insert the dim locally
         return ShardTensor(func(grad._local, out.local_shape, dim, index), out)
     local = grad._local.new_zeros(out.local_shape)
-    if row is not None:
-        local.select(dim, row).copy_(grad._local)
+    lo, count = rows
+    if lo <= index < lo + count:
+        local.select(dim, index - lo).copy_(grad._local)
     return ShardTensor(local, out)
 
 
 @layout_rule
-def _select_grad_layout(spec: ShardSpec, input_sizes: tuple, dim: int, index: int, origin):
-    """(the layout of a select's input gradient, this rank's row of it that holds the gradient or None):
-    ``origin`` (the mesh dim and sizes the forward cut along ``dim``) shards ``dim`` again."""
+def _select_grad_layout(spec: ShardSpec, input_sizes: tuple, dim: int, origin):
+    """(the layout of a select's input gradient, (the first row this rank holds of ``dim``, how many) or None):
+    ``origin`` (the mesh dim and sizes the forward cut along ``dim``) shards ``dim`` again. Not keyed on
+    the index, as ``_selected``."""
     if origin is None:
         pl = [Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in spec.placements]
         return _spec(spec, pl, input_sizes, spec.sizes), None
@@ -446,9 +448,8 @@ def _select_grad_layout(spec: ShardSpec, input_sizes: tuple, dim: int, index: in
     pl = [Shard(dim) if mm == m else (Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p)
           for mm, p in enumerate(spec.placements)]
     sz = [in_sizes if mm == m else s for mm, s in enumerate(spec.sizes)]
-    off = sum(in_sizes[:spec.coord[m]])
-    row = index - off if off <= index < off + in_sizes[spec.coord[m]] else None
-    return _spec(spec, pl, input_sizes, sz), row
+    k = spec.coord[m]
+    return _spec(spec, pl, input_sizes, sz), (sum(in_sizes[:k]), in_sizes[k])
 
 
 _OUT_OF_PLACE = {

@@ -557,3 +557,50 @@ def test_mean_over_empty_sharded_dim(dist):
     # Regression test (bug found in review, now fixed): _SumMean.forward computes ctx.scale = 1.0 / 0 in Python for a reduction over an
     # empty dim -> ZeroDivisionError, where torch returns NaN (the no-grad aten path does return NaN).
     assert all(dist.run(2, _mean_of_empty))
+
+
+def _zero_dim_reductions():
+    mesh = get_mesh((rank_and_world()[1],))
+    whole = torch.arange(5.0, dtype=D)
+    cases = {
+        "amax": lambda a, d: a.amax(d), "argmax": lambda a, d: a.argmax(d), "prod": lambda a, d: a.prod(d),
+        "any": lambda a, d: (a > 0).any(d), "vector_norm": lambda a, d: torch.linalg.vector_norm(a, dim=d),
+        "sum": lambda a, d: a.sum(d), "mean": lambda a, d: a.mean(d), "var": lambda a, d: a.var(d, correction=0),
+        "max": lambda a, d: a.max(d).values, "argmin": lambda a, d: a.argmin(d),
+    }
+    failures = []
+    for tag, make in (("replicated", lambda: df.distribute_tensor(torch.tensor(2.5, dtype=D), mesh, [Replicate()])),
+                      ("pending sum", lambda: df.distribute_tensor(whole, mesh, [Shard(0)]).sum())):
+        ref = torch.tensor(2.5, dtype=D) if tag == "replicated" else whole.sum()
+        for name, fn in cases.items():
+            for d in (0, -1):
+                got = fn(make(), d).full_tensor()
+                want = fn(ref, d)
+                if got.shape != want.shape or not torch.equal(got, want):
+                    failures.append(f"{tag} {name}({d}): {got} != {want}")
+    assert not failures, failures
+    return True
+
+
+def test_reductions_over_dim_0_of_a_zero_dim_tensor(dist):
+    # Regression test (bug found in review, now fixed): a reduction naming dim 0 (or -1) of a 0-d ShardTensor,
+    # which torch allows, raised IndexError in the shared reduction plan (it counted spec.shape[0] of shape ()).
+    assert all(dist.run(2, _zero_dim_reductions))
+
+
+def _unbind_plans():
+    from domainflow.memo import PLANS
+
+    mesh = get_mesh((rank_and_world()[1],))
+    x = df.distribute_tensor(torch.randn(301, 3, dtype=D), mesh, [Shard(0)]).requires_grad_()
+    before = len(PLANS)
+    (torch.stack(x.unbind(0)[::-1]) * 2).sum().backward()  # 301 selects and their backwards
+    assert len(PLANS) - before < 40, (before, len(PLANS))
+    assert torch.equal(x.grad.full_tensor(), torch.full((301, 3), 2.0, dtype=D))
+    return True
+
+
+def test_unbind_keeps_no_plan_per_row(dist):
+    # Regression test (found in review): select's layout plan (and its backward's) was keyed on the index, so
+    # unbinding a sharded dim of n rows added 2n entries to the one bounded plan cache, pushing hot plans out.
+    assert all(dist.run(2, _unbind_plans))
