@@ -18,6 +18,8 @@ import threading
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from domainflow.layout.spec import mesh_shape
+
 class _State:
     """Process-wide, not per thread: on accelerators autograd runs backward functions and hooks on its own
     device threads, which must see the mode and queues that the thread calling ``backward()`` set up."""
@@ -56,8 +58,16 @@ def accumulates_into_grad(leaf) -> bool:
         return False
 
 
+def multi_rank_dims(mesh, mesh_dims) -> tuple:
+    """The mesh dims among ``mesh_dims`` with more than one rank: a sum over a mesh dim of one rank is the
+    gradient itself (a domain of one rank, or a (dp, domain) mesh's dims of size 1), so autograd keeps it."""
+    shape = mesh_shape(mesh)
+    return tuple(m for m in mesh_dims if shape[m] > 1)
+
+
 def defer_grad(param, partial_grad, mesh, mesh_dims) -> None:
-    """Queue a leaf's partial gradient for the end-of-backward sum over ``mesh_dims`` (added to ``.grad``)."""
+    """Queue a leaf's partial gradient for the end-of-backward sum over ``mesh_dims`` (added to ``.grad``);
+    ``mesh_dims`` of more than one rank (:func:`multi_rank_dims`)."""
     _queue(mesh, tuple(mesh_dims), [(param, partial_grad)])
 
 
@@ -69,6 +79,9 @@ def reduce_param_grads(params, grads, mesh, mesh_dims):
     grads = [g if p is None or p.requires_grad else None for p, g in zip(params, grads)]  # frozen: no grad
     idx = [k for k, (p, g) in enumerate(zip(params, grads)) if p is not None and g is not None]
     if not idx or not mesh_dims:
+        return list(grads)
+    mesh_dims = multi_rank_dims(mesh, mesh_dims)
+    if not mesh_dims:
         return list(grads)
     if _state.on:
         # a derived weight's gradient must flow on, and autograd.grad returns before the end: sum those now

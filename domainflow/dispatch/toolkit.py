@@ -11,7 +11,8 @@ import torch
 
 from domainflow.dispatch.fallback import fallback as _fallback_mode
 from domainflow.dispatch.fallback import warn_once as _warn_fallback
-from domainflow.dispatch.param_grads import accumulates_into_grad, defer_grad, deferring, reduce_param_grads
+from domainflow.dispatch.param_grads import (accumulates_into_grad, defer_grad, deferring, multi_rank_dims,
+                                             reduce_param_grads)
 from domainflow.errors import ShardingMismatchError, UnsupportedShardedOp
 from domainflow.layout.placements import Partial, Replicate, Shard, normalize_placements
 from domainflow.layout.spec import ShardSpec
@@ -198,6 +199,9 @@ def _plain_grad_hook(tensor):
         if t is not None and t.is_leaf and deferring() and accumulates_into_grad(t):
             dims = _partial_sum_dims(grad._spec)
             if dims:
+                dims = multi_rank_dims(grad._spec.mesh, dims)
+                if not dims:  # pending only over mesh dims of one rank: the local chunk is the whole sum
+                    return grad._local
                 defer_grad(t, grad._local, grad._spec.mesh, dims)
                 return torch.zeros_like(grad._local)
         return replicate_local(grad)
