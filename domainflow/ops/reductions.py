@@ -90,10 +90,6 @@ def _out_shape(shape, red, keepdim):
     return [1 if d in red else n for d, n in enumerate(shape) if keepdim or d not in red]
 
 
-def _sharded_reduced(spec: ShardSpec, red) -> bool:
-    return any(isinstance(p, Shard) and p.dim in red for p in spec.placements)
-
-
 @register_aten(aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim, aten.nansum.default)
 def sum_mean(func, args, kwargs):
     x = args[0]
@@ -346,19 +342,18 @@ class _SumMeanPlan(NamedTuple):
     out_spec: ShardSpec
     in_grad_spec: ShardSpec
     grad_want: ShardSpec  # the output's gradient laid out like the output, partial dims replicated
+    mesh_dims: tuple  # the mesh dims that shard a reduced dim (none: torch's own sum runs locally)
 
 
 @layout_rule
 def _sum_mean_plan(spec: ShardSpec, dims, keepdim: bool, mean: bool) -> _SumMeanPlan:
     from domainflow.tensor.redistribute import grad_spec
 
-    red, where = shapes.reduced_dim_map(spec.ndim, dims, keepdim)
-    count = math.prod(spec.shape[d] for d in red) if mean and red else 1
-    out_shape = _out_shape(spec.shape, red, keepdim)
+    r = _reduction_layout(spec, dims, keepdim, "sum")
+    count = r.count if mean else 1
     in_grad_spec = grad_spec(spec)
-    return _SumMeanPlan(sorted(red), count, 1.0 / count if count else math.nan,
-                        _out_spec(spec, red, where, keepdim, "sum", out_shape), in_grad_spec,
-                        _out_spec(in_grad_spec, red, where, keepdim, None, out_shape))
+    return _SumMeanPlan(r.red, count, 1.0 / count if count else math.nan, r.out_spec, in_grad_spec,
+                        _reduction_layout(in_grad_spec, dims, keepdim, None).out_spec, r.mesh_dims)
 
 
 class _SumMean(torch.autograd.Function):
@@ -419,7 +414,7 @@ def _sum_mean_function(func, args, kwargs):
     if spec.has_partial:
         return run_function_default(func, args, kwargs)
     plan = _sum_mean_plan(spec, dims, bool(keepdim), func in (torch.mean, torch.Tensor.mean))
-    if not _sharded_reduced(spec, plan.red):
+    if not plan.mesh_dims:
         return run_function_default(func, args, kwargs)
     return _SumMean.apply(x, plan, keepdim, dtype)
 
@@ -438,26 +433,22 @@ class _Prod(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, keepdim, dtype):
         spec = x._spec
-        dims = None if dim is None else [dim % x.ndim]
-        red, _ = shapes.reduced_dim_map(x.ndim, dims, keepdim)
-        ctx.spec, ctx.red, ctx.keepdim = spec, sorted(red), keepdim
+        rd, out_spec, _, mesh_dims = _reduction_layout(spec, None if dim is None else (dim % x.ndim,), bool(keepdim), None)
+        ctx.spec, ctx.red, ctx.keepdim, ctx.grad_want = spec, rd, keepdim, out_spec
         local = x._local if dtype is None else x._local.to(dtype)
-        rd = sorted(red)
         zeros = (local == 0).sum(rd, keepdim=True)
         nonzero = torch.where(local == 0, torch.ones_like(local), local)
         if len(rd) == 1:
             nonzero_prod = nonzero.prod(rd[0], keepdim=True)
         else:  # all dims (prod takes one dim or none)
             nonzero_prod = nonzero.prod().reshape([1] * local.ndim)
-        for m, p in enumerate(spec.placements):
-            if isinstance(p, Shard) and p.dim in red:
-                zeros = comm.all_reduce(zeros, "sum", spec.mesh, m)
-                nonzero_prod = comm.all_reduce(nonzero_prod, "product", spec.mesh, m)
+        for m in mesh_dims:
+            zeros = comm.all_reduce(zeros, "sum", spec.mesh, m)
+            nonzero_prod = comm.all_reduce(nonzero_prod, "product", spec.mesh, m)
         ctx.save_for_backward(local, zeros, nonzero_prod)
         out = torch.where(zeros > 0, torch.zeros_like(nonzero_prod), nonzero_prod)
         if not keepdim:
             out = out.squeeze(rd) if rd else out
-        out_spec = _out_spec(spec, red, _, keepdim, None, _out_shape(spec.shape, red, keepdim))
         return ShardTensor(out, out_spec)
 
     @staticmethod
@@ -466,10 +457,8 @@ class _Prod(torch.autograd.Function):
         spec, rd = ctx.spec, ctx.red
         from domainflow.tensor.redistribute import grad_spec
 
-        red = set(rd)
-        _, where = shapes.reduced_dim_map(spec.ndim, rd, ctx.keepdim)
-        want = _out_spec(grad_spec(spec), red, where, ctx.keepdim, None, grad.shape)
-        g = to_spec(grad, want) if isinstance(grad, ShardTensor) else grad
+        # the gradient laid out like the output (replicated over the reduced mesh dims)
+        g = to_spec(grad, ctx.grad_want) if isinstance(grad, ShardTensor) else grad
         if not ctx.keepdim:
             for d in rd:
                 g = g.unsqueeze(d)
@@ -481,8 +470,7 @@ def _prod_function(func, args, kwargs):
     if parsed is None:
         return run_function_default(func, args, kwargs)
     x, dim, keepdim, dtype = parsed
-    red, _ = shapes.reduced_dim_map(x.ndim, None if dim is None else [dim], keepdim)
-    if not _sharded_reduced(x._spec, red) or x._spec.has_partial:
+    if x._spec.has_partial or not _reduction_layout(x._spec, None if dim is None else (dim,), bool(keepdim), None).mesh_dims:
         return run_function_default(func, args, kwargs)
     return _Prod.apply(x, dim, keepdim, dtype)
 
