@@ -18,7 +18,7 @@ from domainflow.layout.placements import Partial, Replicate, Shard, normalize_pl
 from domainflow.layout.spec import ShardSpec
 from domainflow.memo import PLANS, memoized  # PLANS: the one plan cache, re-exported for handlers
 from domainflow.tensor.redistribute import redistribute_local
-from domainflow.tensor.shard_tensor import ShardTensor, TensorMarks, derived_from_local, spec_of_local_shape, target_spec, wrapped_as
+from domainflow.tensor.shard_tensor import ShardTensor, TensorMarks, spec_of_local_shape, target_spec, wrapped_as
 
 _INPLACE = torch.Tag.inplace
 _R = Replicate()
