@@ -19,3 +19,8 @@ class RunError(IngestError):
 
     def __reduce__(self):  # crosses process boundaries (dask workers) intact
         return (RunError, (self.run, self.reason))
+
+
+class WorkerDiedError(IngestError):
+    """A worker process of ``--workers N`` died mid-task (killed: out of memory, most often); the store is left
+    partial and valid, so rerunning the same command resumes it."""

@@ -125,11 +125,44 @@ def _local_counted(finals, workers, bar, counter):
             if key in keys:
                 bar.update(1)
 
+    from concurrent.futures.process import BrokenProcessPool
+
     keys = {t.key for t in finals}
     with worker_pool(workers, counter) as pool, _Progress():
-        results = dask.compute(*finals, scheduler="processes", pool=_Fed(pool, 2 * workers),
-                               chunksize=1)  # one task per batch
+        try:
+            results = dask.compute(*finals, scheduler="processes", pool=_Fed(pool, 2 * workers),
+                                   chunksize=1)  # one task per batch
+        except BrokenProcessPool:  # the pool's "terminated abruptly" says neither why nor what to do
+            raise _worker_died(pool, workers) from None
     yield from results
+
+
+def _worker_died(pool, workers: int):
+    """The one-line error for a worker process that died: how (its exit status, where the pool kept it), what
+    to lower, and that a rerun resumes."""
+    import signal
+
+    from .errors import WorkerDiedError
+
+    # CPython's pool keeps its processes in _processes; once one is gone it SIGTERMs the others itself
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    codes = [p.exitcode for p in procs if getattr(p, "exitcode", None) not in (None, 0)]
+    code = next((c for c in codes if c != -signal.SIGTERM), codes[0] if codes else None)
+    if code is None:
+        how = "died"
+    elif code == -signal.SIGKILL:
+        how = "was killed (SIGKILL, as the system ends a process when memory runs out)"
+    elif code < 0:
+        try:
+            how = f"died of signal {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"died of signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    return WorkerDiedError(
+        f"an ingest worker process {how}; if memory ran out, lower --workers (now {workers}; each worker holds "
+        f"its task's data) or the memory a task takes (ingest cfd: --memory-limit; ingest climate: --time-block), "
+        f"then rerun the same command: the store is left partial and valid, and the rerun resumes it")
 
 
 class _Fed:

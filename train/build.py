@@ -37,7 +37,7 @@ def build_model(cfg: Config, ds) -> torch.nn.Module:
         own = {"transolver": {"dim": m.dim, "layers": m.layers, "heads": m.heads, "slices": m.slices,
                               "mlp_ratio": m.mlp_ratio, "dropout": m.dropout},
                "unet": {"base": m.base, "levels": m.levels}}[m.name]
-        model = model_target.build(model_target.BUILTIN[m.name], {**own, **m.kwargs}, sizes)
+        model = model_target.build(model_target.BUILTIN[m.name], {**own, **m.kwargs}, sizes, f"model.name={m.name!r}")
     return model.to(dtype=dtype_of(cfg), device=comm.mesh_device(ds.axes.domain))
 
 

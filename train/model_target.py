@@ -66,9 +66,11 @@ def resolve(target: str):
     return obj
 
 
-def build(target: str, kwargs: dict, sizes: dict) -> nn.Module:
+def build(target: str, kwargs: dict, sizes: dict, shown: str | None = None) -> nn.Module:
     """``target(**kwargs)`` with the data's ``sizes`` ({"in", "out", "global", "statics"}) filled into the size
-    parameters its signature names and ``kwargs`` leaves unset."""
+    parameters its signature names and ``kwargs`` leaves unset. Whatever the constructor raises becomes one
+    ConfigError naming ``shown`` (a built-in's ``model.name=...``; ``model.target=...`` by default), the kwargs
+    and the exception, chained to it (``DOMAINFLOW_TRACEBACK=1`` shows where it was raised)."""
     fn = resolve(target)
     params = check_kwargs(target, fn, kwargs)
     kw = dict(kwargs)
@@ -79,8 +81,11 @@ def build(target: str, kwargs: dict, sizes: dict) -> nn.Module:
                 break
     try:
         model = fn(**kw)
-    except TypeError as exc:
-        raise ConfigError(f"model.target={target!r} with {kw}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001  (the user's constructor: any exception is theirs, named here)
+        text = " ".join(str(exc).split())
+        fix = "fix model.kwargs or the constructor" if shown is None else "fix the model.* settings"
+        raise ConfigError(f"{shown or f'model.target={target!r}'} with {kw} failed to build: {type(exc).__name__}"
+                          f"{': ' + text if text else ''}; {fix}") from exc
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.target={target!r} returned a {type(model).__name__}, not a torch.nn.Module")
     return model

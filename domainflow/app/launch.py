@@ -6,15 +6,21 @@ which raises :class:`LaunchError` with the first rank's message on one line inst
 tracebacks. Bugs (any other exception) keep their traceback; ``DOMAINFLOW_TRACEBACK=1`` shows it for every
 error. Ctrl-C stops every
 rank and ends in a KeyboardInterrupt in the caller.
+
+A local launch listens on loopback only: its one store (the agent's and, shared, the ranks') is bound to
+127.0.0.1 by the ``domainflow-local`` rendezvous handler registered here, and the ranks' Gloo pairs and NCCL
+bootstrap use the loopback interface. A multi-node job started by the user's torchrun keeps its own addresses.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -26,6 +32,7 @@ from pathlib import Path
 from domainflow.errors import DomainflowError
 
 _ERRORS_ENV = "DOMAINFLOW_LAUNCH_ERRORS"
+_RDZV_BACKEND = "domainflow-local"
 
 
 class LaunchError(DomainflowError, RuntimeError):
@@ -49,17 +56,21 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from domainflow.layout.mesh import LOOPBACK_ENV
+
     if threads_per_rank is not None:
         threads = str(threads_per_rank)
     else:  # an OMP_NUM_THREADS the user set wins over the even split
         threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
+    _register_loopback_rendezvous()
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"domainflow-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
+        rdzv_backend=_RDZV_BACKEND, rdzv_endpoint="", max_restarts=0, monitor_interval=0.1,
         start_method="spawn",
     )
     errors = tempfile.mkdtemp(prefix="domainflow-launch-")
-    extra = {"OMP_NUM_THREADS": threads, _ERRORS_ENV: errors, **(env or {})}
+    # the ranks' Gloo / NCCL sockets on loopback too, whatever interface a cluster profile names
+    extra = {"OMP_NUM_THREADS": threads, _ERRORS_ENV: errors, **LOOPBACK_ENV, **(env or {})}
     saved = {k: os.environ.get(k) for k in extra}
     for k, v in extra.items():  # the spawned ranks inherit these; this process gets its own back
         if v is None:
@@ -89,6 +100,85 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
                 os.environ[k] = v
 
 
+def _loopback_store(timeout_s: float = 300.0):
+    """A TCPStore server listening on 127.0.0.1 only (given a host, TCPStore itself binds every interface)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+    except BaseException:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]
+    # the store takes the bound socket over (and closes it with the server)
+    return TCPStore("127.0.0.1", port, is_master=True, master_listen_fd=sock.detach(),
+                    timeout=timedelta(seconds=timeout_s))
+
+
+def _register_loopback_rendezvous() -> None:
+    """Register the one-machine rendezvous with torch's elastic launcher (a no-op the second time)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(_RDZV_BACKEND, _create_loopback_rendezvous)
+
+
+def _create_loopback_rendezvous(params):
+    """The rendezvous handler of one local launch (torch's registry calls this with the launch's parameters)."""
+    return _loopback_rendezvous_class()(params.run_id)
+
+
+@functools.cache
+def _loopback_rendezvous_class():
+    """Defined on first use, so that importing this module does not import torch."""
+    from torch.distributed import PrefixStore
+    from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousHandler, RendezvousInfo,
+                                                      RendezvousStoreInfo)
+
+    class LoopbackRendezvous(RendezvousHandler):
+        """The rendezvous of a one-machine launch: one agent (the launcher), so no barrier to run; one store
+        on 127.0.0.1, the agent's and, shared, the ranks' (torch's c10d handler binds both of its stores to
+        every interface)."""
+
+        def __init__(self, run_id: str):
+            self._run_id, self._store, self._closed = run_id, None, False
+
+        def get_backend(self) -> str:
+            return _RDZV_BACKEND
+
+        @property
+        def use_agent_store(self) -> bool:
+            return True
+
+        def next_rendezvous(self):
+            if self._closed:
+                raise RendezvousClosedError(f"the local launch {self._run_id} has ended")
+            if self._store is None:
+                self._store = _loopback_store()
+            agent = PrefixStore(f"torch.rendezvous.{self._run_id}", self._store)
+            return RendezvousInfo(agent, 0, 1, RendezvousStoreInfo("127.0.0.1", self._store.port))
+
+        def is_closed(self) -> bool:
+            return self._closed
+
+        def set_closed(self) -> None:
+            self._closed = True
+
+        def num_nodes_waiting(self) -> int:
+            return 0
+
+        def get_run_id(self) -> str:
+            return self._run_id
+
+        def shutdown(self) -> bool:
+            self._closed, self._store = True, None
+            return True
+
+    return LoopbackRendezvous
+
+
 def _rank_entry(fn: Callable, *args):
     """What each launched rank runs: ``fn(*args)``, with user-facing errors left as one line for the launcher."""
     signal.signal(signal.SIGINT, _interrupt_once)
@@ -99,7 +189,10 @@ def _rank_entry(fn: Callable, *args):
         sys.exit(130)
     except (DomainflowError, OSError) as exc:
         folder = os.environ.get(_ERRORS_ENV)
-        if folder is None or os.environ.get("DOMAINFLOW_TRACEBACK"):
+        if folder is None:
+            raise
+        if os.environ.get("DOMAINFLOW_TRACEBACK"):  # asked for: printed as a bug's is (nothing else shows it)
+            _print_traceback()
             raise
         record = {"rank": int(os.environ.get("RANK", "0")), "time": time.time(), "type": type(exc).__name__,
                   "message": str(exc)}
@@ -113,10 +206,15 @@ def _rank_entry(fn: Callable, *args):
         sys.stderr.flush()
         os._exit(1)
     except Exception:
-        # a bug, not a user error: its traceback is what "its output above says why" points at, so print it
-        # here (the elastic agent's own report of it is silenced above, and spawn's is not always shown)
-        print(f"[rank {os.environ.get('RANK', '0')}] " + traceback.format_exc(), file=sys.stderr, flush=True)
+        # a bug, not a user error: its traceback is what "its output above says why" points at
+        _print_traceback()
         raise
+
+
+def _print_traceback() -> None:
+    """The exception being handled, with its chain, on this rank's stderr: the elastic agent's own report of it
+    is silenced (see launch_local), and spawn's is not always shown."""
+    print(f"[rank {os.environ.get('RANK', '0')}] " + traceback.format_exc(), file=sys.stderr, flush=True)
 
 
 def _drop_pending_reads_quietly() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -11,6 +12,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DOMAINFLOW_COLLECTIVE_TIMEOUT", "300"))
+# the loopback interface for Gloo's pairs and NCCL's bootstrap: a 1-rank group, and the ranks of a local launch
+LOOPBACK_ENV = dict.fromkeys(("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"), "lo0" if sys.platform == "darwin" else "lo")
 
 
 def _device_type() -> str:
@@ -38,6 +41,9 @@ def init_mesh(shape: Sequence[int] | int, names: Sequence[str] | str | None = No
         # alone, so a later launch from this process does not mistake it for one of its ranks
         alone = {} if "RANK" in env and "WORLD_SIZE" in env else {"store": dist.HashStore(), "rank": 0,
                                                                    "world_size": 1}
+        if alone:  # it talks to no one: its sockets listen on loopback, for as long as this process lives (Gloo
+            # reads this for every group, the mesh's included; NCCL at its first collective), whatever a profile says
+            env.update(LOOPBACK_ENV)
         backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type not in ("cpu", "cuda"):
             backend = None  # let torch pick the accelerator's default backend

@@ -1,7 +1,7 @@
 """Your own model by import path (``model.target``, ``model.kwargs``): a layer taken from ``torch.nn`` and an FNO
 written in a file of its own (torch ops only, ``torch.fft`` included) train and forecast through the CLI,
 domain-parallel with the single-device values; the checkpoint records the target so ``predict`` rebuilds
-it; a wrong target is one line before any rank starts."""
+it; a wrong target is one line before any rank starts, a constructor that raises one line from every rank."""
 
 from __future__ import annotations
 
@@ -101,6 +101,48 @@ def test_a_wrong_target_is_one_line_before_ranks_start(store, tmp_path):
              "--domain", "2")
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode != 0 and len(lines) == 1 and "not a torch.nn.Module" in lines[0], r.stderr[-2000:]
+
+
+_RAISING_MODEL = """
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, in_channels, out_channels, width=4):
+        super().__init__()
+        if width % 3:
+            raise ValueError(f"width must be a multiple of 3,\\ngot {width}")  # two lines
+        self.conv = nn.Conv2d(in_channels, out_channels, 1)
+
+    def forward(self, x):
+        return self.conv(x)
+"""
+
+
+def test_a_constructor_that_raises_is_one_line_naming_target_kwargs_and_exception(store, tmp_path):
+    """The user's ``__init__`` raises (a ValueError over two lines): one ConfigError line on one rank and from
+    the ranks of a launch, naming the target, the kwargs it was built with and the exception; its traceback,
+    the user's line included, only with DOMAINFLOW_TRACEBACK=1."""
+    (tmp_path / "raising.py").write_text(_RAISING_MODEL)
+    target = f"{tmp_path / 'raising.py'}:Net"
+    args = ["train", "--out", tmp_path / "t", f"data.store={store}", *GRID, f"model.target={target}",
+            'model.kwargs={"width": 4}']
+    want = (f"model.target={target!r} with {{'width': 4, 'in_channels': 5, 'out_channels': 5}} failed to build: "
+            f"ValueError: width must be a multiple of 3, got 4; fix model.kwargs or the constructor")
+    one = run_cli(*args)  # one rank, in this process
+    lines = [x for x in one.stderr.splitlines() if x.strip()]
+    assert one.returncode == 1 and lines == [f"error: {want}"], one.stderr[-2000:]
+    env = {k: v for k, v in ENV.items() if k != "DOMAINFLOW_TRACEBACK"}
+    two = subprocess.run([sys.executable, "-m", "domainflow.app.cli", *map(str, args), "--domain", "2"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    lines = [x for x in two.stderr.splitlines() if x.strip()]
+    assert two.returncode == 1 and len(lines) == 1, two.stderr[-3000:]
+    assert lines[0].startswith("error: rank ") and want in lines[0], lines
+    shown = subprocess.run([sys.executable, "-m", "domainflow.app.cli", *map(str, args), "--domain", "2"],
+                           env={**env, "DOMAINFLOW_TRACEBACK": "1"}, capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 1 and "Traceback (most recent call last)" in shown.stderr, shown.stderr[-3000:]
+    assert 'raise ValueError(f"width must be a multiple of 3' in shown.stderr and want in shown.stderr, \
+        shown.stderr[-3000:]
 
 
 def test_a_torch_nn_model_on_a_mesh_store_and_the_globals_contract(tmp_path):

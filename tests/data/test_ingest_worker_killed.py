@@ -1,0 +1,97 @@
+"""A worker process of ``domainflow ingest --workers N`` killed mid-task (as the out-of-memory killer does): the
+command ends with one line that says a worker died, what to lower and that a rerun resumes; the rerun of the
+same command then completes the store, equal to one ingested without the kill. A real SIGKILL of a real pool
+worker: the task that kills its own process is put in place in this process, which the workers fork from."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pyvista")
+zarr = pytest.importorskip("zarr")
+
+from cli_runner import run_cli  # noqa: E402
+from store_compare import assert_same_store  # noqa: E402
+
+from domainflow.preprocess import ingest_grid, ingest_mesh  # noqa: E402
+
+_PARENT = os.getpid()  # the test process; the pool's workers are its forks
+_VICTIM = {"marker": None, "match": None}  # set by a test before the ingest, inherited by the workers
+_real_partition, _real_block = ingest_mesh.partition_location, ingest_grid.ingest_block
+
+
+def _die_if_victim(what: str) -> None:
+    """In a pool worker (not this process), on the victim's task: note the pid, then SIGKILL the process."""
+    if os.getpid() != _PARENT and _VICTIM["match"] in what:
+        Path(_VICTIM["marker"]).write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _partition_or_die(scans, loc, path, *args, **kw):
+    _die_if_victim(str(path))  # the raw file the run's location is partitioned from
+    return _real_partition(scans, loc, path, *args, **kw)
+
+
+def _block_or_die(reader, store, shown, t0, t1, train):
+    _die_if_victim(f"block {t0}")
+    return _real_block(reader, store, shown, t0, t1, train)
+
+
+def _one_line_worker_death(res, marker: Path) -> str:
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert res.returncode == 1 and len(lines) == 1, res.stderr[-3000:]
+    pid = int(marker.read_text())  # a worker, not this process, was killed
+    assert pid != os.getpid()
+    line = lines[0]
+    assert line.startswith("error: an ingest worker process was killed (SIGKILL"), line
+    assert "lower --workers (now 2" in line and "rerun the same command" in line and "resumes" in line, line
+    return line
+
+
+def test_a_killed_mesh_ingest_worker_is_one_line_and_the_rerun_completes_the_store(tmp_path, monkeypatch):
+    from domainflow.preprocess.synth_drivaerml import synth_drivaerml
+
+    raw = tmp_path / "raw"
+    synth_drivaerml(raw, runs=4, cells=600, seed=1, volume_cells=200, volume_pieces=1)
+    args = ["ingest", "drivaerml", raw, None, "--parts", "4", "--locations", "surface", "--split", "0.5,0.25,0.25",
+            "--quiet"]
+    reference = tmp_path / "reference.zarr"
+    assert run_cli(*[reference if a is None else a for a in args]).returncode == 0
+    store = tmp_path / "s.zarr"
+    cmd = [store if a is None else a for a in args] + ["--workers", "2"]
+    marker = tmp_path / "killed.pid"
+    monkeypatch.setitem(_VICTIM, "marker", str(marker))
+    monkeypatch.setitem(_VICTIM, "match", "run_3")
+    monkeypatch.setattr(ingest_mesh, "partition_location", _partition_or_die)
+    line = _one_line_worker_death(run_cli(*cmd), marker)
+    assert "--memory-limit" in line
+    assert zarr.open_group(store, mode="r").attrs["domainflow"]["complete"] is False
+    monkeypatch.setattr(ingest_mesh, "partition_location", _real_partition)
+    res = run_cli(*cmd)
+    assert res.returncode == 0 and "resumed" in res.stdout, res.stderr[-3000:]
+    assert_same_store(reference, store)
+
+
+def test_a_killed_climate_ingest_worker_is_one_line_and_the_rerun_completes_the_store(tmp_path, monkeypatch):
+    from domainflow.preprocess.synth_climate import synth_climate
+
+    source = synth_climate(tmp_path / "era5.zarr", grid=(8, 16), steps=40, seed=2)
+    args = ["ingest", "climate", source, None, "--time-block", "8", "--split", "0.6,0.2,0.2", "--quiet"]
+    reference = tmp_path / "reference.zarr"
+    assert run_cli(*[reference if a is None else a for a in args]).returncode == 0
+    store = tmp_path / "g.zarr"
+    cmd = [store if a is None else a for a in args] + ["--workers", "2"]
+    marker = tmp_path / "killed.pid"
+    monkeypatch.setitem(_VICTIM, "marker", str(marker))
+    monkeypatch.setitem(_VICTIM, "match", "block 16")
+    monkeypatch.setattr(ingest_grid, "ingest_block", _block_or_die)
+    line = _one_line_worker_death(run_cli(*cmd), marker)
+    assert "--time-block" in line
+    monkeypatch.setattr(ingest_grid, "ingest_block", _real_block)
+    res = run_cli(*cmd)
+    assert res.returncode == 0 and "resumed" in res.stdout, res.stderr[-3000:]
+    assert_same_store(reference, store)
