@@ -11,6 +11,9 @@ DESIGN.md's rules in order, chosen once per op and cached:
    decomposition;
 4. local execution when every ShardTensor input is replicated;
 5. ``UnsupportedShardedOp``, unless ``fallback("gather")`` is active.
+In-place and ``out=`` ops check their destination first: a plain one among ShardTensor operands is written
+whole when none of them is sharded (exact) and refused by name when one is (``toolkit.into_plain``), never
+gathered onto every rank in silence; function handlers given a plain ``out=`` follow the same rule.
 Plain tensors that need gradients (``nn.Parameter``s) count as replicated; the first time one meets a
 ShardTensor it gets a gradient hook that reduces its summed (often Partial) gradient to a plain tensor,
 so partial gradients are summed over the domain exactly once per backward. Parameters passed to a Python
@@ -24,6 +27,7 @@ import torch
 from domainflow.dispatch import fast_path as _fast
 from domainflow.dispatch.registry import REGISTRY
 from domainflow.dispatch.toolkit import hook_plain_grads, run_replicated, shard_tensors, tracing as _tracing
+from domainflow.dispatch.toolkit import into_plain, is_sharded, op_name, plain_destination_error
 from domainflow.dispatch.toolkit import unsupported_or_fallback
 from domainflow.tensor import consistency as _consistency
 from domainflow.tensor.shard_tensor import ShardTensor
@@ -61,12 +65,27 @@ def _engine_function(func, types, args, kwargs):
                     break
     handler = _functions.get(func)
     if handler is not None:
+        if kwargs and kwargs.get("out") is not None and _plain_out(kwargs["out"]):
+            # handlers compute a new result and would drop a plain out=: the rule of in-place ops instead
+            return into_plain(func, args, kwargs, _first_tensor(kwargs["out"]), whole=ShardTensor.full_tensor,
+                              name=f"{op_name(func)}(out=)")
         trace = _tracing.trace
         if trace is not None:
             return _traced_step(trace, _with_handler, handler, func, args, kwargs or {})
         with _no_subclass_functions():  # like torch's default: nested calls skip __torch_function__
             return handler(func, args, kwargs or {})
     return _run_function(func, types, args, kwargs if kwargs is not None else _NO_KWARGS)
+
+
+def _plain_out(out) -> bool:
+    """Whether ``out=`` is a plain tensor, or a tuple of them."""
+    if type(out) in (tuple, list):
+        return all(type(o) is not ShardTensor for o in out) and any(isinstance(o, torch.Tensor) for o in out)
+    return type(out) is not ShardTensor and isinstance(out, torch.Tensor)
+
+
+def _first_tensor(out):
+    return next(o for o in out if isinstance(o, torch.Tensor)) if type(out) in (tuple, list) else out
 
 
 def _with_handler(handler, func, args, kwargs):
@@ -160,8 +179,78 @@ def _route(func):
         route = _decomposed
     else:
         route = _generic
+    if (_INPLACE in func.tags or _OUT in func.tags) and route is not REGISTRY.pointwise:
+        route = _guard_destinations(route, func)  # the pointwise rule checks a plain self in its cached plan
     _routes[func] = route
     return route
+
+
+def _guard_destinations(route, func):
+    """``route`` for an in-place or ``out=`` op, first checking that what it writes into is no plain tensor
+    while ShardTensors are among the operands (``toolkit.into_plain``: exact when they are not sharded,
+    else refused by name, never a silent gather). A ShardTensor ``self`` costs one type test."""
+    writes = tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write)
+    if not writes:
+        return route
+
+    def destinations(args, kwargs):
+        for i, name, kwarg_only in writes:
+            if not kwarg_only and i < len(args):
+                yield args[i]
+            elif kwargs.get(name) is not None:
+                yield kwargs[name]
+
+    def checked(func, args, kwargs):
+        dests = list(destinations(args, kwargs))
+        lists = [d for d in dests if type(d) in (list, tuple)]
+        if lists:  # foreach: per index
+            out = _plain_list_destinations(func, args, kwargs, lists)
+            return route(func, args, kwargs) if out is _ROUTE else out
+        plain = [d for d in dests if type(d) is not ShardTensor and isinstance(d, torch.Tensor)]
+        if not plain:
+            return route(func, args, kwargs)
+        if len(plain) == len(dests):
+            return into_plain(func, args, kwargs, plain[0])
+        if any(is_sharded(s) for s in shard_tensors(args, kwargs)):  # some outputs plain, others ShardTensors
+            raise plain_destination_error(func, next(s for s in shard_tensors(args, kwargs) if is_sharded(s)),
+                                          plain[0])
+        return route(func, args, kwargs)
+
+    if writes[0][:2] == (0, "self") and len(writes) == 1:
+        def guarded(func, args, kwargs):
+            a0 = args[0]
+            if type(a0) is ShardTensor:
+                return route(func, args, kwargs)
+            if type(a0) is list:  # foreach: a list of ShardTensors is the common case
+                for t in a0:
+                    if type(t) is not ShardTensor:
+                        break
+                else:
+                    return route(func, args, kwargs)
+            return checked(func, args, kwargs)
+        return guarded
+    return checked
+
+
+_ROUTE = object()
+
+
+def _plain_list_destinations(func, args, kwargs, lists):
+    """A foreach op writing into lists: every destination plain -> ``into_plain``; a plain one at an index
+    where another list holds a sharded tensor -> refused by name; else ``_ROUTE`` (the route handles it)."""
+    if all(type(t) is ShardTensor for d in lists for t in d):
+        return _ROUTE
+    if not any(type(t) is ShardTensor for d in lists for t in d):
+        return into_plain(func, args, kwargs, next(t for d in lists for t in d if t is not None))
+    others = [a for a in args if type(a) in (list, tuple) and not any(a is d for d in lists)]
+    for d in lists:
+        for j, t in enumerate(d):
+            if type(t) is not ShardTensor and isinstance(t, torch.Tensor):
+                src = next((o[j] for o in others if j < len(o) and is_sharded(o[j])), None)
+                if src is not None:
+                    raise plain_destination_error(func, src, t)
+    return _ROUTE
 
 
 def _decomposed(func, args, kwargs):

@@ -31,7 +31,7 @@ def layout_rule(fn):
 
 
 def shard_tensors(args, kwargs=None) -> list[ShardTensor]:
-    """ShardTensors among ``args`` (one level of lists included) and ``kwargs`` values."""
+    """ShardTensors among ``args`` and ``kwargs`` values (one level of lists included)."""
     out = []
     for a in args:
         if isinstance(a, ShardTensor):
@@ -39,7 +39,11 @@ def shard_tensors(args, kwargs=None) -> list[ShardTensor]:
         elif isinstance(a, (list, tuple)):
             out.extend(x for x in a if isinstance(x, ShardTensor))
     if kwargs:
-        out.extend(v for v in kwargs.values() if isinstance(v, ShardTensor))
+        for v in kwargs.values():
+            if isinstance(v, ShardTensor):
+                out.append(v)
+            elif isinstance(v, (list, tuple)):
+                out.extend(x for x in v if isinstance(x, ShardTensor))
     return out
 
 
@@ -116,6 +120,56 @@ def describe_sharding(sts) -> str:
         parts.append(f"shape {tuple(sp.shape)} sharded on " + (", ".join(dims) if dims else "no dim")
                      + (" (Partial)" if sp.has_partial else ""))
     return "; ".join(parts)
+
+
+def is_sharded(x) -> bool:
+    """Whether ``x`` is a ShardTensor split over some mesh dim (a Shard placement), from its layout alone."""
+    return type(x) is ShardTensor and any(d is not None for d in x._spec.shard_dims)
+
+
+def op_name(op) -> str:
+    """``copy_`` for aten.copy_.default, ``mul(out=)`` for aten.mul.out, ``index_add_`` for Tensor.index_add_."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return getattr(op, "__name__", None) or str(op)
+    name = schema.name.split("::")[-1]
+    return f"{name}(out=)" if torch.Tag.out in op.tags else name
+
+
+def plain_destination_error(op, source: ShardTensor, dest: torch.Tensor, fix: str = "",
+                            name: str | None = None) -> ShardingMismatchError:
+    """The refusal of an op that would write sharded ``source`` into the plain tensor ``dest`` (gathering it
+    onto every rank): one line naming the op (or ``name``), the layouts and the fix."""
+    sp = source._spec
+    names = tuple(getattr(sp.mesh, "mesh_dim_names", None) or ())
+    over = [f"dim {p.dim} over {names[m]!r}" if m < len(names) else f"dim {p.dim} over mesh dim {m}"
+            for m, p in enumerate(sp.placements) if isinstance(p, Shard)]
+    name = name or op_name(op)
+    if name == "copy_":
+        fix = fix or ("; buf[...] = x and buf[..., :m] = x assign through copy_: writing the result out of place "
+                      "(e.g. F.pad(x, ...) around the assigned part) keeps it sharded too")
+    return ShardingMismatchError(
+        f"{name} of a ShardTensor (shape {tuple(sp.shape)} sharded on {', '.join(over)}) into a plain tensor of "
+        f"shape {tuple(dest.shape)} would gather it onto every rank; allocate the destination from the ShardTensor "
+        f"(e.g. torch.zeros_like(x)) so it is sharded too, or call x.full_tensor() explicitly if a full copy is "
+        f"what you want{fix}")
+
+
+def into_plain(func, args, kwargs, dest, fix: str = "", whole=None, name: str | None = None):
+    """An in-place or ``out=`` op whose destination ``dest`` is a plain tensor while ShardTensors are among its
+    operands. Unsharded ones (replicated, or pending sums: reduced) are whole on every rank, so the op runs on
+    plain tensors and writes the same values on every rank: exact. A sharded one would be gathered onto
+    every rank: refused by name (``plain_destination_error``; every rank decides alike, from layouts, before
+    any communication), unless ``fallback('gather')`` is on, which asked for it. ``whole``: how a ShardTensor
+    becomes whole (default ``replicate_local``, below autograd; a function handler passes ``full_tensor``);
+    ``name``: the op's name in the error, where ``func`` does not tell it."""
+    sharded = [s for s in shard_tensors(args, kwargs) if is_sharded(s)]
+    if sharded:
+        if _fallback_mode.current() != "gather":
+            raise plain_destination_error(func, sharded[-1], dest, fix, name)  # the last: the source, not an index
+        _warn_fallback(func, "it writes a sharded operand into a plain tensor")
+    la, lk = _map_shard_tensors(args, kwargs, whole or replicate_local)
+    return func(*la, **lk)
 
 
 # runs ``func`` with __torch_function__ disabled for subclasses (the C implementation torch uses)
@@ -260,24 +314,35 @@ def _unwrap_all(args, kwargs):
     return [u(a) for a in args], {k: u(v) for k, v in kwargs.items()}
 
 
+def _map_shard_tensors(args, kwargs, fn):
+    """``args`` and ``kwargs`` with every ShardTensor (also in lists and tuples) replaced by ``fn(it)``."""
+    def m(a):
+        if isinstance(a, ShardTensor):
+            return fn(a)
+        if isinstance(a, (list, tuple)) and any(isinstance(x, ShardTensor) for x in a):
+            return type(a)(fn(x) if isinstance(x, ShardTensor) else x for x in a)
+        return a
+
+    return [m(a) for a in args], {k: m(v) for k, v in kwargs.items()}
+
+
 def gather_fallback(func, args, kwargs, reason: str):
     """fallback('gather'): full tensors in, op on every rank, outputs re-sharded like the first input
     when the shape allows, else replicated."""
     sts = shard_tensors(args, kwargs)
+    if not sts:
+        raise UnsupportedShardedOp(func, f"{reason}; the gather fallback was handed no ShardTensor operand to take "
+                                         f"the device mesh from")
     _warn_fallback(func, reason)
     mesh = common_mesh(sts, func)
     first = sts[0]._spec
-
-    def full(a):
-        if isinstance(a, ShardTensor):
-            return replicate_local(a)
-        if isinstance(a, (list, tuple)) and any(isinstance(x, ShardTensor) for x in a):
-            return type(a)(replicate_local(x) if isinstance(x, ShardTensor) else x for x in a)
-        return a
-
-    full_args = [full(a) for a in args]
-    out = func(*full_args, **{k: full(v) for k, v in kwargs.items()})
-    if _INPLACE in func.tags and isinstance(args[0], ShardTensor):
+    full_args, full_kwargs = _map_shard_tensors(args, kwargs, replicate_local)
+    out = func(*full_args, **full_kwargs)
+    inplace = _INPLACE in getattr(func, "tags", ())  # func: an aten op, or a Python function (no tags)
+    dest = args[0] if inplace else kwargs.get("out")
+    if dest is not None and not isinstance(dest, ShardTensor):
+        return out  # a plain destination, written whole (what the user opted in to)
+    if inplace:
         # the op wrote into a gathered copy of self: keep self's layout, with the new values
         self_ = args[0]
         spec = self_._spec.reduced()

@@ -23,7 +23,7 @@ import math
 import torch
 
 from domainflow import comm
-from domainflow.dispatch.toolkit import Schema, run_function_default, unsupported_or_fallback
+from domainflow.dispatch.toolkit import Schema, into_plain, run_function_default
 from domainflow.errors import ShardingMismatchError
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_function
@@ -295,6 +295,10 @@ def _scatter(kind: str):
             return run_function_default(func, args, kwargs)
         hit = _sharded_dim(x, dim)
         if hit is None:
+            if inplace and not isinstance(x, ShardTensor):
+                fix = (f"; or use the out-of-place torch.{kind}(buf, ...), whose result is a pending sum over ranks"
+                       if reduce == "sum" and a["include_self"] else "")
+                return into_plain(func, args, kwargs, x, fix, whole=ShardTensor.full_tensor)
             partial = _scatter_to_replicated(kind, a, src)
             if partial is None:
                 return run_function_default(func, args, kwargs)
@@ -376,7 +380,10 @@ def _scatter_to_replicated(kind, a, src):
     shards = [t for t in (index, src) if isinstance(t, ShardTensor) and not t._spec.is_replicated]
     if not shards or isinstance(x, ShardTensor) and not x._spec.is_replicated:
         return None
-    spec = shards[0]._spec
+    if isinstance(src, ShardTensor) and src._spec.has_partial:
+        src = without_partial(src)
+    _check_messages(kind, index, src, a["dim"])
+    spec = next(t for t in (index, src) if isinstance(t, ShardTensor))._spec
     mesh_dims = [k for k, p in enumerate(spec.placements) if isinstance(p, Shard)]
     if not (a["reduce"] == "sum" and a["include_self"]):
         raise ShardingMismatchError(
@@ -400,11 +407,40 @@ def _scatter_to_replicated(kind, a, src):
     return derived_from_local(out, spec.mesh, placements, sharding_shapes={})
 
 
+def _check_messages(kind: str, index, src, dim: int) -> None:
+    """Messages into a replicated (or plain) destination: index and source sharded alike, only along the
+    dim that pairs index entries with source rows (index dim 0 with the source's ``dim`` for index_add /
+    index_reduce, ``dim`` of both for scatters), with the same sizes. Raises naming the fix otherwise (decided
+    from layouts: every rank alike, before any work; a mismatch would otherwise fail on some ranks only)."""
+    what = f"{kind} into a replicated or plain destination"
+    idx = index._spec if isinstance(index, ShardTensor) else None
+    sp = src._spec if isinstance(src, ShardTensor) else None
+    if idx is not None and idx.has_partial:
+        raise ShardingMismatchError(f"{what}: the index is a pending sum (Partial); indices must be whole numbers on "
+                                    f"every rank")
+    idx_dim = 0 if kind.startswith("index") else dim % max(index.ndim, 1)
+    src_dim = dim % max(src.ndim, 1)
+    for m in range((idx if idx is not None else sp).mesh.ndim):
+        pi = idx.placements[m] if idx is not None else None
+        ps = sp.placements[m] if sp is not None else None
+        if not isinstance(pi, Shard) and not isinstance(ps, Shard):
+            continue
+        if not (isinstance(pi, Shard) and isinstance(ps, Shard) and pi.dim == idx_dim and ps.dim == src_dim
+                and idx.sizes[m] == sp.sizes[m]):
+            raise ShardingMismatchError(
+                f"{what}: over mesh dim {m} the index is {_placed(pi, idx, m)} and the source {_placed(ps, sp, m)}; "
+                f"shard both alike, the index on dim {idx_dim} and the source on dim {src_dim} with the same sizes "
+                f"(one index entry per source row), or neither")
+
+
+def _placed(p, spec, m: int) -> str:
+    if isinstance(p, Shard):
+        return f"{p} in sizes {list(spec.sizes[m])}"
+    return "plain" if p is None else str(p)
+
+
 def _finish(func, x, out, inplace):
-    if inplace:
-        if not isinstance(x, ShardTensor):
-            return unsupported_or_fallback(func, (x,), {}, "an in-place scatter into a plain tensor from sharded "
-                                                           "messages (use the out-of-place op)")
+    if inplace:  # x is a ShardTensor here: the handler sends a plain destination to into_plain
         x.copy_(out) if x._spec == out._spec else x.copy_(out.redistribute(x.placements))
         return x
     return out

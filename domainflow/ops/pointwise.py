@@ -9,8 +9,10 @@ from typing import NamedTuple
 import torch
 
 from domainflow.dispatch.registry import REGISTRY
-from domainflow.dispatch.toolkit import hook_plain_grads, hooked_plain_grads, local_exact, relayout, unsupported_or_fallback
-from domainflow.dispatch.toolkit import warn_moved, wrap
+from domainflow.dispatch.toolkit import hook_plain_grads, hooked_plain_grads, into_plain, local_as, local_exact
+from domainflow.dispatch.toolkit import relayout, replicate_local, to_spec, unsupported_or_fallback, warn_moved
+from domainflow.dispatch.toolkit import warn_relayout, wrap
+from domainflow.errors import ShardingMismatchError
 from domainflow.tensor.redistribute import redistribute_local
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.layout.spec import ShardSpec
@@ -106,12 +108,16 @@ def pointwise(func, args, kwargs):
     if plan is _MISS:
         plan = _plans.cached(key, lambda: _plan_pointwise(func, args))
     if isinstance(plan, str):
+        if plan is _PLAIN_SELF:
+            return into_plain(func, args, kwargs, args[0])
         return unsupported_or_fallback(func, args, kwargs, plan)
     if plan.local_only:
         out = func(*[a._local if type(a) is ShardTensor else a for a in args], **kwargs)
         if not plan.inplace:
             local_exact()
     else:
+        if plan.inplace and type(plan.actions[0]) is Relayout and _is_view(args[0]):
+            return _into_view(func, args, kwargs)
         local_args = list(args)
         for act in plan.actions:
             local_args[act.index] = act.local(args[act.index])
@@ -126,6 +132,47 @@ def pointwise(func, args, kwargs):
 
 
 _SCALARS = (int, float, bool, complex)
+
+
+_no_subclass_functions = torch._C.DisableTorchFunctionSubclass
+
+
+def _is_view(x) -> bool:
+    with _no_subclass_functions():
+        return x._is_view()
+
+
+def _into_view(func, args, kwargs):
+    """An in-place op on a view (``buf[:, :m] = y``) whose operands are laid out otherwise: relaying out the view
+    alone would leave its base stale, so the operands are brought to the view's layout instead (a replicated
+    view gathers them; communicates, warned once). A pending-sum view, or an operand that cannot take the
+    view's layout, is refused by name."""
+    self_ = args[0]
+    spec = self_._spec
+    if spec.has_partial:
+        raise ShardingMismatchError(
+            f"{func}: in place on a view of a pending sum (Partial) that its other operands would make reduce; "
+            f"reduce the base first (x = x.redistribute([Replicate()]) or x.full_tensor())")
+    local_args = list(args)
+    for i, a in enumerate(args[1:], 1):
+        if type(a) is ShardTensor:
+            if spec.is_replicated:
+                local_args[i] = replicate_local(a)
+            elif a.shape == self_.shape:
+                local_args[i] = to_spec(a, spec)
+            else:
+                raise ShardingMismatchError(
+                    f"{func}: in place on a view laid out {spec.placements} with an operand of shape {tuple(a.shape)} "
+                    f"laid out {a._spec.placements}; redistribute the operand to the view's layout first")
+        elif isinstance(a, torch.Tensor):
+            local_args[i] = local_as(a, spec)
+    warn_relayout(func, "an in-place op on a view: its operands were brought to the view's layout")
+    func(self_._local, *local_args[1:], **kwargs)
+    return self_
+
+
+# the plan of an in-place op on a plain tensor with ShardTensor operands: toolkit.into_plain decides
+_PLAIN_SELF = "an in-place op on a plain tensor with ShardTensor operands"
 
 
 def _hashable(a):
@@ -144,7 +191,7 @@ def _plan_pointwise(func, args):
     ndim = len(out_shape)
     inplace = _INPLACE in func.tags
     if inplace and not isinstance(args[0], ShardTensor):
-        return "an in-place op on a plain tensor cannot take ShardTensor operands (use an out-of-place op)"
+        return _PLAIN_SELF
     has_scalar = any(not isinstance(a, torch.Tensor) and isinstance(a, (int, float, complex)) for a in args)
     placements: list = []
     sizes: list = []

@@ -82,12 +82,8 @@ def fill_inplace(func, args, kwargs):
 
 @register_aten(aten.copy_.default)
 def copy_(func, args, kwargs):
-    """``dst.copy_(src)``: src is laid out like dst (sliced locally when replicated)."""
-    dst, src = args[0], args[1]
-    if not isinstance(dst, ShardTensor):
-        if isinstance(src, ShardTensor):
-            dst.copy_(replicate_local(src), *args[2:], **kwargs)
-            return dst
+    """``dst.copy_(src)`` into a ShardTensor: src is laid out like dst (sliced locally when replicated). A plain
+    ``dst`` never reaches here: the engine's destination check (``toolkit.into_plain``) decides it first."""
     return pointwise(func, args, kwargs)
 
 
