@@ -35,13 +35,14 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
     - ``time`` (index of t), ``weight`` (0 for a padding step that evens out dp ranks).
 
     ``shard_dims``: ("lat",) or ("lat", "lon"), matched in order with ``domain_axes`` (mesh dim names).
-    A sample's window and target lie inside one range of the split.
+    A sample's window and target lie inside one range of the split. ``stats``: {store key: {"mean", "std"}} to
+    z-score with instead of the store's train statistics for the keys it holds (a trained model's own).
     """
 
     def __init__(self, store, mesh, split: str = "train", shard_dims=("lat",), lead: int = 1, history: int = 1,
                  halo: int = 0, variables=None, normalize: bool = True, shuffle: bool = True, seed: int = 0,
                  prefetch: int = 2, domain_axes=None, dp_axis: str = "dp", dtype: torch.dtype = torch.float32,
-                 static: bool = True):
+                 static: bool = True, stats=None):
         torch.utils.data.IterableDataset.__init__(self)
         EpochStream.__init__(self)
         self.store = store if isinstance(store, Store) else open_store(store)
@@ -87,10 +88,11 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
         from domainflow.comm import mesh_device
 
         self.device = mesh_device(self.axes.domain)
-        self.normalizer = Normalizer(self.store.stats)
+        self.stats = {**self.store.stats, **(stats or {})}
+        self.normalizer = Normalizer(self.stats)
         self._np_dtype = torch.empty((), dtype=dtype).numpy().dtype
         self._day = self._slot = None  # the climatology's (day of year, hour) index of each step, when needed
-        stats = [self.store.stats[f"grid/{v}"] for v in self.variables]
+        stats = [self.stats[f"grid/{v}"] for v in self.variables]
         self._mean = np.array([s["mean"][0] for s in stats], self._np_dtype).reshape(1, -1, 1, 1)
         self._inv_std = np.array([1.0 / (s["std"][0] if s["std"][0] > 0 else 1.0) for s in stats],
                                  self._np_dtype).reshape(1, -1, 1, 1)
@@ -174,7 +176,7 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
                         for c, d in (lon.reads if halo else ((lon.start, lon.stop),))]
                 rows.append(np.concatenate(cols, axis=2))
             block = np.concatenate(rows, axis=1).astype(np.float64)
-            st = [self.store.stats[f"static/{n}"] for n in self.statics]
+            st = [self.stats[f"static/{n}"] for n in self.statics]
             mean = np.array([x["mean"][0] for x in st]).reshape(-1, 1, 1)
             std = np.array([x["std"][0] if x["std"][0] > 0 else 1.0 for x in st]).reshape(-1, 1, 1)
             if self.normalize:
@@ -289,9 +291,9 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
 
     def denormalize(self, x, channel_dim: int = 1):
         """Undo the z-score of a (.., C, ..) prediction whose channels are ``variables`` (in that order)."""
-        mean = torch.tensor([self.store.stats[f"grid/{v}"]["mean"][0] for v in self.variables], dtype=x.dtype,
+        mean = torch.tensor([self.stats[f"grid/{v}"]["mean"][0] for v in self.variables], dtype=x.dtype,
                             device=self.device)
-        std = torch.tensor([self.store.stats[f"grid/{v}"]["std"][0] or 1.0 for v in self.variables],
+        std = torch.tensor([self.stats[f"grid/{v}"]["std"][0] or 1.0 for v in self.variables],
                            dtype=x.dtype, device=self.device)
         shape = [1] * x.ndim
         shape[channel_dim] = len(self.variables)

@@ -35,6 +35,9 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
       ``param_names`` order), ``forces`` and ``forces_constref`` (dicts), ``run`` (its id) and ``weight``
       (1, or 0 for a padding step that evens out the dp ranks; multiply the loss by it).
 
+    ``stats``: {store key: {"mean", "std"}} to z-score with instead of the store's train statistics for the keys
+    it holds (a trained model's own, from its checkpoint, so a prediction never depends on the store it reads).
+
     ``prefetch`` samples are read ahead on a background thread (0: read inline); the order depends only on
     ``seed`` and the epoch (``set_epoch``), so prefetch never changes what is read.
 
@@ -48,7 +51,7 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
     def __init__(self, store, mesh, split: str | None = "train", location: str = "surface",
                  fields=("Cp", "Cf"), inputs=("coords", "normals"), normalize: bool = True, shuffle: bool = True,
                  seed: int = 0, prefetch: int = 2, domain_axis: str = "domain", dp_axis: str = "dp",
-                 dtype: torch.dtype = torch.float32, runs=None, sample_points: int = 0):
+                 dtype: torch.dtype = torch.float32, runs=None, sample_points: int = 0, stats=None):
         torch.utils.data.IterableDataset.__init__(self)
         EpochStream.__init__(self)
         self.store = store if isinstance(store, Store) else open_store(store)
@@ -61,7 +64,8 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
         self.sample_points = int(sample_points)
         self.runs = list(runs) if runs is not None else self.store.runs(split)
         self._check()
-        self.normalizer = Normalizer(self.store.stats)
+        self.stats = {**self.store.stats, **(stats or {})}
+        self.normalizer = Normalizer(self.stats)
         from domainflow.comm import mesh_device
 
         self.device = mesh_device(self.axes.domain)
@@ -70,7 +74,7 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
         self._moments = {}
         if normalize:
             for name in self.inputs + self.fields:
-                s = self.store.stats.get(f"{location}/{name}") if name != "order" else None
+                s = self.stats.get(f"{location}/{name}") if name != "order" else None
                 if s is not None:
                     std = np.asarray(s["std"], np.float64)
                     self._moments[name] = (np.asarray(s["mean"], self._np_dtype),

@@ -12,10 +12,17 @@ Loading verifies the same way first: ``latest`` and ``load`` name a corrupt fold
 ``load_newest_complete`` (``--resume``) falls back to the newest older checkpoint that verifies on every
 rank, deciding the same on every rank. Parameters are replicated, so a checkpoint saved at one domain (or
 dp) size loads at any other.
+
+Nothing is trusted blindly (``checkpoint_files``): a published checkpoint carries ``manifest.json`` with every
+file's SHA-256, checked before it loads (the ranks split the hashing), so a flipped bit is a named error and
+``--resume`` falls back past it; DCP's pickled metadata is read by an unpickler that admits only DCP's own
+classes, so a crafted checkpoint cannot run code. A save that fails on any rank (a full disk) removes its
+scratch folder and raises one ``CheckpointError`` on every rank, the previous checkpoint staying the latest.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -27,10 +34,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from domainflow.errors import DomainflowError
+
+from .checkpoint_files import (MANIFEST, SafePlanner, SafeReader, UnsafeCheckpoint, digest, manifest_problems, own_files,
+                               read_metadata, write_manifest)
 
 SHARED_STORAGE = ("the checkpoint directory{} must be on storage every node can see (a shared filesystem): DCP "
                   "spreads even replicated parameters over the ranks' files, so every rank's file is needed")
@@ -59,10 +68,12 @@ def _gather(obj) -> list:
     return out
 
 
-def problems(path: Path, need_meta: bool = True, save_id: str | None = None) -> list[str]:
+def problems(path: Path, need_meta: bool = True, save_id: str | None = None,
+             share: tuple[int, int] | None = None) -> list[str]:
     """What is wrong with the checkpoint folder ``path`` as this process sees it ([] if nothing): its
-    ``meta.json`` (when ``need_meta``), DCP's ``.metadata`` (from the save ``save_id`` when given) and every
-    file that metadata references, each at least as long as the data it holds."""
+    ``meta.json`` (when ``need_meta``), DCP's ``.metadata`` (from the save ``save_id`` when given), every file
+    that metadata references, each at least as long as the data it holds, and (published checkpoints) every
+    file against ``manifest.json``, this rank hashing its ``share`` (rank, world) of the files."""
     path = Path(path)
     if not path.is_dir():
         return ["the folder does not exist"]
@@ -74,13 +85,19 @@ def problems(path: Path, need_meta: bool = True, save_id: str | None = None) -> 
             found.append("meta.json is missing")
         except (ValueError, KeyError, TypeError) as e:
             found.append(f"meta.json is unreadable ({type(e).__name__}: {e})")
+    if need_meta:
+        checked = manifest_problems(path, share)
+        if checked:
+            return found + checked
     try:
-        md = FileSystemReader(str(path)).read_metadata()
+        md = read_metadata(path)
         need: dict[str, int] = {}
         for info in md.storage_data.values():
             need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
     except FileNotFoundError:
         return found + [".metadata is missing"]
+    except UnsafeCheckpoint as e:
+        return found + [f".metadata is refused: {e}"]
     except Exception as e:  # a garbled pickle can raise almost anything
         return found + [f".metadata is unreadable ({type(e).__name__}: {e})"]
     if save_id is not None and getattr(md.storage_meta, "save_id", None) != save_id:
@@ -115,18 +132,22 @@ def _who_sees_what(views: list[tuple]) -> list[str]:
     return lines[:8] + ([f"and {len(lines) - 8} more groups of ranks"] if len(lines) > 8 else [])
 
 
-def save(folder: Path, step: int, model, optimizer, cfg=None, inputs: dict | None = None) -> Path:
+def save(folder: Path, step: int, model, optimizer, cfg=None, record: dict | None = None) -> Path:
     """Save ``step`` under ``folder`` on every rank; published as ``latest`` only once every rank sees every
-    rank's files there, else every rank raises a ``CheckpointError`` naming who misses what."""
+    rank's files there, with a manifest of their checksums, else every rank raises a ``CheckpointError`` naming
+    who misses what. ``record``: what else ``meta.json`` keeps (the run's identity, its normalisation)."""
     folder = Path(folder)
     final = folder / f"step_{step:08d}"
     scratch = folder / f".step_{step:08d}.partial"
-    if _rank() == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(scratch, ignore_errors=True)
-    _barrier()
+
+    def prepare():
+        if _rank() == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(scratch, ignore_errors=True)
+    _together(prepare, folder, step, scratch)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    saved = dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(scratch))
+    saved = _together(lambda: dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(scratch)),
+                      folder, step, scratch)
     _barrier()
     save_id = getattr(saved.storage_meta, "save_id", None)
     views = _gather((socket.gethostname(), str(scratch.resolve()),
@@ -137,17 +158,63 @@ def save(folder: Path, step: int, model, optimizer, cfg=None, inputs: dict | Non
             f"checkpoint step {step} was not published: {SHARED_STORAGE.format(' ' + str(where.parent))}. Not "
             f"every rank sees every rank's files in {where}: {'; '.join(_who_sees_what(views))}. Set output.dir "
             f"(--out) to a folder on shared storage")
-    if _rank() == 0:
-        meta = {"step": step, "config": cfg.to_dict() if cfg is not None else None, "inputs": inputs}
+    mine = _together(lambda: {n: digest(scratch / n) for n in own_files(scratch, _rank())}, folder, step, scratch)
+    digests = {k: v for part in _gather(mine) for k, v in part.items()}
+
+    def publish():
+        if _rank() != 0:
+            return
+        meta = {"step": step, "config": cfg.to_dict() if cfg is not None else None, **(record or {})}
         (scratch / "meta.json").write_text(json.dumps(meta, indent=1))
+        write_manifest(scratch, digests)
         if final.exists():
             shutil.rmtree(final)
         os.replace(scratch, final)
         tmp = folder / "latest.tmp"
         tmp.write_text(final.name)
         os.replace(tmp, folder / "latest")
-    _barrier()
+    _together(publish, folder, step, scratch)
     return final
+
+
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def _no_space(e: BaseException) -> bool:
+    """``e`` (or a rank's failure inside DCP's error, or its cause) says the disk or quota is full."""
+    if isinstance(e, OSError) and e.errno in _NO_SPACE:
+        return True
+    if isinstance(e, dcp.CheckpointException):
+        return any(_no_space(x) for x, _ in e.failures.values())
+    cause = e.__cause__ or e.__context__
+    return cause is not None and _no_space(cause)
+
+
+def _together(step_fn, folder: Path, step: int, scratch: Path):
+    """Run one part of a save on this rank; when it fails on any rank, remove the scratch folder and raise the
+    same ``CheckpointError`` on every rank (a full disk says what to do), the last checkpoint staying latest."""
+    try:
+        value, error = step_fn(), None
+    except (Exception, dcp.CheckpointException) as e:  # DCP's error is a BaseException
+        value, error = None, (_short(e), _no_space(e))
+    errors = [(r, e) for r, e in enumerate(_gather(error)) if e is not None]
+    if not errors:
+        return value
+    if _rank() == 0:
+        shutil.rmtree(scratch, ignore_errors=True)  # frees the space the partial save took
+    try:
+        last = _candidates(folder)[:1]
+    except OSError:
+        last = []
+    kept = f"the newest checkpoint is still {last[0]}" if last else "no checkpoint was saved before"
+    r, (message, full) = errors[0]
+    if not message.startswith("rank "):  # DCP's own error names its ranks already
+        message = f"rank {r}: {message}"
+    if any(full for _, (_, full) in errors):
+        raise CheckpointError(
+            f"checkpoint step {step} could not be saved in {folder}: no space left on its disk ({message}); "
+            f"{kept}. Free space there (or set output.dir elsewhere) and rerun with --resume")
+    raise CheckpointError(f"checkpoint step {step} could not be saved in {folder}: {message}; {kept}")
 
 
 def _is_checkpoint(path: Path) -> bool:
@@ -188,6 +255,20 @@ def meta(path: Path) -> dict:
     return json.loads((Path(path) / "meta.json").read_text())
 
 
+def head_meta(folder: Path) -> dict | None:
+    """``meta.json`` of the newest checkpoint under ``folder`` whose meta reads, as rank 0 sees it, on every rank
+    (None when there is none): what a resume checks and adopts before it loads."""
+    found = None
+    if _rank() == 0:
+        for path in _candidates(Path(folder)):
+            try:
+                found = meta(path)
+                break
+            except (OSError, ValueError):
+                continue
+    return _gather(found)[0]
+
+
 def _read_into(path: Path, model, optimizer) -> int:
     if optimizer is None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # a placeholder; its state is ignored
@@ -196,7 +277,7 @@ def _read_into(path: Path, model, optimizer) -> int:
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state.get("optim", optim_sd))
     return int(meta(path)["step"])
 
@@ -204,10 +285,12 @@ def _read_into(path: Path, model, optimizer) -> int:
 def _verified_load(path: Path, model, optimizer) -> tuple[int | None, list[str]]:
     """Verify ``path`` on every rank, then load it: (its step, []) on every rank, or (None, why) on every rank
     when any rank finds it incomplete or fails to load it."""
-    views = _gather((socket.gethostname(), str(Path(path).resolve()), problems(path)))
+    share = (_rank(), dist.get_world_size()) if dist.is_initialized() else None
+    views = _gather((socket.gethostname(), str(Path(path).resolve()), problems(path, share=share)))
     why = _who_sees_what(views)
     if why:
-        if any(views[r][2] != views[0][2] for r in range(len(views))):
+        seen = [[f for f in found if "SHA-256" not in f] for _, _, found in views]  # hashing is split over ranks
+        if any(seen[r] != seen[0] for r in range(len(seen))):
             why.append(f"the ranks see different files: {SHARED_STORAGE.format('')}")
         return None, why
     try:
@@ -217,6 +300,9 @@ def _verified_load(path: Path, model, optimizer) -> tuple[int | None, list[str]]
     errors = _gather(error)
     if any(errors):
         return None, [f"loading it failed: {_listing(list(dict.fromkeys(e for e in errors if e)), 3)}"]
+    if _rank() == 0 and not (Path(path) / MANIFEST).exists():
+        warnings.warn(f"checkpoint {path} has no {MANIFEST} (saved before checkpoints carried checksums): its bytes "
+                      f"are not verified", stacklevel=3)
     return step, []
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import normalization
 from .config import Config, ConfigError
 
 _WIDTH = {"coords": 3, "normals": 3, "areas": 1}
@@ -32,8 +33,10 @@ class Batch:
     target: torch.Tensor
 
 
-def build_dataset(cfg: Config, mesh, split: str, shuffle: bool, runs=None, extra_inputs=(), sample_points: int = 0):
-    """The reader for ``split`` (``sample_points``: points drawn per mesh sample, 0: all); a field or input the
+def build_dataset(cfg: Config, mesh, split: str, shuffle: bool, runs=None, extra_inputs=(), sample_points: int = 0,
+                  norm: dict | None = None):
+    """The reader for ``split`` (``sample_points``: points drawn per mesh sample, 0: all), z-scoring with the
+    model's normalisation ``norm`` (a checkpoint's; None: the store's own statistics); a field or input the
     store lacks is refused by the reader, naming the choices the store has."""
     from domainflow.readers import GridDataset, MeshDataset
 
@@ -48,11 +51,11 @@ def build_dataset(cfg: Config, mesh, split: str, shuffle: bool, runs=None, extra
         inputs = tuple(d.inputs) + tuple(i for i in extra_inputs if i not in d.inputs)
         return MeshDataset(d.store, mesh, split=split if runs is None else None, location=d.location,
                            fields=tuple(d.fields), inputs=inputs, shuffle=shuffle, seed=cfg.train.seed,
-                           prefetch=0, dtype=dtype, runs=runs, sample_points=sample_points)
+                           prefetch=0, dtype=dtype, runs=runs, sample_points=sample_points, stats=normalization.stats(norm))
     axes = ("domain",) if len(d.shard_dims) == 1 else ("domain", "lon")
     return GridDataset(d.store, mesh, split=split, shard_dims=tuple(d.shard_dims), lead=d.lead, history=d.history,
                        shuffle=shuffle, seed=cfg.train.seed, prefetch=0, dtype=dtype, domain_axes=axes,
-                       static=d.static)
+                       static=d.static, stats=normalization.stats(norm))
 
 
 def model_io(cfg: Config, ds) -> ModelIO:

@@ -44,7 +44,7 @@ def run_demo(out: str = "demo_output", climate: bool = False, tiny: bool = False
     from .run import run_training
 
     t = time.perf_counter()
-    result = run_training(cfg)
+    result = run_training(cfg, overwrite=True)  # the demo's own folder: each run trains anew
     timings["train + evaluate"] = time.perf_counter() - t
     timings["total"] = time.perf_counter() - t0
     report = {"store": str(store), "train_dir": cfg.output.dir, "timings_s": timings, "result": result,

@@ -29,9 +29,10 @@ FORECAST_SUFFIXES = (".zarr", ".nc")
 
 
 def forecast_config(checkpoint: str, store: str, inits, steps: int, out: str, domain: int = 1, lon: int = 1):
-    """(checkpoint folder, config, initial step indices, output path) with every error that needs no process
-    group raised here, before ranks start: no or a mesh checkpoint, an output that is not .zarr/.nc, steps
-    < 1, an initial time the store does not hold or that has no full input window before it."""
+    """(checkpoint folder, config, initial step indices, output path, the model's normalisation) with every
+    error that needs no process group raised here, before ranks start: no or a mesh checkpoint, an output that
+    is not .zarr/.nc, steps < 1, a store whose channels do not fit the model, an initial time the store does not
+    hold or that has no full input window before it."""
     from domainflow.readers import open_store
 
     out = Path(out)
@@ -67,8 +68,13 @@ def forecast_config(checkpoint: str, store: str, inits, steps: int, out: str, do
             raise ValueError(f"{store} has {H} latitudes and {W} longitudes; --domain {domain} --lon {lon} leaves a "
                              f"rank without any")
         index = [_step_of(i, time, store) for i in inits]
-        trained = meta.get("inputs")
-        if trained:  # the same channels and static fields, in the same order, or the inputs would be mixed up
+        norm = meta.get("normalization")
+        trained = meta.get("inputs")  # a checkpoint from before normalisations were recorded
+        if norm is not None:  # the same channels and static fields, in the same order, or the inputs would mix up
+            from .normalization import check_fits
+
+            check_fits(norm, handle, cfg, f"the checkpoint {path}")
+        elif trained:
             grid = handle.attrs.get("grid", {})
             here = {"variables": list(grid.get("variables", [])),
                     "statics": list(grid.get("static", [])) if cfg.data.static else []}
@@ -82,7 +88,7 @@ def forecast_config(checkpoint: str, store: str, inits, steps: int, out: str, do
     if early:
         raise ValueError(f"initial time {early[0][0]} (step {early[0][1]}) has no {cfg.data.history} input step(s) "
                          f"before it in {store}")
-    return path, cfg, index, out
+    return path, cfg, index, out, norm
 
 
 def _step_of(text: str, time, store) -> int:
@@ -122,9 +128,9 @@ def forecast_main(checkpoint: str, store: str, inits, steps: int, out: str, doma
     from .inference import rollout
     from .predict import PredictionError, together
 
-    path, cfg, index, out = forecast_config(checkpoint, store, inits, steps, out, domain, lon)
+    path, cfg, index, out, norm = forecast_config(checkpoint, store, inits, steps, out, domain, lon)
     mesh = build_mesh(cfg)
-    ds = build_dataset(cfg, mesh, next(iter(_splits(store))), shuffle=False)
+    ds = build_dataset(cfg, mesh, next(iter(_splits(store))), shuffle=False, norm=norm)
     model = build_model(cfg, ds)
     ckpt.load(path, model)
     group = ds.axes.domain

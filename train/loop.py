@@ -26,8 +26,8 @@ import domainflow as df
 from domainflow import comm
 
 from . import checkpoint as ckpt
-from . import fsdp
-from .config import Config
+from . import fsdp, normalization, output_folder, run_identity
+from .config import Config, ConfigError
 from .data import Batch, build_dataset
 from .loggers import Loggers
 from .metrics import evaluate
@@ -68,6 +68,9 @@ class Trainer:
         self.rank = torch.distributed.get_rank()
         self.out = Path(cfg.output.dir)
         self.ds = build_dataset(cfg, self.mesh, "train", shuffle=True, sample_points=cfg.data.sample_points)
+        # what this store gives the model's inputs (a resume or --init-from adopts its checkpoint's instead)
+        self.norm = normalization.from_store(cfg, self.ds.store)
+        self.identity = run_identity.identity(cfg, self.norm)
         self.model = build_model(cfg, self.ds)
         self.sharded = cfg.mesh.dp_strategy == "fsdp"
         if self.sharded:
@@ -146,11 +149,8 @@ class Trainer:
 
     @property
     def param_stats(self):
-        if not hasattr(self, "_param_stats"):
-            from .data import param_stats
-
-            self._param_stats = param_stats(self.ds)
-        return self._param_stats
+        """(mean, std) of the design parameters the model's globals are scaled with (its normalisation's)."""
+        return normalization.params(self.norm)
 
     def _reduce_dp(self, bad: bool, runs: list[str], losses: list[float]) -> float:
         """Sum gradients over dp in one coalesced all-reduce, which also carries the non-finite flag and the
@@ -218,10 +218,41 @@ class Trainer:
         return StepLog(self.step, loss, lr, time.perf_counter() - t0, len(samples))
 
     # -- the job ---------------------------------------------------------------------------------------
-    def fit(self, resume: bool = False) -> dict:
+    def fit(self, resume: bool = False, init_from: str | None = None, overwrite: bool = False,
+            claimed: bool = False) -> dict:
+        """Train (``resume``: from the latest checkpoint of this run; ``init_from``: from another checkpoint's
+        weights, a fresh optimizer and step 0), checkpoint and evaluate. Rank 0 holds the output folder's lock
+        for the whole job unless the caller does (``claimed``); ``overwrite`` replaces a training there."""
+        # a Trainer fitted again goes on with its own run (in memory): no fresh start over its checkpoints
+        lock = None if claimed else self._claim(resume or self.step > 0, overwrite)
+        try:
+            return self._fit(resume, init_from)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _claim(self, resume: bool, overwrite: bool):
+        """Rank 0 takes the output folder (``output_folder.claim``); its verdict is raised on every rank."""
+        lock, error = None, None
+        if self.rank == 0:
+            try:
+                lock = output_folder.claim(self.out, resume, overwrite)
+            except output_folder.OutputFolderError as exc:
+                error = str(exc)
+        errors = comm.all_gather_object_mesh(error, self.mesh)
+        if errors[0] is not None:
+            raise output_folder.OutputFolderError(errors[0])
+        return lock
+
+    def _fit(self, resume: bool, init_from: str | None) -> dict:
         cfg = self.cfg
+        if resume and init_from:
+            raise ConfigError("--resume continues this run from its own checkpoint; --init-from starts a new run from "
+                              "another's weights: give one of them")
         if resume:
             self.resume()
+        elif init_from:
+            self.init_from(init_from)
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
@@ -261,7 +292,7 @@ class Trainer:
         made = []
         runs = [r["run"] for r in evaluation.get("runs", [])]
         if self.cfg.data.kind == "mesh" and runs:
-            result = predict_run(self.model, self.cfg, self.mesh, runs[0], self.param_stats)
+            result = predict_run(self.model, self.cfg, self.mesh, runs[0], self.norm)
             if result is not None:
                 made.append(plots.surface_cp(as_mesh(self.ds.store, result), self.out / "surface_cp.png",
                                              title=f"({runs[0]}, step {self.step})"))
@@ -280,7 +311,7 @@ class Trainer:
         from . import plots
         from .data import build_dataset, make_batch
 
-        ds = build_dataset(self.cfg, self.mesh, self.cfg.data.val_split, shuffle=False)
+        ds = build_dataset(self.cfg, self.mesh, self.cfg.data.val_split, shuffle=False, norm=self.norm)
         sample = ds.wrap(ds.read_region(t, 1.0))
         batch = make_batch(self.cfg, ds, sample, None)
         self.model.eval()
@@ -321,21 +352,48 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def save(self) -> Path:
-        # what the model's input channels are, so a forecast on another store can be checked against them
-        inputs = ({"variables": list(self.ds.variables), "statics": list(self.ds.statics)}
-                  if self.cfg.data.kind == "grid" else None)
-        return ckpt.save(self.ckpt_dir, self.step, self.model, self.opt, self.cfg, inputs)
+        """A checkpoint that carries what defines the run and everything its inputs were scaled with."""
+        record = {"run": self.identity, "normalization": self.norm}
+        return ckpt.save(self.ckpt_dir, self.step, self.model, self.opt, self.cfg, record)
+
+    def _adopt(self, norm: dict | None, where: str) -> None:
+        """Scale inputs and outputs as the checkpoint ``where`` did (``norm``; None: a checkpoint from before
+        normalisations were recorded keeps this store's), refusing a store whose channels do not fit."""
+        if norm is None or norm == self.norm:
+            return
+        normalization.check_fits(norm, self.ds.store, self.cfg, where)
+        self.norm = norm
+        self.ds = build_dataset(self.cfg, self.mesh, "train", shuffle=True, sample_points=self.cfg.data.sample_points,
+                                norm=norm)
 
     def resume(self) -> None:
-        """Continue from the latest checkpoint, or the newest older complete one if it is corrupt (warned)."""
+        """Continue from the latest checkpoint, or the newest older complete one if it is corrupt (warned); a
+        checkpoint of another run (``run_identity``) is refused with both sides named."""
+        head = ckpt.head_meta(self.ckpt_dir)
+        if head is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir}; start without --resume")
+        run_identity.check_same(head, self.identity, self.ckpt_dir)
+        self._adopt(head.get("normalization"), f"the checkpoint under {self.ckpt_dir}")
         found = ckpt.load_newest_complete(self.ckpt_dir, self.model, self.opt)
         if found is None:
             raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir}; start without --resume")
+        run_identity.check_same(ckpt.meta(found[0]), self.identity, found[0])
         self.step = found[1]
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(self.cfg, s),
                                                        last_epoch=self.step - 1)
         for g in self.opt.param_groups:
             g["lr"] = self.cfg.train.lr * lr_factor(self.cfg, self.step)
+
+
+    def init_from(self, source: str) -> None:
+        """Start from the weights of the checkpoint ``source`` (another run's: fine-tuning), with its
+        normalisation, a fresh optimizer and step 0."""
+        path = ckpt.latest(Path(source))
+        if path is None:
+            raise FileNotFoundError(f"--init-from {source}: no checkpoint there (expected a step_<n> folder or a "
+                                    f"checkpoints folder with one)")
+        self._adopt(ckpt.meta(path).get("normalization"), f"the --init-from checkpoint {path}")
+        ckpt.load(path, self.model)
 
 
 def _checkpointed(model, batch):

@@ -70,8 +70,11 @@ def surface_metrics(ds, sample, pred_norm, reference_area: float) -> dict:
             force = force.full_tensor() if isinstance(force, df.ShardTensor) else force
             out[f"cd_{label}"], out[f"cl_{label}"] = float(force[drag]), float(force[lift])
         forces = {k.lower(): v for k, v in sample.get("forces_constref", {}).items()}  # WindsorML writes Cd, Cl
-        if "cd" in forces:
-            out["cd_csv"], out["cl_csv"] = float(forces["cd"]), float(forces.get("cl", float("nan")))
+        for c in ("cd", "cl"):
+            if c in forces:
+                out[f"{c}_csv"] = float(forces[c])
+        if forces:  # a force CSV whose coefficient is missing: named in the summary, never silently dropped
+            out["csv_missing"] = [c for c in ("cd", "cl") if c not in forces]
     return out
 
 
@@ -87,7 +90,7 @@ def evaluate(trainer, split: str) -> dict:
     if split not in store_splits or not store_splits[split]:
         return {}
     extra = ["normals", "areas"] if cfg.data.kind == "mesh" else []
-    ds = build_dataset(cfg, trainer.mesh, split, shuffle=False, extra_inputs=extra)
+    ds = build_dataset(cfg, trainer.mesh, split, shuffle=False, extra_inputs=extra, norm=trainer.norm)
     model = trainer.model
     was_training = model.training
     model.eval()
@@ -159,7 +162,7 @@ def _summarise_grid(rows: list[dict], ds, cfg) -> dict:
     also as the summary's ``model``/``persistence``/``climatology`` entries."""
     from .grid_scores import summarise
 
-    std = [ds.store.stats[f"grid/{v}"]["std"][0] or 1.0 for v in ds.variables]
+    std = [ds.stats[f"grid/{v}"]["std"][0] or 1.0 for v in ds.variables]
     leads = [str(k) for k in cfg.eval.lead_steps]
     by_lead = {}
     for k in leads:
@@ -198,10 +201,28 @@ def _summarise(rows: list[dict], kind: str) -> dict:
         if kind == "mesh":
             keys = [k for k in rows[0][which] if k.startswith("rel_l2")]
             s = {k: sum(r[which][k] for r in rows) / len(rows) for k in keys}
-            if all("cd_pred" in r[which] and "cd_csv" in r[which] for r in rows):  # a layout without force CSVs: none
-                for c in ("cd", "cl"):
-                    s[f"{c}_mae_vs_csv"] = sum(abs(r[which][f"{c}_pred"] - r[which][f"{c}_csv"]) for r in rows) / len(rows)
-                s["cd_true_fields_mae_vs_csv"] = sum(abs(r[which]["cd_true"] - r[which]["cd_csv"]) for r in rows) / len(rows)
+            s.update(_csv_scores(rows, which, out))
         out[which] = s
     out["samples"] = len(rows)
     return out
+
+
+def _csv_scores(rows: list[dict], which: str, summary: dict) -> dict:
+    """The drag and lift errors against the runs' force CSVs; a score some run's CSV cannot give is left out and
+    named in ``summary["not_computed"]`` (which runs lack which coefficient), never dropped silently."""
+    if not all("cd_pred" in r[which] for r in rows) or not any("csv_missing" in r[which] for r in rows):
+        return {}  # no forces integrated (no Cp/Cf/normals/areas) or a layout without force CSVs
+    scores, skipped = {}, summary.setdefault("not_computed", {})
+    for key, (c, side) in CSV_SCORES.items():
+        lacking = [str(r["run"]) for r in rows if f"{c}_csv" not in r[which]]
+        if lacking:
+            skipped[key] = (f"the force CSV (forces_constref) of run(s) {lacking[:6]}"
+                            f"{' ...' if len(lacking) > 6 else ''} has no {c} column")
+        else:
+            scores[key] = sum(abs(r[which][f"{c}_{side}"] - r[which][f"{c}_csv"]) for r in rows) / len(rows)
+    return scores
+
+
+# score: (coefficient, which integral of it is compared with the run's force CSV)
+CSV_SCORES = {"cd_mae_vs_csv": ("cd", "pred"), "cl_mae_vs_csv": ("cl", "pred"),
+              "cd_true_fields_mae_vs_csv": ("cd", "true")}

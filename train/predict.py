@@ -23,17 +23,19 @@ import domainflow as df
 from . import checkpoint as ckpt
 from .config import Config, from_dict
 from .build import build_model
+from . import normalization
 from .data import build_dataset, make_batch, param_stats
 from .inference import infer
 
 
 @torch.no_grad()
-def predict_run(model, cfg: Config, mesh, run: str, stats=None) -> dict | None:
-    """Predicted and true fields of ``run`` in original cell order, physical (non-dimensional) units;
-    the arrays on the first rank, None elsewhere (every rank takes part in the forward)."""
-    ds = build_dataset(cfg, mesh, None, shuffle=False, runs=[run], extra_inputs=["order"])
+def predict_run(model, cfg: Config, mesh, run: str, norm: dict | None = None) -> dict | None:
+    """Predicted and true fields of ``run`` in original cell order, physical (non-dimensional) units, the inputs
+    scaled by the model's normalisation ``norm`` (None: the store's); the arrays on the first rank, None
+    elsewhere (every rank takes part in the forward)."""
+    ds = build_dataset(cfg, mesh, None, shuffle=False, runs=[run], extra_inputs=["order"], norm=norm)
     sample = ds.wrap(ds.read_region(run, 1.0, rank=None))
-    batch = make_batch(cfg, ds, sample, stats if stats is not None else param_stats(ds))
+    batch = make_batch(cfg, ds, sample, _param_scale(norm, ds))
     pred = infer(model, batch, cfg)
     out, k = {}, 0
     for f in ds.fields:
@@ -145,9 +147,10 @@ OUTPUT_SUFFIXES = (".vtp", ".pvtp", ".pvd")
 
 def predict_config(checkpoint: str, store: str, runs, domain: int = 1, block_points: int | None = None,
                    out: str | None = None, pieces: bool = False):
-    """(checkpoint folder, config, [(run, output file, as pieces)]) for a prediction, with every error that
-    needs no process group raised here (the launcher calls it before it starts ranks): no checkpoint, a grid
-    checkpoint, a store or run missing, an output name that does not say what to write."""
+    """(checkpoint folder, config, [(run, output file, as pieces)], the model's normalisation) for a prediction,
+    with every error that needs no process group raised here (the launcher calls it before it starts ranks): no
+    checkpoint, a grid checkpoint, a store or run missing, a store whose fields do not fit the model, an output
+    name that does not say what to write."""
     from domainflow.readers import open_store
 
     runs = [runs] if isinstance(runs, str) else list(runs)
@@ -166,13 +169,16 @@ def predict_config(checkpoint: str, store: str, runs, domain: int = 1, block_poi
         cfg.eval.block_points = block_points
     if cfg.data.kind != "mesh":
         raise ValueError(f"predict writes surface fields; the checkpoint was trained on a {cfg.data.kind} store")
+    norm = meta.get("normalization")
     handle = open_store(store)
     try:
         for run in runs:
             handle.run(run)
+        if norm is not None:
+            normalization.check_fits(norm, handle, cfg, f"the checkpoint {path}")
     finally:
         handle.close()
-    return path, cfg, targets
+    return path, cfg, targets, norm
 
 
 def _targets(runs: list[str], out: str, pieces: bool) -> list[tuple[str, Path, bool]]:
@@ -195,14 +201,20 @@ def _targets(runs: list[str], out: str, pieces: bool) -> list[tuple[str, Path, b
     return [(run, folder / f"{run}{'.pvtp' if pieces else '.vtp'}", pieces) for run in runs]
 
 
+def _param_scale(norm: dict | None, ds):
+    """The design parameters' (mean, std): the model's, or (a checkpoint from before normalisations were
+    recorded) the store's train runs'."""
+    return normalization.params(norm) if norm is not None else param_stats(ds)
+
+
 @torch.no_grad()
-def predict_local(model, cfg: Config, mesh, run: str, stats) -> dict:
+def predict_local(model, cfg: Config, mesh, run: str, norm: dict | None) -> dict:
     """This rank's cells of ``run``: original cell ids (ascending), predicted, true and error fields (physical,
     non-dimensional units) in that order, the cell centres, and this rank's sums of squared errors and truths
     per field (for relative errors); nothing is gathered."""
-    ds = build_dataset(cfg, mesh, None, shuffle=False, runs=[run], extra_inputs=["order", "coords"])
+    ds = build_dataset(cfg, mesh, None, shuffle=False, runs=[run], extra_inputs=["order", "coords"], norm=norm)
     sample = ds.wrap(ds.read_region(run, 1.0))
-    pred = _local(infer(model, make_batch(cfg, ds, sample, stats), cfg))[0]
+    pred = _local(infer(model, make_batch(cfg, ds, sample, _param_scale(norm, ds)), cfg))[0]
     ids = _local(sample["order"]).reshape(-1).long()
     perm = torch.argsort(ids)
     arrays, sums, k = {}, {}, 0
@@ -220,7 +232,7 @@ def predict_local(model, cfg: Config, mesh, run: str, stats) -> dict:
             "store": ds.store, "axes": ds.axes}
 
 
-def write_prediction(model, cfg: Config, mesh, run: str, stats, out: Path, pieces: bool) -> dict:
+def write_prediction(model, cfg: Config, mesh, run: str, norm: dict | None, out: Path, pieces: bool) -> dict:
     """Predict ``run`` and write it to ``out``: each rank writes its own cells as a piece (``pieces``: kept,
     with the ``.pvtp`` index; else assembled into one ``.vtp`` on the first rank, streaming the pieces, which
     are then removed). Every rank returns the run's relative L2 error per field."""
@@ -228,7 +240,7 @@ def write_prediction(model, cfg: Config, mesh, run: str, stats, out: Path, piece
 
     from .predict_output import assemble, write_index, write_piece
 
-    local = predict_local(model, cfg, mesh, run, stats)
+    local = predict_local(model, cfg, mesh, run, norm)
     axes, out = local["axes"], Path(out)
     group, m = axes.domain, 0
     rank, world = axes.coords[0], axes.sizes[0]
@@ -284,18 +296,17 @@ def _local(t):
 def predict_main(checkpoint: str, store: str, runs, out: str, domain: int = 1, block_points: int | None = None,
                  pieces: bool = False) -> int:
     """``domainflow predict``: one rank per domain part (started by the caller)."""
-    path, cfg, targets = predict_config(checkpoint, store, runs, domain, block_points, out, pieces)
+    path, cfg, targets, norm = predict_config(checkpoint, store, runs, domain, block_points, out, pieces)
     mesh = df.init_mesh((1, domain), ("dp", "domain"))
     ds = build_dataset(cfg, mesh, None, shuffle=False, runs=[targets[0][0]])
     model = build_model(cfg, ds)
     ckpt.load(path, model)
-    stats = param_stats(build_dataset(cfg, mesh, "train", shuffle=False))
     rank0 = torch.distributed.get_rank() == 0
     how = (f"; forward in blocks of {cfg.eval.block_points} points over the domain" if cfg.eval.block_points
            else "")
     done = []
     for run, target, as_pieces in targets:
-        res = write_prediction(model, cfg, mesh, run, stats, target, as_pieces)
+        res = write_prediction(model, cfg, mesh, run, norm, target, as_pieces)
         done.append((run, target))
         if rank0:
             kind = f"{domain} pieces and their index" if as_pieces else "one file"

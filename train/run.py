@@ -8,18 +8,25 @@ from pathlib import Path
 from .config import Config, from_dict
 
 
-def rank_main(cfg_dict: dict, resume: bool) -> dict:
-    """One rank's job (module level, so the launcher can start it in a fresh process)."""
+def rank_main(cfg_dict: dict, resume: bool, init_from: str | None = None, overwrite: bool = False,
+              claimed: bool = False) -> dict:
+    """One rank's job (module level, so the launcher can start it in a fresh process); ``claimed``: the process
+    that started the ranks holds the output folder's lock."""
     from .loop import Trainer
 
     cfg = from_dict(cfg_dict)
-    result = Trainer(cfg).fit(resume=resume)
+    result = Trainer(cfg).fit(resume=resume, init_from=init_from, overwrite=overwrite, claimed=claimed)
     return result
 
 
-def run_training(cfg: Config, nproc: int | None = None, resume: bool = False) -> dict:
-    """Train with ``cfg`` on dp x domain ranks; returns rank 0's result (losses, evaluation, paths)."""
+def run_training(cfg: Config, nproc: int | None = None, resume: bool = False, init_from: str | None = None,
+                 overwrite: bool = False) -> dict:
+    """Train with ``cfg`` on dp x domain ranks; returns rank 0's result (losses, evaluation, paths). ``resume``:
+    continue this run from its latest checkpoint; ``init_from``: start from another checkpoint's weights;
+    ``overwrite``: replace a training already in the output folder (refused otherwise)."""
     from domainflow.app.launch import launch_local, under_launcher
+
+    from . import output_folder
 
     need = cfg.mesh.size
     if nproc is not None and nproc != need:
@@ -28,17 +35,25 @@ def run_training(cfg: Config, nproc: int | None = None, resume: bool = False) ->
         raise ConfigError(f"--nproc {nproc} does not match mesh.dp x mesh.domain x mesh.lon = {cfg.mesh.dp} x "
                           f"{cfg.mesh.domain} x {cfg.mesh.lon} = {need}; set --dp/--domain (or mesh.dp / mesh.domain / "
                           f"mesh.lon) so their product is {nproc}")
-    if under_launcher() or need == 1:
-        return rank_main(cfg.to_dict(), resume)
-    preflight(cfg, resume)
-    results = launch_local(rank_main, need, cfg.to_dict(), resume)
-    return results[0]
+    if under_launcher():  # torchrun's ranks: rank 0 takes the output folder
+        return rank_main(cfg.to_dict(), resume, init_from, overwrite)
+    if need > 1:
+        preflight(cfg, resume, init_from)
+    lock = output_folder.claim(cfg.output.dir, resume, overwrite)  # held while the ranks run
+    try:
+        if need == 1:
+            return rank_main(cfg.to_dict(), resume, init_from, overwrite, claimed=True)
+        return launch_local(rank_main, need, cfg.to_dict(), resume, init_from, overwrite, True)[0]
+    finally:
+        if lock is not None:
+            lock.release()
 
 
-def preflight(cfg: Config, resume: bool) -> None:
+def preflight(cfg: Config, resume: bool, init_from: str | None = None) -> None:
     """The errors a job can know before any rank starts: the store (complete, of the right kind, with the
-    fields, inputs, splits and parts the config asks for) and, with ``resume``, a checkpoint to resume from.
-    Raised here, they are one line instead of one traceback per rank."""
+    fields, inputs, splits and parts the config asks for); with ``resume``, a checkpoint of this same run to
+    resume from; with ``init_from``, a checkpoint whose channels fit the store. Raised here, they are one line
+    instead of one traceback per rank."""
     from domainflow.readers import open_store
     from domainflow.readers.mesh_dataset import check_request
 
@@ -62,6 +77,8 @@ def preflight(cfg: Config, resume: bool) -> None:
             missing = [s for s in ("train", d.val_split) if s not in store.splits]
             if missing:
                 raise ConfigError(f"{store.path} has no split(s) {missing}; its splits are {sorted(store.splits)}")
+        if resume or init_from:
+            _check_start(cfg, store, resume, init_from)
     finally:
         store.close()
     from .loggers import check_available
@@ -79,3 +96,22 @@ def preflight(cfg: Config, resume: bool) -> None:
             found = True  # a damaged latest: the ranks fall back to an older one, or say why none works
         if found is None:
             raise FileNotFoundError(f"--resume: no checkpoint under {folder}; start without --resume")
+
+
+def _check_start(cfg: Config, store, resume: bool, init_from: str | None) -> None:
+    """A resume continues a checkpoint of the same run (named differences otherwise); --init-from names a
+    checkpoint whose channels fit ``store``."""
+    from . import checkpoint as ckpt
+    from . import normalization, run_identity
+
+    source = Path(cfg.output.dir) / "checkpoints" if resume else Path(init_from)
+    head = ckpt.head_meta(source)
+    if head is None:
+        if resume:
+            return  # said below: no checkpoint to resume from
+        raise FileNotFoundError(f"--init-from {init_from}: no checkpoint there (expected a step_<n> folder or a "
+                                f"checkpoints folder with one)")
+    if resume:
+        run_identity.check_same(head, run_identity.identity(cfg, normalization.from_store(cfg, store)), source)
+    if head.get("normalization") is not None:
+        normalization.check_fits(head["normalization"], store, cfg, f"the checkpoint under {source}")

@@ -12,6 +12,8 @@ def eval_table(summ: dict, kind: str) -> list[str]:
     model, base = summ.get("model", {}), summ.get("baseline", {})
     for k in model:
         lines.append(f"{k:<28}{model[k]:>12.4f}{base.get(k, float('nan')):>12.4f}")
+    for k, why in summ.get("not_computed", {}).items():
+        lines.append(f"{k:<28}{'not computed':>24}: {why}")
     return lines
 
 

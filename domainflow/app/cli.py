@@ -44,7 +44,8 @@ def _train(args) -> int:
     cfg = load_config(args.config, overrides)
     if args.nproc and cfg.mesh.size == 1 and args.nproc > 1:
         cfg.mesh.domain = args.nproc  # --nproc alone: all ranks on one sample's domain
-    result = run_training(cfg, nproc=args.nproc, resume=args.resume)
+    result = run_training(cfg, nproc=args.nproc, resume=args.resume, init_from=args.init_from,
+                          overwrite=args.overwrite)
     print(train_report(result, cfg))
     return 0
 
@@ -344,7 +345,14 @@ def main(argv=None) -> int:
     train.add_argument("--dp", type=int, default=None, help="data-parallel size (mesh.dp)")
     train.add_argument("--domain", type=int, default=None, help="ranks per sample (mesh.domain)")
     train.add_argument("--out", default=None, help="output folder (output.dir)")
-    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output "
+                                                             "(of the same run: other settings are refused by name)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace a training already in the output folder (without it, a folder holding "
+                            "checkpoints is refused)")
+    train.add_argument("--init-from", default=None, metavar="CKPT",
+                       help="start from the weights (and input scaling) of another run's checkpoint: fine-tuning, with "
+                            "a fresh optimizer at step 0")
     plan = sub.add_parser("plan", help="measure a config's step at domain 1 and predict the memory per rank at "
                                        "every domain size")
     plan.add_argument("config", nargs="?", default=None, help="YAML or TOML config (as for train)")
@@ -403,9 +411,11 @@ def main(argv=None) -> int:
             print("interrupted", file=sys.stderr)
         return 130
     except (ValueError, RuntimeError, OSError) as exc:
+        import os
+
         from domainflow.preprocess.errors import IngestError, RunError
 
-        if args.command == "selfcheck" and not isinstance(exc, IngestError):
+        if (args.command == "selfcheck" and not isinstance(exc, IngestError)) or os.environ.get("DOMAINFLOW_TRACEBACK"):
             raise
         print(f"error: {exc}", file=sys.stderr)
         if isinstance(exc, RunError):

@@ -144,13 +144,17 @@ def _corrupt(ckpt: Path, how: str) -> str:
     if how == "delete":
         data.unlink()
         return r"__1_0\.distcp is missing"
-    if how == "zero":  # full size, so only DCP's load finds it
+    if how == "zero":  # full size, so only its checksum finds it
         data.write_bytes(bytes(data.stat().st_size))
-        return r"loading it failed: .*UnpicklingError"
+        return r"__1_0\.distcp does not match its SHA-256 in manifest\.json"
     if how == "no .metadata":
         (ckpt / ".metadata").unlink()
         return r"\.metadata is missing"
-    if how == "garbled .metadata":
+    if how == "garbled .metadata":  # caught by the manifest's sizes before it is unpickled
+        (ckpt / ".metadata").write_bytes(b"not a pickle")
+        return r"\.metadata is truncated \(12 of \d+ bytes\)"
+    if how == "garbled .metadata, no manifest":  # a checkpoint saved before manifests: unpickling finds it
+        (ckpt / "manifest.json").unlink()
         (ckpt / ".metadata").write_bytes(b"not a pickle")
         return r"\.metadata is unreadable"
     (ckpt / "meta.json").write_text('{"step": 3, "conf')
@@ -173,7 +177,8 @@ def test_resume_skips_a_corrupt_latest_checkpoint_with_a_warning(store, trained,
     assert ckpt.latest(ckpts) == ckpts / "step_00000003" and not ckpt.problems(ckpts / "step_00000003")
 
 
-@pytest.mark.parametrize("how", ["truncate", "delete", "no .metadata", "garbled .metadata", "garbled meta.json"])
+@pytest.mark.parametrize("how", ["truncate", "delete", "no .metadata", "garbled .metadata",
+                                 "garbled .metadata, no manifest", "garbled meta.json"])
 def test_latest_and_load_name_the_corrupt_checkpoint_and_why(trained, tmp_path, how):
     """In this process, without a process group: the checks happen before DCP reads anything."""
     from domainflow.train import checkpoint as ckpt

@@ -1,0 +1,147 @@
+"""Checkpoints are not trusted blindly: a flipped bit is named by its checksum, a crafted ``.metadata`` (a
+pickle that would run a command) is refused by name before any of it runs, byte items load without code, and
+a save that hits a full disk ends in one line on every rank with the last checkpoint kept and the space freed."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli_runner import run_cli
+from test_train import MESH_OVERRIDES
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from domainflow.preprocess.ingest_mesh import MeshOptions, ingest_drivaerml
+    from domainflow.preprocess.synth_drivaerml import synth_drivaerml
+
+    root = tmp_path_factory.mktemp("trust")
+    synth_drivaerml(root / "raw", runs=3, cells=400, seed=9, volume_cells=200, volume_pieces=1, progress=False)
+    ingest_drivaerml(root / "raw", root / "cars.zarr",
+                     MeshOptions(parts=2, locations=("surface",), progress=False, split=(0.67, 0.33, 0.0)))
+    res = run_cli("train", f"data.store={root / 'cars.zarr'}", *MESH_OVERRIDES, "output.plots=false",
+                  "train.steps=2", "train.checkpoint_every=1", "--out", root / "run")
+    assert res.returncode == 0, res.stderr
+    return root
+
+
+class _RunsACommand:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _predict(trained, ckpt, out):
+    return run_cli("predict", ckpt, trained / "cars.zarr", "--run", "run_1", out)
+
+
+@pytest.mark.parametrize("manifest", ["rewritten", "removed"])
+def test_a_crafted_metadata_pickle_is_refused_before_it_runs(trained, tmp_path, manifest):
+    from domainflow.train.checkpoint_files import MANIFEST, write_manifest
+
+    ckpt = tmp_path / "step_00000002"
+    shutil.copytree(trained / "run" / "checkpoints" / "step_00000002", ckpt)
+    marker = tmp_path / "ran"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_RunsACommand(marker)))
+    if manifest == "rewritten":  # whoever crafts the pickle can write a manifest to match
+        (ckpt / MANIFEST).unlink()
+        write_manifest(ckpt, {})
+    else:
+        (ckpt / MANIFEST).unlink()
+    res = _predict(trained, ckpt, tmp_path / "p.vtp")
+    assert res.returncode == 1
+    assert ".metadata is refused: it refers to posix.system, which DCP checkpoint metadata never holds" in res.stderr
+    assert "nothing of it was run" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert not marker.exists()
+
+
+def test_byte_items_load_without_running_code(tmp_path):
+    """DCP's own planner loads non-tensor items with ``weights_only=False``; ours does not."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from domainflow.train.checkpoint_files import SafePlanner
+
+    marker = tmp_path / "ran"
+    buf = io.BytesIO()
+    torch.save(_RunsACommand(marker), buf)
+
+    class Item:
+        dest_index = type("I", (), {"fqn": "optim.param_groups"})()
+
+    planner = SafePlanner()
+    planner.flatten_state_dict, planner.state_dict = False, {}
+    with pytest.raises(pickle.UnpicklingError, match="posix.system"):
+        planner.load_bytes(Item(), io.BytesIO(buf.getvalue()))
+    assert not marker.exists()
+    plain = DefaultLoadPlanner()
+    plain.flatten_state_dict, plain.state_dict = False, {}
+    plain.load_bytes(Item(), io.BytesIO(buf.getvalue()))  # what DCP alone would do: it runs the command
+    assert marker.exists()
+
+
+def test_a_flipped_bit_in_a_checkpoint_shard_is_named(trained, tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    shutil.copytree(trained / "run" / "checkpoints", ckpts)
+    data = ckpts / "step_00000002" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    res = _predict(trained, ckpts, tmp_path / "p.vtp")
+    assert res.returncode == 1
+    assert "__0_0.distcp does not match its SHA-256 in manifest.json" in res.stderr, res.stderr
+    assert f"the newest older complete checkpoint is {ckpts / 'step_00000001'}" in res.stderr, res.stderr
+    assert not (tmp_path / "p.vtp").exists()
+
+
+def _tmpfs_works() -> bool:
+    if not shutil.which("unshare"):
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not _tmpfs_works(),
+                    reason="needs a user+mount namespace for a small tmpfs (unshare -rm), to fill a real disk")
+def test_a_full_disk_while_saving_ends_in_one_line_and_resume_continues(trained, tmp_path):
+    """The output folder on a real tmpfs with room for one checkpoint: the second save fails with ENOSPC."""
+    one = sum(p.stat().st_size for p in (trained / "run" / "checkpoints" / "step_00000001").iterdir())
+    out = tmp_path / "small"
+    out.mkdir()
+    size_kib = (one * 3 // 2) // 1024 + 64  # one checkpoint, the logs and some slack; not two checkpoints
+    train = [sys.executable, "-m", "domainflow.app.cli", "train", f"data.store={trained / 'cars.zarr'}",
+             *MESH_OVERRIDES, "output.plots=false", "train.steps=3", "train.checkpoint_every=1", "--domain", "2",
+             "--out", str(out)]
+    script = (f"mount -t tmpfs -o size={size_kib}k tmpfs {out} || exit 90\n"
+              "\"$@\"; echo FIRST_RC=$?\n"
+              f"echo LEFT=$(ls -A {out}/checkpoints | tr '\\n' ' ')\n"
+              f"mount -o remount,size=64m {out}\n"  # space freed: the same command with --resume goes on
+              "\"$@\" --resume; echo SECOND_RC=$?\n"
+              f"echo LATEST=$(cat {out}/checkpoints/latest)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DOMAINFLOW_COLLECTIVE_TIMEOUT": "60"}
+    res = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", *train], env=env, capture_output=True,
+                         text=True, timeout=300)
+    said = dict(line.split("=", 1) for line in res.stdout.splitlines() if line.split("=", 1)[0] in
+                ("FIRST_RC", "LEFT", "SECOND_RC", "LATEST"))
+    assert said.get("FIRST_RC") == "1", res.stdout + res.stderr
+    err = [line for line in res.stderr.strip().splitlines() if line.strip() and "Warning" not in line]
+    first = next(line for line in err if "could not be saved" in line)
+    assert re.match(r"error: rank \d: checkpoint step 2 could not be saved in .*: no space left on its disk "
+                    r"\(rank 0: .*No space left on device", first), first
+    assert f"the newest checkpoint is still {out}/checkpoints/step_00000001" in first, first
+    assert "Free space there (or set output.dir elsewhere) and rerun with --resume" in first, first
+    assert "Traceback" not in res.stderr, res.stderr
+    assert said["LEFT"].split() == ["latest", "step_00000001"], said  # the partial save's space was freed
+    assert said.get("SECOND_RC") == "0" and said.get("LATEST") == "step_00000003", res.stdout + res.stderr

@@ -1,0 +1,112 @@
+"""What a model's inputs and outputs were scaled with, recorded in each checkpoint so that prediction,
+forecasts, evaluation and resumed training z-score with the model's own statistics, whatever store they read.
+
+A record holds the per-key mean and std (store keys such as ``surface/Cp``, ``grid/t2m``, ``static/lsm``) of
+every model input and output, what those channels are (fields and their components, geometry inputs, grid
+variables and static fields) and, for mesh runs, the design parameters' names, mean and std. A store whose
+channels do not fit the record is refused by name before anything is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+
+from .config import ConfigError
+
+
+def _moments(s: dict) -> dict:
+    return {"mean": [float(v) for v in np.ravel(s["mean"])], "std": [float(v) for v in np.ravel(s["std"])]}
+
+
+def from_store(cfg, store) -> dict:
+    """The normalisation a training with ``cfg`` gets from ``store``: its train statistics of the model's inputs
+    and outputs, and the design parameters' mean and std over its train runs (what ``MeshDataset`` and
+    ``GridDataset`` z-score with when given no ``stats``)."""
+    if cfg.data.kind == "mesh":
+        loc = cfg.data.location
+        names = list(cfg.data.inputs) + list(cfg.data.fields)
+        out = {"kind": "mesh", "location": loc, "inputs": list(cfg.data.inputs), "fields": list(cfg.data.fields),
+               "components": {f: int(store.fields.get(f"{loc}/{f}", {}).get("components", 1)) for f in cfg.data.fields},
+               "stats": {f"{loc}/{n}": _moments(store.stats[f"{loc}/{n}"]) for n in names if f"{loc}/{n}" in store.stats},
+               "params": _params(store) if cfg.data.use_params else None}
+    else:
+        grid = store.attrs.get("grid", {})
+        variables = list(grid.get("variables", []))
+        statics = list(grid.get("static", [])) if cfg.data.static else []
+        keys = [f"grid/{v}" for v in variables] + [f"static/{n}" for n in statics]
+        out = {"kind": "grid", "variables": variables, "statics": statics,
+               "stats": {k: _moments(store.stats[k]) for k in keys if k in store.stats}}
+    out["store"] = str(store.path)
+    return out
+
+
+def _params(store) -> dict | None:
+    """Names, mean and std of the design parameters over the store's train runs (all runs if it has none)."""
+    runs = (store.runs("train") if "train" in store.splits else []) or store.runs()
+    names = sorted(store.run(runs[0]).attrs.get("geometry", {})) if runs else []
+    if not names:
+        return None
+    values = np.array([[store.run(r).attrs.get("geometry", {}).get(k, np.nan) for k in names] for r in runs],
+                      dtype=np.float64)
+    std = values.std(0)
+    return {"names": names, "mean": [float(v) for v in values.mean(0)],
+            "std": [float(v) for v in np.where(std > 0, std, 1.0)]}
+
+
+def stats(norm: dict | None) -> dict | None:
+    """The record's statistics as a reader's ``stats=`` override (None: the store's own)."""
+    return None if norm is None else norm["stats"]
+
+
+def params(norm: dict | None):
+    """(mean, std) of the design parameters the model was trained with, or None."""
+    p = (norm or {}).get("params")
+    return None if not p else (np.asarray(p["mean"], np.float64), np.asarray(p["std"], np.float64))
+
+
+def digest(norm: dict) -> str:
+    """A short hash of the statistics and channels (what "the same training data" means to a resume)."""
+    body = {k: v for k, v in norm.items() if k != "store"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_fits(norm: dict, store, cfg, where: str) -> None:
+    """Refuse ``store`` when the channels a checkpoint's model was trained on (``norm``) are not all there with
+    the same shape (``where``: what the checkpoint is, for the message)."""
+    if norm["kind"] != cfg.data.kind:
+        raise ConfigError(f"{store.path} is a {store.kind} store, but {where} was trained on a {norm['kind']} store")
+    if norm["kind"] == "mesh":
+        loc = norm["location"]
+        have = {}
+        for f in norm["fields"]:
+            info = store.fields.get(f"{loc}/{f}")
+            have[f] = None if info is None else int(info.get("components", 1))
+        bad = {f: have[f] for f in norm["fields"] if have[f] != norm["components"][f]}
+        if bad:
+            raise ConfigError(
+                f"{store.path} does not hold the {loc} fields {where} predicts: it was trained on "
+                f"{_listing(norm['components'])}, the store has {_listing(have)} (None: missing); use a store "
+                f"ingested with the same fields")
+        p = norm.get("params")
+        if p and cfg.data.use_params:
+            runs = store.runs()
+            names = sorted(store.run(runs[0]).attrs.get("geometry", {})) if runs else []
+            if names != p["names"]:
+                raise ConfigError(f"{store.path}'s runs have design parameters {names}, but {where} was trained on "
+                                  f"{p['names']}; use a store ingested with the same layout (geometry CSV)")
+        return
+    grid = store.attrs.get("grid", {})
+    here_vars = list(grid.get("variables", []))
+    here_static = list(grid.get("static", [])) if cfg.data.static else []
+    if here_vars != norm["variables"] or here_static != norm["statics"]:
+        raise ConfigError(f"{store.path} holds channels {here_vars} and static fields {here_static}, but the "
+                          f"checkpoint's model was trained on {norm['variables']} and {norm['statics']} ({where}); use a "
+                          f"store ingested the same way")
+
+
+def _listing(d: dict) -> str:
+    return ", ".join(f"{k} ({v} component{'s' if v != 1 else ''})" if v is not None else f"{k} (None)"
+                     for k, v in d.items())
