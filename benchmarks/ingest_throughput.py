@@ -6,6 +6,9 @@ Prints a table and writes benchmarks/results/ingest_throughput.json. The synthet
 into a scratch folder. Quote the ratios (same machine state), not the absolute rates.
 
 Targets (issue 3): 2 workers >= 1.7x the cells/s of 1 worker; 1 worker within 1.2x of the plain script.
+``--checksum-cost``: also ingest without the chunk checksums (crc32c after zstd, issue 35), interleaved with the
+rest, and report the time with them over the time without (the codecs are swapped in this process, so forked
+workers inherit them; each store is checked to hold the codecs its variant asked for).
 "cores busy" is CPU seconds (user + sys, workers included) per wall second: one worker already keeps
 about 1.2 cores busy, because zarr compresses chunks on a thread while its event loop writes files, so on
 a 2-core machine the ceiling for 2 workers is about 2 / 1.2 = 1.7x. "above imports" is a worker's peak resident
@@ -16,6 +19,7 @@ run's raw size.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import shutil
@@ -78,6 +82,33 @@ def plain_ingest(raw: Path, out: Path, parts: int) -> int:
     return cells
 
 
+@contextlib.contextmanager
+def checksums(on: bool):
+    """Ingests in this block write their chunks with (the store format) or without the crc32c codec."""
+    from zarr.codecs import ZstdCodec
+
+    from domainflow.preprocess import store_writer
+
+    saved = store_writer.compressors
+    if not on:
+        store_writer.compressors = lambda: (ZstdCodec(level=0, checksum=False),)
+    try:
+        yield
+    finally:
+        store_writer.compressors = saved
+
+
+def _check_codecs(store: Path, on: bool) -> None:
+    """Every array of ``store`` carries the crc32c codec (``on``) or none does."""
+    import zarr
+
+    from domainflow.preprocess.store_writer import checksummed
+
+    root = zarr.open_group(store, mode="r")
+    got = {checksummed(a) for _, a in root.members(max_depth=None) if isinstance(a, zarr.Array)}
+    assert got == {on}, f"{store}: arrays with checksums {got}, wanted {on}"
+
+
 def _baseline_rss() -> int:
     """Resident memory of a fresh process that has imported what an ingest worker imports."""
     import subprocess
@@ -105,6 +136,8 @@ def main() -> None:
     ap.add_argument("--cells", type=int, default=300_000, help="surface cells per run (volume the same)")
     ap.add_argument("--parts", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="best of N for each variant (interleaved)")
+    ap.add_argument("--checksum-cost", action="store_true",
+                    help="also ingest without chunk checksums (1 and 2 workers) and report the ratio")
     args = ap.parse_args()
 
     from domainflow.preprocess.ingest_mesh import ingest_drivaerml
@@ -125,15 +158,20 @@ def main() -> None:
             cells = plain_ingest(raw, out, args.parts)
             return {"cells": cells, "peak_rss": peak_memory()}
 
-        def ingest(workers):
+        def ingest(workers, checksummed=True):
             def run(out):
-                report = ingest_drivaerml(raw, out, parts=args.parts, workers=workers, progress=False)
+                with checksums(checksummed):
+                    report = ingest_drivaerml(raw, out, parts=args.parts, workers=workers, progress=False)
+                if args.checksum_cost:
+                    _check_codecs(out, checksummed)
                 return {"cells": report.cells, "peak_rss": report.peak_rss}
             return run
 
         baseline = _baseline_rss()
 
         variants = {"plain script": plain, "ingest, 1 worker": ingest(1), "ingest, 2 workers": ingest(2)}
+        if args.checksum_cost:
+            variants.update({"1 worker, no crc": ingest(1, False), "2 workers, no crc": ingest(2, False)})
         rounds = {name: [] for name in variants}
         for k in range(args.repeats):  # interleaved, best of N: the machine is noisy
             for name, fn in variants.items():
@@ -166,11 +204,26 @@ def main() -> None:
               f"1 worker time / plain time: {vs_plain:.2f}x (target <= 1.2)")
         print(f"2 workers / 1 worker per round: {', '.join(f'{x:.2f}' for x in per_round)} (median "
               f"{statistics.median(per_round):.2f}x)")
+        checksum_cost = {}
+        if args.checksum_cost:  # time with crc32c / time without, best of N and per round (side by side in time)
+            for w in (1, 2):
+                plural = "s" if w > 1 else ""
+                with_, without = f"ingest, {w} worker{plural}", f"{w} worker{plural}, no crc"
+                rounds_ratio = [a["seconds"] / b["seconds"] for a, b in zip(rounds[with_], rounds[without])]
+                cpu = [a["cpu_seconds"] / b["cpu_seconds"] for a, b in zip(rounds[with_], rounds[without])]
+                checksum_cost[f"{w}_workers"] = {"best_ratio": rows[with_]["seconds"] / rows[without]["seconds"],
+                                                 "per_round": rounds_ratio,
+                                                 "median_of_rounds": statistics.median(rounds_ratio),
+                                                 "cpu_per_round": cpu, "cpu_median_of_rounds": statistics.median(cpu)}
+                print(f"checksums (crc32c) on / off, {w} worker(s): {checksum_cost[f'{w}_workers']['best_ratio']:.3f}x "
+                      f"by best time; per round {', '.join(f'{x:.3f}' for x in rounds_ratio)} (median "
+                      f"{statistics.median(rounds_ratio):.3f}x); CPU seconds per round "
+                      f"{', '.join(f'{x:.3f}' for x in cpu)} (median {statistics.median(cpu):.3f}x)")
         out = {"runs": args.runs, "cells_per_run": args.cells, "parts": args.parts, "raw_bytes": raw_bytes,
                "largest_run_bytes": largest_run, "baseline_rss": baseline, "variants": rows, "speedup_2_vs_1": speedup,
                "rounds": rounds, "speedup_per_round": per_round,
                "speedup_median_of_rounds": statistics.median(per_round),
-               "one_worker_time_vs_plain": vs_plain,
+               "one_worker_time_vs_plain": vs_plain, "checksum_cost": checksum_cost,
                "targets": {"speedup_2_vs_1": ">= 1.7", "one_worker_time_vs_plain": "<= 1.2"}}
         RESULTS.mkdir(exist_ok=True)
         tmp = RESULTS / "ingest_throughput.json.tmp"

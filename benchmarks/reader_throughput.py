@@ -33,9 +33,11 @@ not absolute times. The sample is what MeshDataset reads by default: inputs coor
 
 (e) What the integrity guarantees of store format 2 cost a sample: ``read_region`` with its checks (it refuses
     missing chunks, names undecodable ones and ``stat``s the root metadata before and after the sample)
-    against the path before them (plain ``arr[a:b]``, no stat), on this store; and, for the record, the same
-    checks on a copy re-encoded with a zstd content checksum (which would also catch flipped bits; left out
-    of the format for this cost). Best of N per run, summed over runs, interleaved. Target: <= 1.05x.
+    against the path before them (plain ``arr[a:b]``, no stat), both on a copy of the store re-encoded without
+    chunk checksums (as stores were before issue 35): target <= 1.05x. Then the chunk checksums the store
+    now carries (crc32c after zstd, which catch a flipped bit): the same checks on the store as ingested
+    against that copy, and, for the record, on a copy with zstd's own content checksum instead (which checks
+    the decompressed bytes). Best of N per run, summed over runs, interleaved.
 
 torch runs with ``--threads`` intra-op threads (default 1, here and per rank in (c)): with two threads on this
 shared 2-core machine, a busy neighbour process turns the millisecond-scale ops of wrap into tens of ms.
@@ -189,10 +191,9 @@ def read_vs_plain(ds, store_path: Path, runs: list[str], cases, repeats: int) ->
 # --------------------------------------------------------------------------------------------------
 # (e) the cost of the integrity checks
 # --------------------------------------------------------------------------------------------------
-def reencode_with_checksum(src: Path, dst: Path, runs: list[str]) -> None:
-    """A copy of ``src`` whose sample arrays carry a zstd content checksum (same chunks and values)."""
+def reencode(src: Path, dst: Path, runs: list[str], compressors) -> None:
+    """A copy of ``src`` whose sample arrays are encoded with ``compressors`` (same chunks and values)."""
     import zarr
-    from zarr.codecs import ZstdCodec
 
     shutil.copytree(src, dst)
     root = zarr.open_group(dst, mode="r+")
@@ -204,8 +205,7 @@ def reencode_with_checksum(src: Path, dst: Path, runs: list[str]) -> None:
             group, name = (loc["fields"], key.split("/")[1]) if "/" in key else (loc, key)
             del group[name]
             group.create_array(name, shape=values.shape, chunks=old.chunks, dtype=values.dtype, attributes=attrs,
-                               compressors=ZstdCodec(level=0, checksum=True),
-                               config={"write_empty_chunks": True})[...] = values
+                               compressors=compressors, config={"write_empty_chunks": True})[...] = values
 
 
 def _unchecked(ds):
@@ -215,8 +215,11 @@ def _unchecked(ds):
     return ds
 
 
-def integrity_cost(make_ds, path: Path, summed: Path, runs: list[str], cases, repeats: int) -> list[dict]:
-    variants = {"checks": make_ds(path), "no checks": _unchecked(make_ds(path)), "checks + checksum": make_ds(summed)}
+def integrity_cost(make_ds, path: Path, bare: Path, zstd_summed: Path, runs: list[str], cases,
+                   repeats: int) -> list[dict]:
+    """``path``: the store as ingested (crc32c); ``bare``: without checksums; ``zstd_summed``: zstd's instead."""
+    variants = {"checks": make_ds(bare), "no checks": _unchecked(make_ds(bare)), "checks + crc32c": make_ds(path),
+                "checks + zstd checksum": make_ds(zstd_summed)}
     out = []
     for world, rank in cases:
         for ds in variants.values():
@@ -232,7 +235,9 @@ def integrity_cost(make_ds, path: Path, summed: Path, runs: list[str], cases, re
         best = {name: sum(min(v) for v in per.values()) for name, per in times.items()}
         out.append({"world": world, "rank": rank, **{f"{n} s": v for n, v in best.items()},
                     "ratio": best["checks"] / best["no checks"],
-                    "checksum_ratio": best["checks + checksum"] / best["no checks"]})
+                    "crc32c_ratio": best["checks + crc32c"] / best["checks"],
+                    "crc32c_total_ratio": best["checks + crc32c"] / best["no checks"],
+                    "zstd_checksum_ratio": best["checks + zstd checksum"] / best["checks"]})
     return out
 
 
@@ -439,7 +444,10 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=30, help="steps per epoch in (d) (the runs, repeated)")
     ap.add_argument("--compute", choices=("sleep", "busy"), default="sleep", help="simulated compute in (d)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads in this process (and per rank)")
+    ap.add_argument("--only", default="abcde", help="the parts to run, e.g. 'e' (default: all, abcde)")
     args = ap.parse_args()
+    only = set(args.only)
+    a_rows = b_rows = e_rows = c = d = None
 
     import torch
 
@@ -477,90 +485,110 @@ def main() -> None:
                          prefetch=0, normalize=False)
 
         # (a)
-        a_rows = bytes_per_rank(ds, path, runs)
-        print("\n(a) chunk bytes read per rank / whole sample (stored bytes), worst rank and run")
-        print(f"{'W':>3}{'ideal 1/W':>11}{'max':>8}{'mean':>8}{'max/ideal':>11}{'bound':>8}{'met':>6}"
-              f"{'= touched chunks':>18}")
-        for r in a_rows:
-            print(f"{r['world']:>3}{r['ideal']:>11.3f}{r['max_ratio']:>8.3f}{r['mean_ratio']:>8.3f}"
-                  f"{r['max_over_ideal']:>11.2f}{r['min_bound']:>8.3f}{'yes' if r['met'] else 'NO':>6}"
-                  f"{'yes' if r['exactly_touched'] else 'NO':>18}")
-        print("bound = 1/W + 2 x (largest stored chunk of each array) / whole; max/ideal: chunk read amplification; "
-              f"each read_region also reads {a_rows[0]['mean_metadata_bytes'] / 1024:.1f} KiB of zarr.json metadata")
+        a_rows = bytes_per_rank(ds, path, runs) if only & set("ac") else None
+        if a_rows and "a" in only:
+            print("\n(a) chunk bytes read per rank / whole sample (stored bytes), worst rank and run")
+            print(f"{'W':>3}{'ideal 1/W':>11}{'max':>8}{'mean':>8}{'max/ideal':>11}{'bound':>8}{'met':>6}"
+                  f"{'= touched chunks':>18}")
+            for r in a_rows:
+                print(f"{r['world']:>3}{r['ideal']:>11.3f}{r['max_ratio']:>8.3f}{r['mean_ratio']:>8.3f}"
+                      f"{r['max_over_ideal']:>11.2f}{r['min_bound']:>8.3f}{'yes' if r['met'] else 'NO':>6}"
+                      f"{'yes' if r['exactly_touched'] else 'NO':>18}")
+            print("bound = 1/W + 2 x (largest stored chunk of each array) / whole; max/ideal: chunk read amplification; "
+                  f"each read_region also reads {a_rows[0]['mean_metadata_bytes'] / 1024:.1f} KiB of zarr.json metadata")
 
         # (b)
-        b_rows = read_vs_plain(ds, path, runs, [(1, 0), (4, 1)], args.repeats)
-        print(f"\n(b) read_region vs plain zarr slicing of the same rows, best of {args.repeats} per run, "
-              f"summed over {len(runs)} runs")
-        print(f"{'rows of':<14}{'stored MiB':>11}{'reader s':>10}{'plain s':>9}{'plain/reader':>14}{'met':>6}")
-        for r in b_rows:
-            print(f"{'W=%d rank %d' % (r['world'], r['rank']):<14}{r['stored_mib']:>11.1f}{r['reader_s']:>10.3f}"
-                  f"{r['plain_s']:>9.3f}{r['ratio']:>14.2f}{'yes' if r['ratio'] >= 0.9 else 'NO':>6}")
+        if "b" in only:
+            b_rows = read_vs_plain(ds, path, runs, [(1, 0), (4, 1)], args.repeats)
+            print(f"\n(b) read_region vs plain zarr slicing of the same rows, best of {args.repeats} per run, "
+                  f"summed over {len(runs)} runs")
+            print(f"{'rows of':<14}{'stored MiB':>11}{'reader s':>10}{'plain s':>9}{'plain/reader':>14}{'met':>6}")
+            for r in b_rows:
+                print(f"{'W=%d rank %d' % (r['world'], r['rank']):<14}{r['stored_mib']:>11.1f}{r['reader_s']:>10.3f}"
+                      f"{r['plain_s']:>9.3f}{r['ratio']:>14.2f}{'yes' if r['ratio'] >= 0.9 else 'NO':>6}")
 
         # (e)
-        summed = scratch / "checksummed.zarr"
-        reencode_with_checksum(path, summed, runs)
-        e_rows = integrity_cost(lambda p: MeshDataset(p, mesh, split=None, location=LOC, fields=FIELDS, inputs=INPUTS,
-                                                      shuffle=False, prefetch=0, normalize=False),
-                                path, summed, runs, [(1, 0), (4, 1)], args.repeats)
-        print(f"\n(e) cost of the integrity checks per sample: read_region, best of {args.repeats} per run, summed over "
-              f"{len(runs)} runs")
-        print(f"{'rows of':<14}{'no checks s':>12}{'checks s':>10}{'ratio':>7}{'met':>6}{'with a checksum':>17}")
-        for r in e_rows:
-            print(f"{'W=%d rank %d' % (r['world'], r['rank']):<14}{r['no checks s']:>12.4f}{r['checks s']:>10.4f}"
-                  f"{r['ratio']:>7.3f}{'yes' if r['ratio'] <= 1.05 else 'NO':>6}{r['checksum_ratio']:>16.3f}x")
-        print("no checks: the reader before issue 13 (plain slicing); checks: missing/undecodable chunks named and the "
-              "store's root metadata stat-ed before and after; with a checksum: also zstd content checksums")
-        shutil.rmtree(summed)
+        if "e" in only:
+            from zarr.codecs import ZstdCodec
+
+            bare, zstd_summed = scratch / "no-checksums.zarr", scratch / "zstd-checksum.zarr"
+            reencode(path, bare, runs, ZstdCodec(level=0, checksum=False))
+            reencode(path, zstd_summed, runs, ZstdCodec(level=0, checksum=True))
+            e_rows = integrity_cost(lambda p: MeshDataset(p, mesh, split=None, location=LOC, fields=FIELDS, inputs=INPUTS,
+                                                          shuffle=False, prefetch=0, normalize=False),
+                                    path, bare, zstd_summed, runs, [(1, 0), (4, 1)], args.repeats)
+            print(f"\n(e) cost of the integrity checks per sample: read_region, best of {args.repeats} per run, summed over "
+                  f"{len(runs)} runs")
+            print(f"{'rows of':<14}{'no checks s':>12}{'checks s':>10}{'ratio':>7}{'met':>6}{'+ crc32c s':>12}"
+                  f"{'crc32c/checks':>15}{'/no checks':>12}{'zstd checksum/checks':>22}")
+            for r in e_rows:
+                print(f"{'W=%d rank %d' % (r['world'], r['rank']):<14}{r['no checks s']:>12.4f}{r['checks s']:>10.4f}"
+                      f"{r['ratio']:>7.3f}{'yes' if r['ratio'] <= 1.05 else 'NO':>6}{r['checks + crc32c s']:>12.4f}"
+                      f"{r['crc32c_ratio']:>14.3f}x{r['crc32c_total_ratio']:>11.3f}x{r['zstd_checksum_ratio']:>21.3f}x")
+            print("no checks: the reader before issue 13 (plain slicing); checks: missing/undecodable chunks named and the "
+                  "store's root metadata stat-ed before and after (both on a copy without chunk checksums); + crc32c: the "
+                  "store as ingested, whose chunks carry a crc32c (issue 35); zstd checksum: zstd's content checksum "
+                  "instead, for the record")
+            shutil.rmtree(bare)
+            shutil.rmtree(zstd_summed)
 
         # (c)
-        c = region_vs_scatter(path, runs, max(1, args.repeats // 3), whole, args.threads)
-        print(f"\n(c) 4 ranks (Gloo, {args.threads} thread(s) each, on {os.cpu_count()} cores): region reads vs rank 0 "
-              f"reads all + scatter_tensor; slowest rank per iteration over {c['iterations']} iterations")
-        print(f"{'path':<22}{'median s':>9}{'best s':>8}{'max bytes/rank':>16}{'/ whole':>9}   bytes per rank (MiB)")
-        for name, label in (("region", "region reads"), ("scatter", "read all + scatter")):
-            r = c[name]
-            print(f"{label:<22}{r['median_s']:>9.3f}{r['best_s']:>8.3f}{max(r['bytes_per_rank']) / 2**20:>12.1f} MiB"
-                  f"{r['max_bytes_over_whole']:>9.3f}   "
-                  + " ".join(f"{b / 2**20:.1f}" for b in r["bytes_per_rank"]))
-        print(f"scatter time / region time: {c['speedup_median']:.2f}x (median), {c['speedup_best']:.2f}x (best)")
-        a4 = next(r for r in a_rows if r["world"] == 4)
-        exp = [statistics.mean(p["bytes"] for p in a4["per_rank_run"] if p["rank"] == k) for k in range(4)]
-        c["region_bytes_match_a"] = all(abs(x - y) < 0.5 for x, y in zip(exp, c["region"]["bytes_per_rank"]))
-        if not c["region_bytes_match_a"]:
-            print(f"note: real-rank region bytes {c['region']['bytes_per_rank']} differ from (a)'s W=4 {exp}")
+        if "c" in only:
+            c = region_vs_scatter(path, runs, max(1, args.repeats // 3), whole, args.threads)
+            print(f"\n(c) 4 ranks (Gloo, {args.threads} thread(s) each, on {os.cpu_count()} cores): region reads vs rank 0 "
+                  f"reads all + scatter_tensor; slowest rank per iteration over {c['iterations']} iterations")
+            print(f"{'path':<22}{'median s':>9}{'best s':>8}{'max bytes/rank':>16}{'/ whole':>9}   bytes per rank (MiB)")
+            for name, label in (("region", "region reads"), ("scatter", "read all + scatter")):
+                r = c[name]
+                print(f"{label:<22}{r['median_s']:>9.3f}{r['best_s']:>8.3f}{max(r['bytes_per_rank']) / 2**20:>12.1f} MiB"
+                      f"{r['max_bytes_over_whole']:>9.3f}   "
+                      + " ".join(f"{b / 2**20:.1f}" for b in r["bytes_per_rank"]))
+            print(f"scatter time / region time: {c['speedup_median']:.2f}x (median), {c['speedup_best']:.2f}x (best)")
+            a4 = next(r for r in a_rows if r["world"] == 4)
+            exp = [statistics.mean(p["bytes"] for p in a4["per_rank_run"] if p["rank"] == k) for k in range(4)]
+            c["region_bytes_match_a"] = all(abs(x - y) < 0.5 for x, y in zip(exp, c["region"]["bytes_per_rank"]))
+            if not c["region_bytes_match_a"]:
+                print(f"note: real-rank region bytes {c['region']['bytes_per_rank']} differ from (a)'s W=4 {exp}")
 
         # (d)
-        d = stall(path, mesh, runs, args.samples, args.compute)
-        print(f"\n(d) data stall over {d['samples']} samples; compute per sample = mean load time "
-              f"{d['load_s'] * 1e3:.1f} ms ({'time.sleep' if d['compute'] == 'sleep' else 'busy numpy'})")
-        print(f"  a load = read_region {d['read_s'] * 1e3:.1f} ms (prefetchable; includes the z-score) + wrap "
-              f"{d['wrap_s'] * 1e3:.1f} ms on the consumer thread")
-        print(f"{'prefetch':>8}{'normalize':>10}{'epoch':>6}{'loop s':>8}{'waiting s':>11}{'stall':>8}{'steady':>8}"
-              f"{'first wait ms':>15}{'later wait ms median/max':>26}")
-        for m in d["modes"].values():
-            print(f"{m['prefetch']:>8}{'on' if m['normalize'] else 'off':>10}{m['epoch']:>6}{m['loop_s']:>8.2f}"
-                  f"{m['wait_s']:>11.3f}"
-                  f"{m['stall']:>8.1%}{m['steady_stall']:>8.1%}{m['first_wait_s'] * 1e3:>15.1f}"
-                  f"{m['median_later_wait_s'] * 1e3:>17.1f} / {m['max_later_wait_s'] * 1e3:<6.1f}")
-        sp = d["split_prefetch2"]
-        print(f"  prefetch 2, normalize on, next() split (a second loop): waiting for the read "
-              f"{sp['queue_wait_s']:.3f} s "
-              f"({sp['queue_wait_later_s']:.3f} s after the first sample), wrap {sp['wrap_s']:.3f} s (median "
-              f"{sp['median_wrap_s'] * 1e3:.1f} ms/sample) of {sp['loop_s']:.2f} s: stall {sp['stall']:.1%}")
-        print("stall = time in next() (waiting for the read if not ready + wrap into ShardTensors) / loop time; "
-              "steady: without the epoch's first sample; epoch 2: the second pass over the same dataset, whose first "
-              "samples were read while epoch 1 finished (every epoch after the first in training)")
+        if "d" in only:
+            d = stall(path, mesh, runs, args.samples, args.compute)
+            print(f"\n(d) data stall over {d['samples']} samples; compute per sample = mean load time "
+                  f"{d['load_s'] * 1e3:.1f} ms ({'time.sleep' if d['compute'] == 'sleep' else 'busy numpy'})")
+            print(f"  a load = read_region {d['read_s'] * 1e3:.1f} ms (prefetchable; includes the z-score) + wrap "
+                  f"{d['wrap_s'] * 1e3:.1f} ms on the consumer thread")
+            print(f"{'prefetch':>8}{'normalize':>10}{'epoch':>6}{'loop s':>8}{'waiting s':>11}{'stall':>8}{'steady':>8}"
+                  f"{'first wait ms':>15}{'later wait ms median/max':>26}")
+            for m in d["modes"].values():
+                print(f"{m['prefetch']:>8}{'on' if m['normalize'] else 'off':>10}{m['epoch']:>6}{m['loop_s']:>8.2f}"
+                      f"{m['wait_s']:>11.3f}"
+                      f"{m['stall']:>8.1%}{m['steady_stall']:>8.1%}{m['first_wait_s'] * 1e3:>15.1f}"
+                      f"{m['median_later_wait_s'] * 1e3:>17.1f} / {m['max_later_wait_s'] * 1e3:<6.1f}")
+            sp = d["split_prefetch2"]
+            print(f"  prefetch 2, normalize on, next() split (a second loop): waiting for the read "
+                  f"{sp['queue_wait_s']:.3f} s "
+                  f"({sp['queue_wait_later_s']:.3f} s after the first sample), wrap {sp['wrap_s']:.3f} s (median "
+                  f"{sp['median_wrap_s'] * 1e3:.1f} ms/sample) of {sp['loop_s']:.2f} s: stall {sp['stall']:.1%}")
+            print("stall = time in next() (waiting for the read if not ready + wrap into ShardTensors) / loop time; "
+                  "steady: without the epoch's first sample; epoch 2: the second pass over the same dataset, whose first "
+                  "samples were read while epoch 1 finished (every epoch after the first in training)")
 
-        targets = {
-            "a_bytes_per_rank_le_1_over_W_plus_2_chunks": all(r["met"] for r in a_rows),
-            "b_plain_over_reader_ge_0.9": all(r["ratio"] >= 0.9 for r in b_rows),
-            "d_stall_with_prefetch_lt_5pct (epoch 2)": d["modes"]["prefetch=2 normalize=True epoch=2"]["stall"] < 0.05,
-            "e_integrity_checks_le_1.05x": all(r["ratio"] <= 1.05 for r in e_rows),
-        }
+        targets = {}
+        if a_rows is not None and "a" in only:
+            targets["a_bytes_per_rank_le_1_over_W_plus_2_chunks"] = all(r["met"] for r in a_rows)
+        if b_rows is not None:
+            targets["b_plain_over_reader_ge_0.9"] = all(r["ratio"] >= 0.9 for r in b_rows)
+        if d is not None:
+            targets["d_stall_with_prefetch_lt_5pct (epoch 2)"] = \
+                d["modes"]["prefetch=2 normalize=True epoch=2"]["stall"] < 0.05
+        if e_rows is not None:
+            targets["e_integrity_checks_le_1.05x"] = all(r["ratio"] <= 1.05 for r in e_rows)
         print("\ntargets: " + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in targets.items())
-              + f"; (c) no target: read-all + scatter time / region time = {c['speedup_median']:.2f}x")
+              + (f"; (c) no target: read-all + scatter time / region time = {c['speedup_median']:.2f}x" if c else ""))
 
+        if only != set("abcde"):
+            print(f"parts {''.join(sorted(only))} only: {RESULTS / 'reader_throughput.json'} left as it is")
+            return
         out = {"runs": len(runs), "cells_per_run": args.cells, "parts": args.parts, "chunk_bytes": args.chunk_bytes,
                "sample_stored_bytes": whole, "sample_raw_bytes": raw_bytes, "cpu_count": os.cpu_count(),
                "torch_threads": args.threads,
@@ -570,7 +598,8 @@ def main() -> None:
                "e_integrity_cost": e_rows,
                "targets": {"a": "bytes per rank / whole <= 1/W + 2 chunks", "b": "plain time / reader time >= 0.9",
                            "d": "stall with prefetch < 5%",
-                           "e": "read_region with the integrity checks / without them <= 1.05"},
+                           "e": "read_region with the integrity checks / without them <= 1.05 (no chunk checksums "
+                                "on either side; the crc32c's own cost is crc32c_ratio)"},
                "targets_met": targets}
         RESULTS.mkdir(parents=True, exist_ok=True)
         tmp = RESULTS / "reader_throughput.json.tmp"

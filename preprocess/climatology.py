@@ -51,12 +51,12 @@ def climatology_band(store: str, channel: int, r0: int, r1: int, train_ranges, w
     import zarr
 
     from .splits import time_mask
-    from .store_writer import for_writing
+    from .store_writer import for_writing, read_back
 
     root = zarr.open_group(store, mode="r+")
     data, out = root["data"], for_writing(root["climatology"])
     time = root["time"]
-    day, slot, hours = layout(np.asarray(time[...]), dict(time.attrs))
+    day, slot, hours = layout(read_back(store, time), dict(time.attrs))  # a damaged chunk: named
     train = time_mask(train_ranges, data.shape[0])
     W = data.shape[3]
     dated = out.shape[0] == DAYS
@@ -66,7 +66,8 @@ def climatology_band(store: str, channel: int, r0: int, r1: int, train_ranges, w
     steps = np.flatnonzero(train)
     for a in range(0, len(steps), block):  # contiguous stretches of train steps, a block at a time
         idx = steps[a:a + block]
-        values = np.asarray(data.get_orthogonal_selection((idx, channel, slice(r0, r1), slice(None))), np.float64)
+        values = read_back(store, data, (idx, channel, slice(r0, r1), slice(None)), orthogonal=True)
+        values = values.astype(np.float64)
         d = day[idx] if dated else np.zeros(len(idx), np.int64)
         np.add.at(sums, (d, slot[idx]), values)
         np.add.at(counts, (d, slot[idx]), 1)

@@ -38,7 +38,7 @@ from .parallel import peak_memory, reset_peak_memory, run_tasks
 from .report import IngestReport
 from .splits import check_fractions, read_split_file, split_times, time_mask
 from .stats import RunningStats, merge_all
-from .store_writer import TARGET_CHUNK_BYTES, StoreWriter, chunk_options, for_writing
+from .store_writer import TARGET_CHUNK_BYTES, StoreWriter, create_array, for_writing, read_back
 
 
 @dataclass
@@ -108,8 +108,8 @@ def ingest_block(reader: SourceReader, store: str, shown: str, t0: int, t1: int,
         inf = np.isinf(block[:, c])
         if inf.any():
             raise RunError(f"time block {t0}..{t1}", f"{shown}: " + _where(
-                root, channel, int(inf.sum()), [int(v[0]) + t0 if k == 0 else int(v[0])
-                                                for k, v in enumerate(np.nonzero(inf))],
+                store, root, channel, int(inf.sum()), [int(v[0]) + t0 if k == 0 else int(v[0])
+                                                       for k, v in enumerate(np.nonzero(inf))],
                 "infinite values or values beyond float32") + "; fix them before ingest")
         count, first = first_missing(block[:, c])
         if count:
@@ -128,12 +128,13 @@ def ingest_block(reader: SourceReader, store: str, shown: str, t0: int, t1: int,
             "peak_rss": peak_memory(), "start_rss": rss0}
 
 
-def _where(root, channel, count: int, first, what: str) -> str:
-    """``variable 'x' holds N <what> (first at time index k (date), latitude .., longitude ..)``."""
+def _where(store, root, channel, count: int, first, what: str) -> str:
+    """``variable 'x' holds N <what> (first at time index k (date), latitude .., longitude ..)``; the
+    coordinates are read back from ``store`` (a damaged chunk of them is named)."""
     step, i, j = first
     name = f"variable {channel.variable!r}" + (f" at {channel.hpa:g} hPa" if channel.hpa is not None else "")
-    when = _date(root["time"], step)
-    lat, lon = float(root["lat"][i]), float(root["lon"][j])
+    when = _date(store, root["time"], step)
+    lat, lon = float(read_back(store, root["lat"], i)), float(read_back(store, root["lon"], j))
     return (f"{name} holds {count} {what} (first at time index {step}{f' ({when})' if when else ''}, "
             f"latitude {lat:g}, longitude {lon:g})")
 
@@ -143,9 +144,9 @@ def _read_as_missing(keys) -> str:
     return "".join(f" (values equal to its {k} {x} read as missing)" for k, x in keys)
 
 
-def _date(time_array, k: int) -> str | None:
+def _date(store, time_array, k: int) -> str | None:
     """Time step ``k`` of the store as a date, when its units say how."""
-    dates = time_axis.decode(np.asarray(time_array[k:k + 1]), dict(time_array.attrs))
+    dates = time_axis.decode(read_back(store, time_array, slice(k, k + 1)), dict(time_array.attrs))
     return None if dates is None else time_axis.label(dates[0])
 
 
@@ -210,14 +211,14 @@ def _ingest_blocks(writer: StoreWriter, source: Path, store: Path, src: ClimateS
     for name, values, attrs in (("lat", src.lat, {"units": "degrees_north"}),
                                 ("lon", src.lon, {"units": "degrees_east"}),
                                 ("time", src.time, src.time_attrs)):
-        arr = root[name] if name in root else root.create_array(
-            name, shape=values.shape, dtype=values.dtype, chunks=values.shape, dimension_names=[name],
-            attributes=attrs, **chunk_options())
+        arr = root[name] if name in root else create_array(
+            root, name, shape=values.shape, dtype=values.dtype, chunks=values.shape, dimension_names=[name],
+            attributes=attrs)
         for_writing(arr)[...] = values
     static_stats, static_missing = _statics(root, src, fill, tile)
     if "data" not in root:
-        root.create_array("data", shape=(T, len(channels), H, W), chunks=(1, 1, hc, wc), dtype="float32",
-                          dimension_names=["time", "channel", "lat", "lon"], **chunk_options())
+        create_array(root, "data", shape=(T, len(channels), H, W), chunks=(1, 1, hc, wc), dtype="float32",
+                     dimension_names=["time", "channel", "lat", "lon"])
     done = writer.finished_blocks()
     blocks = [(a, min(a + block, b)) for s, b in src.reader.spans() for a in range(s, b, block)]
     names = {f"{a:09d}-{b:09d}": (a, b) for a, b in blocks}
@@ -299,9 +300,9 @@ def _statics(root, src: ClimateSource, fill: dict, tile: tuple[int, int]) -> tup
         maps[k] = m
         stats[f"static/{f.name}"] = st.to_attrs()
     hc, wc = tile
-    arr = root["static"] if "static" in root else root.create_array(
-        "static", shape=maps.shape, dtype="float32", chunks=(1, hc, wc), dimension_names=["static", "lat", "lon"],
-        **chunk_options())
+    arr = root["static"] if "static" in root else create_array(
+        root, "static", shape=maps.shape, dtype="float32", chunks=(1, hc, wc),
+        dimension_names=["static", "lat", "lon"])
     for_writing(arr)[...] = maps
     return stats, missing
 
@@ -318,7 +319,7 @@ def _missing_values(writer: StoreWriter, root, store: Path, src: ClimateSource, 
             t["count"] += m["count"]
     refused = [c for c in src.reader.channels if c.name in totals and c.name not in fill]
     if refused:
-        parts = [_where(root, c, totals[c.name]["count"], totals[c.name]["first"], "missing values")
+        parts = [_where(store, root, c, totals[c.name]["count"], totals[c.name]["first"], "missing values")
                  + _read_as_missing(totals[c.name]["keys"])
                  for c in refused]
         raise IngestError(f"{src.shown}: " + "; ".join(parts) + f". Fill them with a policy the store records "
@@ -331,10 +332,9 @@ def _missing_values(writer: StoreWriter, root, store: Path, src: ClimateSource, 
     mask_of = {k: f for f, k in enumerate(by_index)}
     if by_index and "missing" not in root:
         T, H, W = src.shape
-        root.create_array("missing", shape=(T, len(by_index), H, W), chunks=(1, 1, *root["data"].chunks[2:]),
-                          dtype="bool", dimension_names=["time", "channel", "lat", "lon"],
-                          attributes={"channels": [src.reader.channels[int(k)].name for k in by_index]},
-                          **chunk_options())
+        create_array(root, "missing", shape=(T, len(by_index), H, W), chunks=(1, 1, *root["data"].chunks[2:]),
+                     dtype="bool", dimension_names=["time", "channel", "lat", "lon"],
+                     attributes={"channels": [src.reader.channels[int(k)].name for k in by_index]})
     tasks = {}
     for info in blocks:
         t0, t1 = info["block"]
@@ -379,9 +379,8 @@ def _climatology(writer: StoreWriter, root, store: Path, src: ClimateSource, opt
         # whole year of a small one (a day of a small tile per chunk would be thousands of tiny files)
         per_day = slots * hc * wc * 4
         chunk_days = max(1, min(days, (1 << 20) // per_day))
-        root.create_array("climatology", shape=(days, slots, C, H, W), chunks=(chunk_days, slots, 1, hc, wc),
-                          dtype="float32", dimension_names=["dayofyear", "hour", "channel", "lat", "lon"],
-                          **chunk_options())
+        create_array(root, "climatology", shape=(days, slots, C, H, W), chunks=(chunk_days, slots, 1, hc, wc),
+                     dtype="float32", dimension_names=["dayofyear", "hour", "channel", "lat", "lon"])
     tasks = {f"clim-{c:05d}-{a:07d}": (str(store), c, a, b, splits["train"], opts.climatology_window)
              for c in range(C) for a, b in bands(H, hc, W, slots)}
     results = {n: done[n] for n in tasks if n in done}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from domainflow import remote
 from domainflow.layout.shapes import balanced_sizes, rows_per_rank
 
 from .errors import IngestError
+from .store_writer import checksummed, read_back
 
 
 def _disk_bytes(path) -> int:
@@ -51,15 +53,17 @@ def describe(path, domains=(1, 2, 3, 4, 8)) -> str:
                           f"create one with `domainflow ingest`") from None
     lines = [f"{path}: {head.get('kind')} store, format {head.get('format')}, "
              f"{'complete' if head.get('complete') else 'INCOMPLETE'}",
-             f"  source: {head.get('source')}", f"  stored: {_fmt_bytes(_disk_bytes(path))} on disk"]
+             f"  source: {head.get('source')}", f"  stored: {_fmt_bytes(_disk_bytes(path))} on disk",
+             f"  checksums: {_checksums(root)}"]
     if not head.get("complete"):
         lines.append("  the ingest that writes it was interrupted or is still running; rerun the same "
                      "`domainflow ingest` command to resume")
     config = root.attrs.get("ingest", {}).get("config", {})
+    read = functools.partial(read_back, path)  # a damaged chunk of what inspect reads is named, not a traceback
     if head.get("kind") == "mesh":
-        lines += _describe_mesh(root, head, config, domains)
+        lines += _describe_mesh(root, head, config, domains, read)
     elif head.get("kind") == "grid":
-        lines += _describe_grid(root, config, domains)
+        lines += _describe_grid(root, config, domains, read)
     if root.attrs.get("stats"):
         lines.append("  normalisation statistics (train split): key count mean std min max")
         for key, s in root.attrs["stats"].items():
@@ -68,7 +72,24 @@ def describe(path, domains=(1, 2, 3, 4, 8)) -> str:
     return "\n".join(lines)
 
 
-def _describe_mesh(root, head, config, domains) -> list[str]:
+def _checksums(root) -> str:
+    """Whether the store's chunks carry checksums (from every array's metadata; no chunk is read)."""
+    import zarr
+
+    arrays = {name: node for name, node in root.members(max_depth=None) if isinstance(node, zarr.Array)}
+    bare = sorted(name for name, node in arrays.items() if not checksummed(node))
+    if not arrays:
+        return "no arrays yet"
+    if not bare:
+        return "crc32c on every array (a flipped bit is an error naming its chunk)"
+    if len(bare) == len(arrays):
+        return ("none (written before checksums; re-ingest to add them: `domainflow ingest ... --overwrite`; "
+                "until then a flipped bit reads as data)")
+    return (f"crc32c on {len(arrays) - len(bare)} of {len(arrays)} arrays, none on {', '.join(bare[:3])}"
+            f"{' ...' if len(bare) > 3 else ''}; re-ingest to add them (`domainflow ingest ... --overwrite`)")
+
+
+def _describe_mesh(root, head, config, domains, read) -> list[str]:
     P = int(head["parts"])
     lines = [f"  parts: {P} ({config.get('partition', '?')}); reference: {config.get('reference', {})}"]
     splits = root.attrs.get("splits", {})
@@ -90,7 +111,7 @@ def _describe_mesh(root, head, config, domains) -> list[str]:
         for name, arr in sorted(first[loc]["fields"].arrays()):
             lines.append(f"    {loc + '/fields/' + name:<26} {str(arr.shape):<14} {str(arr.dtype):<8} chunks {arr.chunks}")
     for loc in ("surface", "volume"):
-        offsets = {r: np.asarray(root["runs"][r][loc]["parts"][...]) for r in runs if loc in root["runs"][r]}
+        offsets = {r: read(root["runs"][r][loc]["parts"]) for r in runs if loc in root["runs"][r]}
         if not offsets:
             continue
         cells = np.array([o[-1] for o in offsets.values()])
@@ -106,7 +127,7 @@ def _describe_mesh(root, head, config, domains) -> list[str]:
     return lines
 
 
-def _describe_grid(root, config, domains) -> list[str]:
+def _describe_grid(root, config, domains, read) -> list[str]:
     lines = []
     if "data" not in root:
         return lines + ["  no data array yet"]
@@ -118,7 +139,7 @@ def _describe_grid(root, config, domains) -> list[str]:
     if levels:
         lines.append("  pressure levels (hPa): " + "; ".join(f"{v}: {', '.join(f'{x:g}' for x in ls)}"
                                                           for v, ls in levels.items()))
-    lines.append(f"  time: {T} steps, {_time_range(root['time'])}")
+    lines.append(f"  time: {T} steps, {_time_range(root['time'], read)}")
     grid = root.attrs.get("grid", {})
     statics = grid.get("static", [])
     if statics:
@@ -139,7 +160,7 @@ def _describe_grid(root, config, domains) -> list[str]:
                          f"per channel have no train step in their window (the hour's train mean)")
         else:
             lines.append("  climatology (train split): the train mean per grid point (the time axis has no dates)")
-    lat, lon = np.asarray(root["lat"][...]), np.asarray(root["lon"][...])
+    lat, lon = read(root["lat"]), read(root["lon"])
     lines.append(f"  lat {H}: {lat[0]:.3f} .. {lat[-1]:.3f}; lon {W}: {lon[0]:.3f} .. {lon[-1]:.3f}; "
                  f"periodic in lon: {root.attrs.get('grid', {}).get('periodic_lon', '?')}")
     for k, ranges in root.attrs.get("splits", {}).items():
@@ -152,15 +173,16 @@ def _describe_grid(root, config, domains) -> list[str]:
     return lines
 
 
-def _time_range(time) -> str:
+def _time_range(time, read) -> str:
     """First .. last time step: dates (with the step) when the units say how to decode them, else numbers."""
     from . import time_axis
 
     attrs = dict(time.attrs)
-    first, last = np.asarray(time[:1])[0], np.asarray(time[-1:])[0]
+    steps = read(time)  # one small chunk (the coordinates are one chunk each)
+    first, last = steps[0], steps[-1]
     ends = time_axis.decode(np.array([first, last]), attrs)
     if ends is None:
         return f"{first} .. {last} {attrs.get('units', '')}"
-    hours = time_axis.step_hours(np.asarray(time[:2]), attrs)
+    hours = time_axis.step_hours(steps[:2], attrs)
     step = "" if hours is None else f", every {hours:g} h" if hours < 48 or hours % 24 else f", every {hours / 24:g} days"
     return f"{time_axis.label(ends[0])} .. {time_axis.label(ends[1])}{step}"

@@ -44,7 +44,7 @@ from .parallel import count_cells
 from .partition import group_perm, group_rows, key_order_streaming, partition, rcb_streaming
 from .scratch import CellIds, JoinedColumns, RowRange, ScratchArray, row_blocks
 from .stats import RunningStats
-from .store_writer import chunk_options, chunk_rows, write_array
+from .store_writer import chunk_rows, create_array, write_array
 from .vtk_xml import VtkXmlFile
 
 BYTES_PER_CELL = 2048  # working bytes per cell of a block (all columns, the gathered points, temporaries)
@@ -472,10 +472,9 @@ def write_column(plan: dict, key: str, opts, field=None, cp_check: str | None = 
         merged = None if key == "order" else RunningStats.empty(channels)
         chunks = (min(max(1, rows), chunk_rows(col.row_bytes, opts.chunk_bytes)),) + col.tail
         # created by its path inside the location's group (opening the groups first costs two more reads)
-        arr = zarr.create_array(str(Path(plan["group"]) / key.replace("field/", "fields/")), shape=col.shape,
-                                chunks=chunks, dtype=col.dtype, attributes={}, zarr_format=3,
-                                overwrite=True,  # a rerun (lost worker) writes it again
-                                **chunk_options())
+        where = Path(plan["group"]) / ("fields" if key.startswith("field/") else "")
+        arr = create_array(where, name, shape=col.shape, chunks=chunks, dtype=col.dtype,
+                           overwrite=True)  # a rerun (lost worker) writes it again
         step = chunks[0] * max(1, block_cells // chunks[0])  # whole chunks per write
         boxes = _PartBoxes(plan["offsets"], col.tail) if key == "coords" and plan["boxes_from_coords"] else None
         in_memory = isinstance(reordered, np.ndarray)

@@ -11,6 +11,8 @@
   tasks write parts of the same chunk or shard concurrently.
 - Every chunk is written, fill values included (zarr skips all-fill chunks by default), so a reader can tell a
   missing chunk file from data (store format 2).
+- Every chunk carries a crc32c of its stored bytes (zarr v3's ``crc32c`` codec, after zstd), so a flipped bit is
+  a named error at read time instead of wrong data. Every store array is created by :func:`create_array`.
 - One writer at a time: the coordinating process holds an exclusive OS lock on the store for the whole ingest
   (it dies with the process, so a killed ingest never leaves a stale lock); ``--overwrite`` also locks out
   readers (a training job reading the store makes it fail instead of changing what the job reads).
@@ -37,12 +39,60 @@ FORMAT = 2
 TARGET_CHUNK_BYTES = 1 << 20
 
 
+CHECKSUM = "crc32c"  # the root's attrs["domainflow"]["checksum"]: every chunk of the store carries one
+
+
+def compressors() -> tuple:
+    """The bytes-to-bytes codecs of every store array: zarr's default zstd, then a crc32c of the compressed
+    bytes (last: a reader checks the bytes as stored before it decompresses them; 4 bytes per chunk)."""
+    from zarr.codecs import Crc32cCodec, ZstdCodec
+
+    return ZstdCodec(level=0, checksum=False), Crc32cCodec()
+
+
 def chunk_options() -> dict:
-    """``create_array`` options of every store array: every chunk written, also one of fill values only, so
-    a chunk absent on disk means lost. (zstd's frames know their length, so a truncated chunk never decodes;
-    a content checksum would also catch flipped bits, but costs 4-6% of a sample's read time here:
-    benchmarks/reader_throughput.py part (e).)"""
-    return {"config": {"write_empty_chunks": True}}
+    """``create_array`` options of every store array: chunks checksummed (:func:`compressors`), and every chunk
+    written, also one of fill values only, so a chunk absent on disk means lost."""
+    return {"compressors": compressors(), "config": {"write_empty_chunks": True}}
+
+
+def create_array(where, name: str, *, shape, chunks, dtype, attributes: dict | None = None,
+                 dimension_names=None, overwrite: bool = False):
+    """The one place store arrays are created: ``where`` (a zarr group, or the folder of one: one metadata
+    write, no group read) gets array ``name`` with :func:`chunk_options`."""
+    import zarr
+
+    kw = dict(shape=shape, chunks=chunks, dtype=dtype, attributes=attributes or {}, overwrite=overwrite,
+              **chunk_options())
+    if dimension_names is not None:
+        kw["dimension_names"] = list(dimension_names)
+    if isinstance(where, (str, os.PathLike)):
+        return zarr.create_array(str(Path(where) / name), zarr_format=3, **kw)
+    return where.create_array(name, **kw)
+
+
+def checksummed(arr) -> bool:
+    """Whether ``arr``'s chunks carry a crc32c (stores written before checksums have none)."""
+    from zarr.codecs import Crc32cCodec
+
+    return any(isinstance(c, Crc32cCodec) for c in getattr(arr.metadata, "codecs", ()))
+
+
+def read_back(store, arr, selection=Ellipsis, orthogonal: bool = False) -> np.ndarray:
+    """``arr[selection]`` of ``store`` (being written, or inspected) as numpy; a chunk that does not decode (a
+    checksum mismatch, truncated) is the readers' StoreError naming it (imported on that path only: the
+    readers package imports torch, which ingest workers do without)."""
+    try:
+        return np.asarray(arr.get_orthogonal_selection(selection) if orthogonal else arr[selection])
+    except Exception as exc:  # noqa: BLE001  (zarr and numcodecs raise many types)
+        from domainflow.readers.store import StoreError, damaged
+
+        if isinstance(exc, StoreError):
+            raise
+        error = damaged(store, arr, selection, exc)
+        if error is None:
+            raise
+        raise error from exc
 
 
 def for_writing(arr):
@@ -61,8 +111,8 @@ def write_array(group, name: str, values: np.ndarray, target: int = TARGET_CHUNK
     values = np.ascontiguousarray(values)
     row_bytes = values.dtype.itemsize * int(np.prod(values.shape[1:], dtype=np.int64))
     chunks = (min(max(1, len(values)), chunk_rows(row_bytes, target)),) + tuple(values.shape[1:])
-    arr = group.create_array(name, shape=values.shape, chunks=chunks, dtype=values.dtype,
-                             attributes=attrs or {}, overwrite=overwrite, **chunk_options())
+    arr = create_array(group, name, shape=values.shape, chunks=chunks, dtype=values.dtype, attributes=attrs,
+                       overwrite=overwrite)
     if values.size:
         arr[...] = values
     return arr
@@ -129,6 +179,10 @@ class StoreWriter:
                     raise IngestError(f"{self.path} holds a {head.get('kind')!r} store of format {head.get('format')}, "
                                       f"not a {kind!r} store of format {FORMAT}; pass --overwrite to replace it or "
                                       f"choose another STORE path")
+                if head.get("checksum") != CHECKSUM and not head.get("complete"):
+                    raise IngestError(f"{self.path} was started by an ingest that wrote no chunk checksums (an older "
+                                      f"domainflow), and one store never mixes chunks with and without them; pass "
+                                      f"--overwrite to start again")
                 if head.get("source") != source:
                     raise IngestError(f"{self.path} was ingested from {head.get('source')}, not {source}; rerun with "
                                       f"the original RAW to resume, or pass --overwrite to start again")
@@ -152,7 +206,8 @@ class StoreWriter:
             self._remove_all()
             # the root and its attrs in one (atomic) write: a kill leaves either nothing or a resumable store
             root = zarr.create_group(self.path, zarr_format=3, attributes={
-                "domainflow": {"format": FORMAT, "kind": kind, "complete": False, "source": source, "parts": parts},
+                "domainflow": {"format": FORMAT, "kind": kind, "complete": False, "source": source, "parts": parts,
+                               "checksum": CHECKSUM},
                 "ingest": {"config": config},
             })
             if kind == "mesh":

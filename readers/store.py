@@ -3,7 +3,9 @@
 Readers never import ``domainflow.preprocess``: the two share only the store format. Nothing damaged is
 read as data: stores of format 2 have every chunk on disk, so a missing chunk file (zarr would return fill
 values) or one that does not decode (truncated) is a :class:`StoreError` naming the store, run, array and
-file. A reader holds a shared OS lock on the store, which makes ``ingest --overwrite`` refuse
+file; so is a chunk whose bytes no longer match its crc32c (zarr's ``crc32c`` codec, which ingest writes after
+zstd): a flipped bit. Stores written before checksums read as before (``domainflow inspect`` says which). A
+reader holds a shared OS lock on the store, which makes ``ingest --overwrite`` refuse
 to replace it, and :meth:`Store.check_unchanged` tells when the store was replaced all the same.
 
 A store at a URL (``s3://``, ``gs://``, ``https://``; ``domainflow.remote``) is read through zarr's fsspec
@@ -167,47 +169,64 @@ class Store:
 
     def read(self, arr, selection=Ellipsis, orthogonal: bool = False):
         """``arr[selection]`` (``orthogonal``: ``arr.get_orthogonal_selection``) as numpy; a chunk that does not
-        decode (truncated, damaged) is a StoreError naming its file (found by reading the selection's chunks
-        one by one, on the failure path only)."""
-        import numpy as np
-
-        try:
-            return np.asarray(arr.get_orthogonal_selection(selection) if orthogonal else arr[selection])
-        except StoreError:
-            raise
-        except Exception as exc:  # noqa: BLE001  (zarr and numcodecs raise many types)
-            damaged = self._damaged(arr, selection, exc)
-            if damaged is None:
-                raise
-            raise damaged from exc
-
-    def _damaged(self, arr, selection, exc) -> StoreError | None:
-        """A StoreError naming the first chunk of ``selection`` that does not read, or None if all do."""
-        from zarr.core.indexing import OrthogonalIndexer
-
-        key = None
-        try:
-            if selection is Ellipsis:
-                selection = tuple(slice(None) for _ in arr.shape)
-            indexer = OrthogonalIndexer(selection, arr.shape, arr.metadata.chunk_grid)
-            coords = sorted({tuple(int(i) for i in c.chunk_coords) for c in indexer})
-        except Exception:  # noqa: BLE001  (a selection zarr itself refused: nothing is damaged)
-            coords = []
-        for c in coords:
-            block = tuple(slice(i * n, (i + 1) * n) for i, n in zip(c, arr.chunks))
-            try:
-                arr[block]
-            except Exception:  # noqa: BLE001
-                key = f"{arr.path}/{arr.metadata.encode_chunk_key(c)}"
-                break
-        if key is None:
-            return None
-        where = describe_key(self.path, key) if key else f"array {arr.path}"
-        return StoreError(f"{self.path} is damaged: {where} cannot be read ({type(exc).__name__}: {exc}); "
-                          f"re-ingest it (`domainflow ingest ... --overwrite`)")
+        decode (truncated, a flipped bit caught by its crc32c) is a StoreError naming its file."""
+        return read_checked(self.path, arr, selection, orthogonal)
 
     def field_names(self, location: str) -> list[str]:
         return sorted(k.split("/", 1)[1] for k, v in self.fields.items() if v.get("location") == location)
+
+
+def checksummed(arr) -> bool:
+    """Whether ``arr``'s chunks carry a crc32c (zarr's ``crc32c`` codec; stores written before it have none)."""
+    from zarr.codecs import Crc32cCodec
+
+    return any(isinstance(c, Crc32cCodec) for c in getattr(arr.metadata, "codecs", ()))
+
+
+def read_checked(path, arr, selection=Ellipsis, orthogonal: bool = False):
+    """``arr[selection]`` (``orthogonal``: ``arr.get_orthogonal_selection``) of the store at ``path`` as numpy;
+    a chunk that does not decode is a StoreError naming the store, run, array and chunk file (found by reading
+    the selection's chunks one by one, on the failure path only). Every read of store data goes through here."""
+    import numpy as np
+
+    try:
+        return np.asarray(arr.get_orthogonal_selection(selection) if orthogonal else arr[selection])
+    except StoreError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (zarr and numcodecs raise many types)
+        error = damaged(path, arr, selection, exc)
+        if error is None:
+            raise
+        raise error from exc
+
+
+def damaged(path, arr, selection, exc) -> StoreError | None:
+    """A StoreError naming the first chunk of ``selection`` that does not read, or None if all do."""
+    from zarr.core.indexing import OrthogonalIndexer
+
+    try:
+        if selection is Ellipsis:
+            selection = tuple(slice(None) for _ in arr.shape)
+        indexer = OrthogonalIndexer(selection, arr.shape, arr.metadata.chunk_grid)
+        coords = sorted({tuple(int(i) for i in c.chunk_coords) for c in indexer})
+    except Exception:  # noqa: BLE001  (a selection zarr itself refused: nothing is damaged)
+        coords = []
+    for c in coords:
+        block = tuple(slice(i * n, (i + 1) * n) for i, n in zip(c, arr.chunks))
+        try:
+            arr[block]
+        except StoreError as err:
+            return err
+        except Exception as err:  # noqa: BLE001
+            where = describe_key(path, f"{arr.path}/{arr.metadata.encode_chunk_key(c)}")
+            if checksummed(arr) and isinstance(err, ValueError) and "checksum" in str(err).lower():
+                why = (": checksum mismatch (crc32c): its bytes changed after ingest wrote them (a flipped bit, a "
+                       "bad disk or copy)")
+            else:
+                why = f" ({type(err).__name__}: {err})"
+            return StoreError(f"{path} is damaged: {where} cannot be read{why}; re-ingest it "
+                              f"(`domainflow ingest ... --overwrite`)")
+    return None
 
 
 def _run_key(name: str):

@@ -15,7 +15,6 @@ import math
 import re
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import domainflow as df
