@@ -87,22 +87,22 @@ def checksums(on: bool):
     """Ingests in this block write their chunks with (the store format) or without the crc32c codec."""
     from zarr.codecs import ZstdCodec
 
-    from domainflow.preprocess import store_writer
+    from domainflow.store import format as store_format
 
-    saved = store_writer.compressors
+    saved = store_format.compressors
     if not on:
-        store_writer.compressors = lambda: (ZstdCodec(level=0, checksum=False),)
+        store_format.compressors = lambda: (ZstdCodec(level=0, checksum=False),)
     try:
         yield
     finally:
-        store_writer.compressors = saved
+        store_format.compressors = saved
 
 
 def _check_codecs(store: Path, on: bool) -> None:
     """Every array of ``store`` carries the crc32c codec (``on``) or none does."""
     import zarr
 
-    from domainflow.preprocess.store_writer import checksummed
+    from domainflow.store.format import checksummed
 
     root = zarr.open_group(store, mode="r")
     got = {checksummed(a) for _, a in root.members(max_depth=None) if isinstance(a, zarr.Array)}

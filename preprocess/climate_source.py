@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import time_axis
+from domainflow.store import time_axis
 from .errors import IngestError
 
 TIME_NAMES = ("time", "valid_time")

@@ -17,24 +17,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .time_axis import day_and_hour
+from domainflow.store.chunks import read_checked
+from domainflow.store.climatology_index import DAYS, day_and_slot
 
 CLIMATOLOGY_WINDOW = 61       # days, as WeatherBench 2's climatology
 TASK_BYTES = 256 << 20        # float64 sums a task may hold
-DAYS = 366
-
-
-def layout(time_values, attrs) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """(day index 0..365 of each step, hour slot of each step, the hours of the slots); one slot and day 0
-    for every step when the axis has no dates."""
-    keys = day_and_hour(time_values, attrs)
-    n = len(time_values)
-    if keys is None:
-        return np.zeros(n, np.int64), np.zeros(n, np.int64), []
-    doy, hour = keys
-    hours = sorted(set(int(h) for h in hour))
-    slot = np.searchsorted(np.array(hours), hour)
-    return doy - 1, slot, hours
 
 
 def bands(H: int, hc: int, W: int, slots: int, budget: int = TASK_BYTES) -> list[tuple[int, int]]:
@@ -51,12 +38,12 @@ def climatology_band(store: str, channel: int, r0: int, r1: int, train_ranges, w
     import zarr
 
     from .splits import time_mask
-    from .store_writer import for_writing, read_back
+    from .store_writer import for_writing
 
     root = zarr.open_group(store, mode="r+")
     data, out = root["data"], for_writing(root["climatology"])
     time = root["time"]
-    day, slot, hours = layout(read_back(store, time), dict(time.attrs))  # a damaged chunk: named
+    day, slot, hours = day_and_slot(read_checked(store, time), dict(time.attrs))  # a damaged chunk: named
     train = time_mask(train_ranges, data.shape[0])
     W = data.shape[3]
     dated = out.shape[0] == DAYS
@@ -66,7 +53,7 @@ def climatology_band(store: str, channel: int, r0: int, r1: int, train_ranges, w
     steps = np.flatnonzero(train)
     for a in range(0, len(steps), block):  # contiguous stretches of train steps, a block at a time
         idx = steps[a:a + block]
-        values = read_back(store, data, (idx, channel, slice(r0, r1), slice(None)), orthogonal=True)
+        values = read_checked(store, data, (idx, channel, slice(r0, r1), slice(None)), orthogonal=True)
         values = values.astype(np.float64)
         d = day[idx] if dated else np.zeros(len(idx), np.int64)
         np.add.at(sums, (d, slot[idx]), values)

@@ -27,10 +27,13 @@ from pathlib import Path
 import numpy as np
 
 from domainflow import remote
+from domainflow.store import time_axis
+from domainflow.store.chunks import read_checked
+from domainflow.store.climatology_index import DAYS, day_and_slot
 
-from . import time_axis
 from .climate_source import ClimateSource, SourceReader, open_source, read_static
-from .climatology import CLIMATOLOGY_WINDOW, DAYS, bands, climatology_band, layout
+
+from .climatology import CLIMATOLOGY_WINDOW, bands, climatology_band
 from .errors import IngestError, RunError
 from .missing_values import EXAMPLE as FILL_EXAMPLE
 from .missing_values import fill_block, fill_value, first_missing, parse_fill, policies
@@ -38,7 +41,7 @@ from .parallel import peak_memory, reset_peak_memory, run_tasks
 from .report import IngestReport
 from .splits import check_fractions, read_split_file, split_times, time_mask
 from .stats import RunningStats, merge_all
-from .store_writer import TARGET_CHUNK_BYTES, StoreWriter, create_array, for_writing, read_back
+from .store_writer import TARGET_CHUNK_BYTES, StoreWriter, create_array, for_writing
 
 
 @dataclass
@@ -134,7 +137,7 @@ def _where(store, root, channel, count: int, first, what: str) -> str:
     step, i, j = first
     name = f"variable {channel.variable!r}" + (f" at {channel.hpa:g} hPa" if channel.hpa is not None else "")
     when = _date(store, root["time"], step)
-    lat, lon = float(read_back(store, root["lat"], i)), float(read_back(store, root["lon"], j))
+    lat, lon = float(read_checked(store, root["lat"], i)), float(read_checked(store, root["lon"], j))
     return (f"{name} holds {count} {what} (first at time index {step}{f' ({when})' if when else ''}, "
             f"latitude {lat:g}, longitude {lon:g})")
 
@@ -146,7 +149,7 @@ def _read_as_missing(keys) -> str:
 
 def _date(store, time_array, k: int) -> str | None:
     """Time step ``k`` of the store as a date, when its units say how."""
-    dates = time_axis.decode(read_back(store, time_array, slice(k, k + 1)), dict(time_array.attrs))
+    dates = time_axis.decode(read_checked(store, time_array, slice(k, k + 1)), dict(time_array.attrs))
     return None if dates is None else time_axis.label(dates[0])
 
 
@@ -372,7 +375,7 @@ def _climatology(writer: StoreWriter, root, store: Path, src: ClimateSource, opt
     T, H, W = src.shape
     C = len(src.channels)
     hc, wc = tile
-    _, _, hours = layout(src.time, src.time_attrs)
+    _, _, hours = day_and_slot(src.time, src.time_attrs)
     days, slots = (DAYS, len(hours)) if hours else (1, 1)
     if "climatology" not in root:
         # a chunk holds a channel's tile for as many days as make ~1 MiB: one day of a big grid's tile, the

@@ -10,9 +10,10 @@ import numpy as np
 
 from domainflow import remote
 from domainflow.layout.shapes import balanced_sizes, rows_per_rank
+from domainflow.store.chunks import read_checked
+from domainflow.store.format import checksummed
 
 from .errors import IngestError
-from .store_writer import checksummed, read_back
 
 
 def _disk_bytes(path) -> int:
@@ -59,7 +60,7 @@ def describe(path, domains=(1, 2, 3, 4, 8)) -> str:
         lines.append("  the ingest that writes it was interrupted or is still running; rerun the same "
                      "`domainflow ingest` command to resume")
     config = root.attrs.get("ingest", {}).get("config", {})
-    read = functools.partial(read_back, path)  # a damaged chunk of what inspect reads is named, not a traceback
+    read = functools.partial(read_checked, path)  # a damaged chunk of what inspect reads is named, not a traceback
     if head.get("kind") == "mesh":
         lines += _describe_mesh(root, head, config, domains, read)
     elif head.get("kind") == "grid":
@@ -175,7 +176,7 @@ def _describe_grid(root, config, domains, read) -> list[str]:
 
 def _time_range(time, read) -> str:
     """First .. last time step: dates (with the step) when the units say how to decode them, else numbers."""
-    from . import time_axis
+    from domainflow.store import time_axis
 
     attrs = dict(time.attrs)
     steps = read(time)  # one small chunk (the coordinates are one chunk each)

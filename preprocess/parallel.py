@@ -129,23 +129,26 @@ def _local_counted(finals, workers, bar, counter):
 
     keys = {t.key for t in finals}
     with worker_pool(workers, counter) as pool, _Progress():
+        fed = _Fed(pool, 2 * workers)
         try:
-            results = dask.compute(*finals, scheduler="processes", pool=_Fed(pool, 2 * workers),
-                                   chunksize=1)  # one task per batch
+            results = dask.compute(*finals, scheduler="processes", pool=fed, chunksize=1)  # one task per batch
         except BrokenProcessPool:  # the pool's "terminated abruptly" says neither why nor what to do
-            raise _worker_died(pool, workers) from None
+            raise _worker_died(list(fed.workers.values()), workers) from None
     yield from results
 
 
-def _worker_died(pool, workers: int):
-    """The one-line error for a worker process that died: how (its exit status, where the pool kept it), what
-    to lower, and that a rerun resumes."""
+def _worker_died(procs: list, workers: int):
+    """The one-line error for a worker process that died: how (its exit status), what to lower, and that a
+    rerun resumes. ``procs``: the pool's worker processes (once one is gone, the pool SIGTERMs the others)."""
     import signal
+    import time
 
     from .errors import WorkerDiedError
 
-    # CPython's pool keeps its processes in _processes; once one is gone it SIGTERMs the others itself
-    procs = list((getattr(pool, "_processes", None) or {}).values())
+    # the pool's own thread reaps its processes too: an exit status may show only a moment later
+    deadline = time.monotonic() + 5
+    while any(getattr(p, "exitcode", 0) is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.02)
     codes = [p.exitcode for p in procs if getattr(p, "exitcode", None) not in (None, 0)]
     code = next((c for c in codes if c != -signal.SIGTERM), codes[0] if codes else None)
     if code is None:
@@ -171,7 +174,14 @@ class _Fed:
     8-run ingest); with two per worker the next task already waits in the pool's queue."""
 
     def __init__(self, pool, in_flight: int):
-        self.submit, self._max_workers = pool.submit, in_flight
+        self._pool, self._max_workers = pool, in_flight
+        self.workers: dict = {}  # every worker process the pool started (to tell how one died, see _worker_died)
+
+    def submit(self, *args, **kw):
+        future = self._pool.submit(*args, **kw)
+        # CPython's pool keeps its processes in _processes and drops them once one dies: keep our own references
+        self.workers.update(getattr(self._pool, "_processes", None) or {})
+        return future
 
 
 def _init_worker(counter=None):

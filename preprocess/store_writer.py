@@ -1,4 +1,5 @@
-"""Writing a domainflow store (format in DESIGN.md) so that nothing is lost and nothing half-written is read.
+"""Writing a domainflow store (``domainflow.store``; docs/store-format.md) so that nothing is lost and nothing
+half-written is read.
 
 - The root group's ``attrs["domainflow"]["complete"]`` is set last; until then the store is a resumable
   partial store.
@@ -32,28 +33,11 @@ from pathlib import Path
 import numpy as np
 
 from domainflow.locks import FileLock, LockHeld, LocksUnsupported, store_locks
+from domainflow.store.format import CHECKSUM, FORMAT, HEAD, RUNS, chunk_options
 
 from .errors import IngestError
 
-FORMAT = 2
 TARGET_CHUNK_BYTES = 1 << 20
-
-
-CHECKSUM = "crc32c"  # the root's attrs["domainflow"]["checksum"]: every chunk of the store carries one
-
-
-def compressors() -> tuple:
-    """The bytes-to-bytes codecs of every store array: zarr's default zstd, then a crc32c of the compressed
-    bytes (last: a reader checks the bytes as stored before it decompresses them; 4 bytes per chunk)."""
-    from zarr.codecs import Crc32cCodec, ZstdCodec
-
-    return ZstdCodec(level=0, checksum=False), Crc32cCodec()
-
-
-def chunk_options() -> dict:
-    """``create_array`` options of every store array: chunks checksummed (:func:`compressors`), and every chunk
-    written, also one of fill values only, so a chunk absent on disk means lost."""
-    return {"compressors": compressors(), "config": {"write_empty_chunks": True}}
 
 
 def create_array(where, name: str, *, shape, chunks, dtype, attributes: dict | None = None,
@@ -69,30 +53,6 @@ def create_array(where, name: str, *, shape, chunks, dtype, attributes: dict | N
     if isinstance(where, (str, os.PathLike)):
         return zarr.create_array(str(Path(where) / name), zarr_format=3, **kw)
     return where.create_array(name, **kw)
-
-
-def checksummed(arr) -> bool:
-    """Whether ``arr``'s chunks carry a crc32c (stores written before checksums have none)."""
-    from zarr.codecs import Crc32cCodec
-
-    return any(isinstance(c, Crc32cCodec) for c in getattr(arr.metadata, "codecs", ()))
-
-
-def read_back(store, arr, selection=Ellipsis, orthogonal: bool = False) -> np.ndarray:
-    """``arr[selection]`` of ``store`` (being written, or inspected) as numpy; a chunk that does not decode (a
-    checksum mismatch, truncated) is the readers' StoreError naming it (imported on that path only: the
-    readers package imports torch, which ingest workers do without)."""
-    try:
-        return np.asarray(arr.get_orthogonal_selection(selection) if orthogonal else arr[selection])
-    except Exception as exc:  # noqa: BLE001  (zarr and numcodecs raise many types)
-        from domainflow.readers.store import StoreError, damaged
-
-        if isinstance(exc, StoreError):
-            raise
-        error = damaged(store, arr, selection, exc)
-        if error is None:
-            raise
-        raise error from exc
 
 
 def for_writing(arr):
@@ -200,13 +160,13 @@ class StoreWriter:
                 if head.get("complete"):
                     return "complete"
                 self._clean_scratch()
-                if kind == "mesh" and "runs" not in root:
-                    root.create_group("runs")  # killed right after the root was written
+                if kind == "mesh" and RUNS not in root:
+                    root.create_group(RUNS)  # killed right after the root was written
                 return "resume"
             self._remove_all()
             # the root and its attrs in one (atomic) write: a kill leaves either nothing or a resumable store
             root = zarr.create_group(self.path, zarr_format=3, attributes={
-                "domainflow": {"format": FORMAT, "kind": kind, "complete": False, "source": source, "parts": parts,
+                HEAD: {"format": FORMAT, "kind": kind, "complete": False, "source": source, "parts": parts,
                                "checksum": CHECKSUM},
                 "ingest": {"config": config},
             })
@@ -259,7 +219,7 @@ class StoreWriter:
             meta = json.loads((self.path / "zarr.json").read_text())
         except (OSError, ValueError):
             return None
-        head = meta.get("attributes", {}).get("domainflow")
+        head = meta.get("attributes", {}).get(HEAD)
         return dict(head) if isinstance(head, dict) else None
 
     def _is_store(self) -> bool:

@@ -195,14 +195,14 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
     def read_climatology(self, t: int) -> np.ndarray:
         """This rank's (1, C, h, w) block of the train split's climatology at step ``t``'s day of year and hour of
         day (``preprocess/climatology.py``), z-scored like the data."""
-        from domainflow.preprocess.climatology import layout
+        from domainflow.store.climatology_index import day_and_slot
 
         if not self.has_climatology:
             raise StoreError(f"{self.store.path} has no climatology (ingested before it was written); re-ingest it "
                              f"with domainflow ingest climate --overwrite")
         if self._day is None:
             time = self.store.group["time"]
-            self._day, self._slot, _ = layout(np.asarray(time[...]), dict(time.attrs))
+            self._day, self._slot, _ = day_and_slot(self.store.read(time), dict(time.attrs))
         clim = self.store.group["climatology"]
         d = int(self._day[t]) if clim.shape[0] > 1 else 0
         lat, lon = self.slabs["lat"], self.slabs["lon"]

@@ -1,7 +1,8 @@
-"""Opening a domainflow store (format in DESIGN.md) for reading, with a count of the bytes read.
+"""Opening a domainflow store (``domainflow.store``; docs/store-format.md) for reading, with a count of the
+bytes read.
 
-Readers never import ``domainflow.preprocess``: the two share only the store format. Nothing damaged is
-read as data: stores of format 2 have every chunk on disk, so a missing chunk file (zarr would return fill
+Readers never import ``domainflow.preprocess``: the two share only the store format (``domainflow.store``).
+Nothing damaged is read as data: stores of format 2 have every chunk on disk, so a missing chunk file (zarr would return fill
 values) or one that does not decode (truncated) is a :class:`StoreError` naming the store, run, array and
 file; so is a chunk whose bytes no longer match its crc32c (zarr's ``crc32c`` codec, which ingest writes after
 zstd): a flipped bit. Stores written before checksums read as before (``domainflow inspect`` says which). A
@@ -22,25 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from domainflow import remote
-from domainflow.errors import DomainflowError
 from domainflow.locks import FileLock, LockHeld, store_locks
+from domainflow.store.chunks import StoreError, describe_key, read_checked
+from domainflow.store.format import FORMAT, HEAD, RUNS
 
-FORMAT = 2
+__all__ = ["ByteCounter", "Store", "StoreError", "open_store"]
 _METADATA_KEYS = {"zarr.json", ".zgroup", ".zattrs", ".zarray", ".zmetadata"}
-
-
-class StoreError(DomainflowError, ValueError):
-    """The path is not a complete domainflow store of a format and kind this reader understands, or it is
-    damaged (a chunk missing or undecodable) or was replaced while being read."""
-
-
-def describe_key(root, key: str) -> str:
-    """"run run_3, array surface/coords, chunk file <path>" for a store key (or the grid's ``data``)."""
-    head, _, chunk = key.partition("/c/")
-    parts = head.split("/")
-    where = f"run {parts[1]}, array {'/'.join(parts[2:])}" if parts[0] == "runs" and len(parts) > 2 \
-        else f"array {head}"
-    return f"{where}, chunk {chunk.replace('/', ',') or '?'} (file {str(root).rstrip('/')}/{key})"
 
 
 def _counting_store(path):
@@ -134,7 +122,7 @@ class Store:
         """Run ids of a mesh store, all or those of ``split``."""
         self.require_kind("mesh")
         if split is None:
-            return sorted(self.group["runs"].group_keys(), key=_run_key)
+            return sorted(self.group[RUNS].group_keys(), key=_run_key)
         if split not in self.splits:
             raise StoreError(f"{self.path} has no split {split!r}; its splits are {sorted(self.splits)}")
         return list(self.splits[split])
@@ -142,7 +130,7 @@ class Store:
     def run(self, run_id: str):
         """The zarr group of one run."""
         try:
-            return self.group["runs"][run_id]
+            return self.group[RUNS][run_id]
         except KeyError:
             raise StoreError(f"{self.path} has no run {run_id!r}; it has {self.runs()[:20]}"
                              f"{' ...' if len(self.runs()) > 20 else ''}") from None
@@ -174,59 +162,6 @@ class Store:
 
     def field_names(self, location: str) -> list[str]:
         return sorted(k.split("/", 1)[1] for k, v in self.fields.items() if v.get("location") == location)
-
-
-def checksummed(arr) -> bool:
-    """Whether ``arr``'s chunks carry a crc32c (zarr's ``crc32c`` codec; stores written before it have none)."""
-    from zarr.codecs import Crc32cCodec
-
-    return any(isinstance(c, Crc32cCodec) for c in getattr(arr.metadata, "codecs", ()))
-
-
-def read_checked(path, arr, selection=Ellipsis, orthogonal: bool = False):
-    """``arr[selection]`` (``orthogonal``: ``arr.get_orthogonal_selection``) of the store at ``path`` as numpy;
-    a chunk that does not decode is a StoreError naming the store, run, array and chunk file (found by reading
-    the selection's chunks one by one, on the failure path only). Every read of store data goes through here."""
-    import numpy as np
-
-    try:
-        return np.asarray(arr.get_orthogonal_selection(selection) if orthogonal else arr[selection])
-    except StoreError:
-        raise
-    except Exception as exc:  # noqa: BLE001  (zarr and numcodecs raise many types)
-        error = damaged(path, arr, selection, exc)
-        if error is None:
-            raise
-        raise error from exc
-
-
-def damaged(path, arr, selection, exc) -> StoreError | None:
-    """A StoreError naming the first chunk of ``selection`` that does not read, or None if all do."""
-    from zarr.core.indexing import OrthogonalIndexer
-
-    try:
-        if selection is Ellipsis:
-            selection = tuple(slice(None) for _ in arr.shape)
-        indexer = OrthogonalIndexer(selection, arr.shape, arr.metadata.chunk_grid)
-        coords = sorted({tuple(int(i) for i in c.chunk_coords) for c in indexer})
-    except Exception:  # noqa: BLE001  (a selection zarr itself refused: nothing is damaged)
-        coords = []
-    for c in coords:
-        block = tuple(slice(i * n, (i + 1) * n) for i, n in zip(c, arr.chunks))
-        try:
-            arr[block]
-        except StoreError as err:
-            return err
-        except Exception as err:  # noqa: BLE001
-            where = describe_key(path, f"{arr.path}/{arr.metadata.encode_chunk_key(c)}")
-            if checksummed(arr) and isinstance(err, ValueError) and "checksum" in str(err).lower():
-                why = (": checksum mismatch (crc32c): its bytes changed after ingest wrote them (a flipped bit, a "
-                       "bad disk or copy)")
-            else:
-                why = f" ({type(err).__name__}: {err})"
-            return StoreError(f"{path} is damaged: {where} cannot be read{why}; re-ingest it "
-                              f"(`domainflow ingest ... --overwrite`)")
-    return None
 
 
 def _run_key(name: str):
@@ -303,7 +238,7 @@ def _open(path: Path, lock) -> Store:
             from None
     except (OSError, ValueError) as exc:
         raise StoreError(f"{path}: unreadable store metadata ({exc})") from None
-    head = attrs.get("domainflow")
+    head = attrs.get(HEAD)
     if not isinstance(head, dict):
         raise StoreError(f"{path} is a zarr group but not a domainflow store (no attrs['domainflow']); create "
                          f"one with `domainflow ingest`")

@@ -99,7 +99,7 @@ def _step_of(text: str, time, store) -> int:
         if not 0 <= k < len(values):
             raise ValueError(f"--init {text}: {store} has steps 0..{len(values) - 1}")
         return k
-    from domainflow.preprocess import time_axis
+    from domainflow.store import time_axis
 
     attrs = dict(time.attrs)
     if not time_axis.has_dates(attrs):
@@ -191,7 +191,7 @@ class ForecastWriter:
     def create(self) -> None:
         import zarr
 
-        from domainflow.preprocess import time_axis
+        from domainflow.store import time_axis
 
         ds, store = self.ds, self.ds.store.group
         if self.path.exists():

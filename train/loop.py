@@ -415,7 +415,7 @@ def _checkpointed(model, batch):
 
 def _time_label(time, k: int) -> str:
     """Step ``k`` of a store's time axis as a date when its units give one, else its index."""
-    from domainflow.preprocess import time_axis
+    from domainflow.store import time_axis
 
     dates = time_axis.decode(time[k:k + 1], dict(time.attrs))
     return f"step {k}" if dates is None else time_axis.label(dates[0])[:16]

@@ -187,7 +187,7 @@ def _summarise_grid(rows: list[dict], ds, cfg) -> dict:
 
 def _step_hours(ds) -> float | None:
     """Hours between two steps of the store, when its time axis holds dates."""
-    from domainflow.preprocess.time_axis import step_hours
+    from domainflow.store.time_axis import step_hours
 
     time = ds.store.group["time"]
     return step_hours(np.asarray(time[:2]), dict(time.attrs))

@@ -3,11 +3,11 @@
 ``__torch_function__`` (above autograd) first tries the fast path (``fast_path.py``: learnt local calls
 outside autograd), then routes registered Python-level functions (handlers that need their own autograd
 node, e.g. reductions whose gradient must stay sharded). ``__torch_dispatch__`` (below autograd) applies
-DESIGN.md's rules in order, chosen once per op and cached:
+these rules in order, chosen once per op and cached:
 1. a registered aten handler (``ops/`` registers the built-in ones);
 2. the pointwise rule (``ops/pointwise.py`` registers it) for ops tagged pointwise: arithmetic output
    layouts, one plan cached per input layout;
-3. (not in DESIGN.md) an op torch composes of others, reaching us whole (``torch.inference_mode()``): its
+3. an op torch composes of others, reaching us whole (``torch.inference_mode()``): its
    decomposition;
 4. local execution when every ShardTensor input is replicated;
 5. ``UnsupportedShardedOp``, unless ``fallback("gather")`` is active.

@@ -219,7 +219,7 @@ def reduced_dim_map(ndim: int, dims: Sequence[int] | None, keepdim: bool) -> tup
 
 def part_range(rank: int, world: int, parts: int) -> tuple[int, int]:
     """The spatial parts ``[start, stop)`` that rank ``rank`` of a ``world``-rank domain reads from a
-    store partitioned into ``parts`` parts (DESIGN.md: ``[r*P//W, (r+1)*P//W)``)."""
+    store partitioned into ``parts`` parts (docs/store-format.md: ``[r*P//W, (r+1)*P//W)``)."""
     if not 0 < world <= parts:
         raise ValueError(f"a store with {parts} spatial parts serves domain sizes 1..{parts}, not {world}; "
                          f"re-ingest with more parts (--parts) or use a smaller domain")

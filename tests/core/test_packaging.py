@@ -1,6 +1,6 @@
 """Packaging: the four top-level folders install as one distribution, ``domainflow``.
 
-DESIGN.md "Layout": domainflow/ -> domainflow, readers/ -> domainflow.readers,
+docs/architecture.md: domainflow/ -> domainflow, readers/ -> domainflow.readers,
 preprocess/ -> domainflow.preprocess, train/ -> domainflow.train, both for an editable
 install and for a plain ``pip install .`` (wheel).
 """
@@ -185,7 +185,7 @@ def test_any_engine_module_can_be_imported_first(module):
 
 # The core's rooms, bottom to top: a module may import its own room and the rooms below, never above
 # (docs/architecture.md). The package root wires the engine to the tensor layer (load_engine) and is above all.
-_CORE_LAYERS = ["errors", "locks", "layout", "comm", "tensor", "dispatch", "ops", "__init__", "app"]
+_CORE_LAYERS = ["errors", "locks", "store", "layout", "comm", "tensor", "dispatch", "ops", "__init__", "app"]
 
 
 def _room(module: str) -> str | None:
