@@ -97,6 +97,8 @@ def fill_block(store: str, t0: int, t1: int, values: dict, mask_of: dict | None 
     block holds no NaN, and the mask is only ever added to."""
     import zarr
 
+    from domainflow.store.chunks import read_checked
+
     from .store_writer import for_writing
 
     root = zarr.open_group(store, mode="r+")
@@ -104,11 +106,11 @@ def fill_block(store: str, t0: int, t1: int, values: dict, mask_of: dict | None 
     mask = for_writing(root["missing"]) if mask_of else None
     filled = 0
     for c, v in values.items():
-        block = np.asarray(out[t0:t1, int(c)])
+        block = read_checked(store, out, (slice(t0, t1), int(c)))  # a damaged chunk: named
         nan = np.isnan(block)
         if mask is not None:  # before the fill: a task killed between the two redoes both
             f = int(mask_of[c])
-            mask[t0:t1, f] = np.asarray(mask[t0:t1, f]) | nan
+            mask[t0:t1, f] = read_checked(store, mask, (slice(t0, t1), f)) | nan
         if nan.any():
             block[nan] = v
             out[t0:t1, int(c)] = block

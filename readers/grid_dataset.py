@@ -238,7 +238,7 @@ class GridDataset(torch.utils.data.IterableDataset, EpochStream):
         a (1, 1, H, 1) ShardTensor laid out like the samples' latitude (replicated over a longitude axis)."""
         from domainflow import Replicate, Shard, ShardTensor
 
-        lat = np.asarray(self.store.group["lat"][...], dtype=np.float64)
+        lat = np.asarray(self.store.read(self.store.group["lat"]), dtype=np.float64)
         w = np.cos(np.deg2rad(lat))
         w = w / w.mean()
         rows = torch.as_tensor(w[self.slabs["lat"].start:self.slabs["lat"].stop], dtype=dtype, device=self.device)

@@ -67,7 +67,7 @@ def forecast_config(checkpoint: str, store: str, inits, steps: int, out: str, do
         if domain > H or lon > W:
             raise ValueError(f"{store} has {H} latitudes and {W} longitudes; --domain {domain} --lon {lon} leaves a "
                              f"rank without any")
-        index = [_step_of(i, time, store) for i in inits]
+        index = [_step_of(i, handle.read(time), dict(time.attrs), store) for i in inits]
         norm = meta.get("normalization")
         trained = meta.get("inputs")  # a checkpoint from before normalisations were recorded
         if norm is not None:  # the same channels and static fields, in the same order, or the inputs would mix up
@@ -91,9 +91,9 @@ def forecast_config(checkpoint: str, store: str, inits, steps: int, out: str, do
     return path, cfg, index, out, norm
 
 
-def _step_of(text: str, time, store) -> int:
-    """The store step an initial time names: a step index, or a date matching one of the store's times."""
-    values = np.asarray(time[...])
+def _step_of(text: str, values: np.ndarray, attrs: dict, store) -> int:
+    """The store step an initial time names: a step index, or a date matching one of the store's times
+    (``values``, ``attrs``: the store's time axis)."""
     if text.lstrip("-").isdigit():
         k = int(text)
         if not 0 <= k < len(values):
@@ -101,7 +101,6 @@ def _step_of(text: str, time, store) -> int:
         return k
     from domainflow.store import time_axis
 
-    attrs = dict(time.attrs)
     if not time_axis.has_dates(attrs):
         raise ValueError(f"--init {text}: {store}'s time axis has no dates ({attrs.get('units') or 'no units'}); give "
                          f"a step index")
@@ -194,22 +193,24 @@ class ForecastWriter:
         from domainflow.store import time_axis
 
         ds, store = self.ds, self.ds.store.group
+        read = self.ds.store.read  # every store read checked (a damaged chunk named)
         if self.path.exists():
             shutil.rmtree(self.path)
         root = zarr.open_group(self.path, mode="w", zarr_format=3)
         time = store["time"]
         tattrs = {k: v for k, v in dict(time.attrs).items() if k in ("units", "calendar", "long_name", "standard_name")}
         tattrs.setdefault("long_name", "initial time")
-        hours = time_axis.step_hours(np.asarray(time[:2]), dict(time.attrs))
+        values = read(time)
+        hours = time_axis.step_hours(values[:2], dict(time.attrs))
         lead = np.arange(1, self.steps + 1) * ds.lead * (hours if hours else 1)
         coords = {
-            "time": (np.asarray(time[...])[self.index], tattrs),
+            "time": (values[self.index], tattrs),
             "lead_time": (lead.astype(np.float64) if hours and not float(hours).is_integer() else lead.astype(np.int64),
                           # "dtype" marks a CF duration that xarray decodes to timedelta64, as it writes one
                           {"units": "hours", "long_name": "lead time", "dtype": "timedelta64[ns]"} if hours else
                           {"units": "steps", "long_name": "lead time (steps of the store)"}),
-            "latitude": (np.asarray(store["lat"][...]), {"units": "degrees_north", "long_name": "latitude"}),
-            "longitude": (np.asarray(store["lon"][...]), {"units": "degrees_east", "long_name": "longitude"}),
+            "latitude": (read(store["lat"]), {"units": "degrees_north", "long_name": "latitude"}),
+            "longitude": (read(store["lon"]), {"units": "degrees_east", "long_name": "longitude"}),
         }
         for name, (values, attrs) in coords.items():
             a = root.create_array(name, shape=values.shape, dtype=values.dtype, dimension_names=[name],

@@ -321,11 +321,11 @@ class Trainer:
         if self.rank != 0:
             return []
         v = ds.variables[0]
-        store = ds.store.group
-        units = ds.store.fields.get(f"grid/{v}", {}).get("units", "")
-        when = _time_label(store["time"], t + ds.lead)
+        store = ds.store
+        units = store.fields.get(f"grid/{v}", {}).get("units", "")
+        when = _time_label(store, t + ds.lead)
         return [plots.grid_maps(pred[0, 0].cpu().numpy(), true[0, 0].cpu().numpy(), v, self.out / f"map_{v}.png",
-                                lat=store["lat"][...], lon=store["lon"][...], units=units,
+                                lat=store.read(store.group["lat"]), lon=store.read(store.group["lon"]), units=units,
                                 title=f"{v}, lead {ds.lead} step(s), valid {when} (step {self.step})")]
 
     def _after_step(self, entry: StepLog, log, bar, waited: float = 0.0):
@@ -413,11 +413,12 @@ def _checkpointed(model, batch):
             b.forward = f
 
 
-def _time_label(time, k: int) -> str:
+def _time_label(store, k: int) -> str:
     """Step ``k`` of a store's time axis as a date when its units give one, else its index."""
     from domainflow.store import time_axis
 
-    dates = time_axis.decode(time[k:k + 1], dict(time.attrs))
+    time = store.group["time"]
+    dates = time_axis.decode(store.read(time, slice(k, k + 1)), dict(time.attrs))
     return f"step {k}" if dates is None else time_axis.label(dates[0])[:16]
 
 

@@ -190,7 +190,7 @@ def _step_hours(ds) -> float | None:
     from domainflow.store.time_axis import step_hours
 
     time = ds.store.group["time"]
-    return step_hours(np.asarray(time[:2]), dict(time.attrs))
+    return step_hours(ds.store.read(time, slice(0, 2)), dict(time.attrs))
 
 
 def _summarise(rows: list[dict], kind: str) -> dict:
