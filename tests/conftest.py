@@ -47,3 +47,35 @@ def dist():
 def world_size(request):
     """Parametrises a test over WORLD_SIZES (1, 2, 3, 4)."""
     return request.param
+
+
+# -- shared data: made once per session, read-only for the tests (a test that changes files copies them) -------
+@pytest.fixture(scope="session")
+def cars_raw(tmp_path_factory):
+    """A small DrivaerML-style raw data set: 4 runs of about 400 surface cells (and a volume each)."""
+    from domainflow.preprocess.synth_drivaerml import synth_drivaerml
+
+    path = tmp_path_factory.mktemp("cars_raw") / "raw"
+    synth_drivaerml(path, runs=4, cells=400, seed=3, volume_cells=200, volume_pieces=1, progress=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def cars_store(cars_raw, tmp_path_factory):
+    """``cars_raw``'s surfaces ingested in 4 parts, train 3 runs and val 1 (``run_1``..``run_4``)."""
+    from domainflow.preprocess.ingest_mesh import MeshOptions, ingest_drivaerml
+
+    path = tmp_path_factory.mktemp("cars_store") / "cars.zarr"
+    ingest_drivaerml(cars_raw, path, MeshOptions(parts=4, locations=("surface",), progress=False,
+                                                 split=(0.75, 0.25, 0.0)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def cars_raw_large(tmp_path_factory):
+    """8 runs of 3000 surface cells: several chunks per array (store integrity and checksum tests)."""
+    from domainflow.preprocess.synth_drivaerml import synth_drivaerml
+
+    path = tmp_path_factory.mktemp("cars_raw_large") / "raw"
+    synth_drivaerml(path, runs=8, cells=3000, seed=5, volume_cells=200, volume_pieces=1, progress=False)
+    return path

@@ -20,7 +20,6 @@ zarr = pytest.importorskip("zarr")
 from cli_runner import run_cli  # noqa: E402
 from domainflow.preprocess.errors import IngestError  # noqa: E402
 from domainflow.preprocess.ingest_mesh import ingest_drivaerml  # noqa: E402
-from domainflow.preprocess.synth_drivaerml import synth_drivaerml  # noqa: E402
 from domainflow.readers import StoreError, open_store  # noqa: E402
 
 PARTS = 4
@@ -29,10 +28,8 @@ FIX = "re-ingest it (`domainflow ingest ... --overwrite`)"
 
 
 @pytest.fixture(scope="module")
-def raw(tmp_path_factory):
-    path = tmp_path_factory.mktemp("raw") / "raw"
-    synth_drivaerml(path, runs=8, cells=3000, seed=5, volume_cells=200, volume_pieces=1, progress=False)
-    return path
+def raw(cars_raw_large):
+    return cars_raw_large
 
 
 @pytest.fixture(scope="module")

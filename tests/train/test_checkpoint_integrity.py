@@ -28,15 +28,8 @@ TIMEOUT_S = 180
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    from domainflow.preprocess.ingest_mesh import MeshOptions, ingest_drivaerml
-    from domainflow.preprocess.synth_drivaerml import synth_drivaerml
-
-    root = tmp_path_factory.mktemp("ckpt")
-    synth_drivaerml(root / "raw", runs=4, cells=400, seed=3, volume_cells=200, volume_pieces=1, progress=False)
-    ingest_drivaerml(root / "raw", root / "cars.zarr",
-                     MeshOptions(parts=4, locations=("surface",), progress=False, split=(0.75, 0.25, 0.0)))
-    return root / "cars.zarr"
+def store(cars_store):
+    return cars_store
 
 
 def _train_args(store, out, extra=()):

@@ -21,14 +21,10 @@ from test_train import MESH_OVERRIDES
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    from domainflow.preprocess.ingest_mesh import MeshOptions, ingest_drivaerml
-    from domainflow.preprocess.synth_drivaerml import synth_drivaerml
-
+def trained(cars_store, tmp_path_factory):
+    """A 2-step run with a checkpoint after each step; ``cars.zarr`` beside it is the store it trained on."""
     root = tmp_path_factory.mktemp("trust")
-    synth_drivaerml(root / "raw", runs=3, cells=400, seed=9, volume_cells=200, volume_pieces=1, progress=False)
-    ingest_drivaerml(root / "raw", root / "cars.zarr",
-                     MeshOptions(parts=2, locations=("surface",), progress=False, split=(0.67, 0.33, 0.0)))
+    (root / "cars.zarr").symlink_to(cars_store)
     res = run_cli("train", f"data.store={root / 'cars.zarr'}", *MESH_OVERRIDES, "output.plots=false",
                   "train.steps=2", "train.checkpoint_every=1", "--out", root / "run")
     assert res.returncode == 0, res.stderr

@@ -11,18 +11,19 @@ from cli_runner import run_cli
 from test_train import MESH_OVERRIDES
 
 
-def test_a_force_csv_without_cl_is_named_in_the_table_and_result(tmp_path):
-    from domainflow.preprocess.ingest_mesh import MeshOptions, ingest_drivaerml
-    from domainflow.preprocess.synth_drivaerml import synth_drivaerml
+def test_a_force_csv_without_cl_is_named_in_the_table_and_result(cars_raw, tmp_path):
+    import shutil
 
-    synth_drivaerml(tmp_path / "raw", runs=3, cells=400, seed=11, volume_cells=200, volume_pieces=1, progress=False)
+    from domainflow.preprocess.ingest_mesh import MeshOptions, ingest_drivaerml
+
+    shutil.copytree(cars_raw, tmp_path / "raw")
     for path in (tmp_path / "raw").glob("run_*/force_mom_constref_*.csv"):
         rows = list(csv.reader(path.open()))
         keep = [j for j, name in enumerate(rows[0]) if name != "cl"]
         with path.open("w", newline="") as f:
             csv.writer(f).writerows([[r[j] for j in keep] for r in rows])
     ingest_drivaerml(tmp_path / "raw", tmp_path / "cars.zarr",
-                     MeshOptions(parts=2, locations=("surface",), progress=False, split=(0.67, 0.33, 0.0)))
+                     MeshOptions(parts=2, locations=("surface",), progress=False, split=(0.75, 0.25, 0.0)))
     res = run_cli("train", f"data.store={tmp_path / 'cars.zarr'}", *MESH_OVERRIDES, "output.plots=false",
                   "train.steps=1", "--out", tmp_path / "run")
     assert res.returncode == 0, res.stderr

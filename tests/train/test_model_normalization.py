@@ -18,18 +18,16 @@ GRID = ["data.kind=grid", "model.name=unet", "model.base=4", "train.dtype=float6
 
 
 @pytest.fixture(scope="module")
-def mesh_stores(tmp_path_factory):
+def mesh_stores(cars_raw, cars_store, tmp_path_factory):
     """A 4-run training store and a store of one of its runs ingested alone (its own statistics)."""
     from domainflow.preprocess.ingest_mesh import MeshOptions, ingest_drivaerml
-    from domainflow.preprocess.synth_drivaerml import synth_drivaerml
 
     root = tmp_path_factory.mktemp("norm_mesh")
-    synth_drivaerml(root / "raw", runs=4, cells=400, seed=5, volume_cells=200, volume_pieces=1, progress=False)
-    opts = dict(parts=2, locations=("surface",), progress=False)
-    ingest_drivaerml(root / "raw", root / "all.zarr", MeshOptions(split=(0.75, 0.25, 0.0), **opts))
+    (root / "all.zarr").symlink_to(cars_store)
     (root / "one").mkdir()
-    shutil.copytree(root / "raw" / "run_2", root / "one" / "run_2")
-    ingest_drivaerml(root / "one", root / "one.zarr", MeshOptions(split=(1.0, 0.0, 0.0), **opts))
+    shutil.copytree(cars_raw / "run_2", root / "one" / "run_2")
+    ingest_drivaerml(root / "one", root / "one.zarr", MeshOptions(parts=2, locations=("surface",), progress=False,
+                                                                  split=(1.0, 0.0, 0.0)))
     res = run_cli("train", f"data.store={root / 'all.zarr'}", *MESH_OVERRIDES, "train.steps=2", "output.plots=false",
                   "--out", root / "run")
     assert res.returncode == 0, res.stderr

@@ -22,15 +22,8 @@ ENV = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE",
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    from domainflow.preprocess.ingest_mesh import MeshOptions, ingest_drivaerml
-    from domainflow.preprocess.synth_drivaerml import synth_drivaerml
-
-    root = tmp_path_factory.mktemp("own")
-    synth_drivaerml(root / "raw", runs=3, cells=400, seed=7, volume_cells=200, volume_pieces=1, progress=False)
-    ingest_drivaerml(root / "raw", root / "cars.zarr",
-                     MeshOptions(parts=2, locations=("surface",), progress=False, split=(0.67, 0.33, 0.0)))
-    return root / "cars.zarr"
+def store(cars_store):
+    return cars_store
 
 
 def _train(store, out, *extra):
