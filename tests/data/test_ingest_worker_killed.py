@@ -52,6 +52,27 @@ def _one_line_worker_death(res, marker: Path) -> str:
     return line
 
 
+def _kill_then_resume(tmp_path, monkeypatch, args, module, task: str, dying, match: str) -> str:
+    """Ingest ``args`` (``None``: the store) once whole as the reference, then with 2 workers where the task
+    ``module.task`` matching ``match`` SIGKILLs its worker: the one line it ends with; the rerun resumes to a
+    store equal to the reference."""
+    reference, store = tmp_path / "reference.zarr", tmp_path / "store.zarr"
+    assert run_cli(*[reference if a is None else a for a in args]).returncode == 0
+    cmd = [store if a is None else a for a in args] + ["--workers", "2"]
+    marker = tmp_path / "killed.pid"
+    monkeypatch.setitem(_VICTIM, "marker", str(marker))
+    monkeypatch.setitem(_VICTIM, "match", match)
+    real = getattr(module, task)
+    monkeypatch.setattr(module, task, dying)
+    line = _one_line_worker_death(run_cli(*cmd), marker)
+    assert zarr.open_group(store, mode="r").attrs["domainflow"]["complete"] is False
+    monkeypatch.setattr(module, task, real)
+    res = run_cli(*cmd)
+    assert res.returncode == 0 and "resumed" in res.stdout, res.stderr[-3000:]
+    assert_same_store(reference, store)
+    return line
+
+
 def test_a_killed_mesh_ingest_worker_is_one_line_and_the_rerun_completes_the_store(tmp_path, monkeypatch):
     from domainflow.preprocess.synth_drivaerml import synth_drivaerml
 
@@ -59,21 +80,9 @@ def test_a_killed_mesh_ingest_worker_is_one_line_and_the_rerun_completes_the_sto
     synth_drivaerml(raw, runs=4, cells=600, seed=1, volume_cells=200, volume_pieces=1)
     args = ["ingest", "drivaerml", raw, None, "--parts", "4", "--locations", "surface", "--split", "0.5,0.25,0.25",
             "--quiet"]
-    reference = tmp_path / "reference.zarr"
-    assert run_cli(*[reference if a is None else a for a in args]).returncode == 0
-    store = tmp_path / "s.zarr"
-    cmd = [store if a is None else a for a in args] + ["--workers", "2"]
-    marker = tmp_path / "killed.pid"
-    monkeypatch.setitem(_VICTIM, "marker", str(marker))
-    monkeypatch.setitem(_VICTIM, "match", "run_3")
-    monkeypatch.setattr(ingest_mesh, "partition_location", _partition_or_die)
-    line = _one_line_worker_death(run_cli(*cmd), marker)
+    line = _kill_then_resume(tmp_path, monkeypatch, args, ingest_mesh, "partition_location", _partition_or_die,
+                             "run_3")
     assert "--memory-limit" in line
-    assert zarr.open_group(store, mode="r").attrs["domainflow"]["complete"] is False
-    monkeypatch.setattr(ingest_mesh, "partition_location", _real_partition)
-    res = run_cli(*cmd)
-    assert res.returncode == 0 and "resumed" in res.stdout, res.stderr[-3000:]
-    assert_same_store(reference, store)
 
 
 def test_a_killed_climate_ingest_worker_is_one_line_and_the_rerun_completes_the_store(tmp_path, monkeypatch):
@@ -81,17 +90,5 @@ def test_a_killed_climate_ingest_worker_is_one_line_and_the_rerun_completes_the_
 
     source = synth_climate(tmp_path / "era5.zarr", grid=(8, 16), steps=40, seed=2)
     args = ["ingest", "climate", source, None, "--time-block", "8", "--split", "0.6,0.2,0.2", "--quiet"]
-    reference = tmp_path / "reference.zarr"
-    assert run_cli(*[reference if a is None else a for a in args]).returncode == 0
-    store = tmp_path / "g.zarr"
-    cmd = [store if a is None else a for a in args] + ["--workers", "2"]
-    marker = tmp_path / "killed.pid"
-    monkeypatch.setitem(_VICTIM, "marker", str(marker))
-    monkeypatch.setitem(_VICTIM, "match", "block 16")
-    monkeypatch.setattr(ingest_grid, "ingest_block", _block_or_die)
-    line = _one_line_worker_death(run_cli(*cmd), marker)
+    line = _kill_then_resume(tmp_path, monkeypatch, args, ingest_grid, "ingest_block", _block_or_die, "block 16")
     assert "--time-block" in line
-    monkeypatch.setattr(ingest_grid, "ingest_block", _real_block)
-    res = run_cli(*cmd)
-    assert res.returncode == 0 and "resumed" in res.stdout, res.stderr[-3000:]
-    assert_same_store(reference, store)
