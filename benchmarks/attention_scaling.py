@@ -263,7 +263,7 @@ def _rank(mode: str, cfg: dict) -> dict:
 
 
 def launch(mode: str, world: int, cfg: dict) -> list[dict]:
-    from domainflow.app.launch import launch_local
+    from domainflow.launch import launch_local
 
     res = launch_local(_rank, world, mode, cfg, threads_per_rank=cfg["threads"])
     return [res[r] for r in sorted(res)]

@@ -146,7 +146,7 @@ def main() -> None:
     ap.add_argument("--points", type=int, default=200_000, help="points per sample (over 2 ranks)")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
-    from domainflow.app.launch import launch_local
+    from domainflow.launch import launch_local
 
     res = launch_local(_rank, 2, args.points, args.repeats, threads_per_rank=1)
     r0 = res[0]

@@ -157,7 +157,7 @@ def _redistribute_rank(numel_rows: int, cols: int, fraction: float, iters: int) 
 
 
 def redistribution() -> list[dict]:
-    from domainflow.app.launch import launch_local
+    from domainflow.launch import launch_local
 
     rows = []
     for world in (2, 4):

@@ -63,7 +63,7 @@ def main() -> None:
     p.add_argument("--work", default=None, help="folder for the store (default: a temporary one, removed)")
     args = p.parse_args()
 
-    from domainflow.app.launch import launch_local
+    from domainflow.launch import launch_local
 
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="fsdp_memory_"))
     try:

@@ -134,7 +134,7 @@ def main() -> int:
 
     import torch
 
-    from domainflow.app.launch import launch_local
+    from domainflow.launch import launch_local
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing to check (run with --device cpu for the same checks on Gloo)")

@@ -199,7 +199,7 @@ def _rank(mode: str, cfg: dict, steps: int, warmup: int, threads: int) -> dict:
 
 def run_case(mode: str, world: int, cfg: dict, args) -> dict:
     """One launch of ``world`` ranks: the hooked first step, warm-up and timed steps."""
-    from domainflow.app.launch import launch_local
+    from domainflow.launch import launch_local
 
     res = launch_local(_rank, world, mode, cfg, args.steps, args.warmup, args.threads,
                        threads_per_rank=args.threads)

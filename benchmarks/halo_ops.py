@@ -63,7 +63,7 @@ def _step(op, x, w):
 
 def plain(size: int, calls: int) -> dict:
     """Plain torch in a fresh process started like the ranks (same allocator settings, one thread)."""
-    from domainflow.app.launch import launch_local
+    from domainflow.launch import launch_local
 
     return launch_local(_plain_rank, 1, size, calls, threads_per_rank=1, env=TUNED_MALLOC)[0]
 
@@ -129,7 +129,7 @@ def _sharded_rank(size: int, calls: int, library: str) -> dict:
 
 
 def sharded(size: int, calls: int, world: int, library: str = "domainflow") -> dict:
-    from domainflow.app.launch import launch_local
+    from domainflow.launch import launch_local
 
     per_rank = launch_local(_sharded_rank, world, size, calls, library, threads_per_rank=1, env=TUNED_MALLOC)
     return {name: max(r[name] for r in per_rank.values()) for name in _ops()}

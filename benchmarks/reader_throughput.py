@@ -312,7 +312,7 @@ def _scatter_rank(store_path: str, runs: list[str], repeats: int, threads: int) 
 
 def region_vs_scatter(store_path: Path, runs: list[str], repeats: int, whole: dict[str, int],
                       threads: int = 1) -> dict:
-    from domainflow.app.launch import launch_local
+    from domainflow.launch import launch_local
 
     world = 4
     res = launch_local(_scatter_rank, world, str(store_path), runs, repeats, threads,

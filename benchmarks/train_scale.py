@@ -114,7 +114,7 @@ def _predict_rank(checkpoint: str, store: str, run: str, out: str, domain: int, 
 
 
 def _launch(fn, nproc: int, *args, malloc: dict | None = None) -> list[dict]:
-    from domainflow.app.launch import launch_local
+    from domainflow.launch import launch_local
 
     env = {**{k: None for k in TUNED_MALLOC}, **(malloc or {})}  # glibc's defaults unless tuned
     res = launch_local(fn, nproc, *args, threads_per_rank=1, env=env)
@@ -282,7 +282,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of parts 2 and 3")
     ap.add_argument("--work", default="/tmp/domainflow_train_scale", help="stores and outputs (kept between runs)")
     args = ap.parse_args()
-    from domainflow.app.cli import _bytes
+    from domainflow.cli_values import parse_bytes as _bytes
 
     budget = _bytes(args.budget)
     parts = set(args.parts.split(","))

@@ -243,7 +243,7 @@ def run_case(store: Path, world: int, steps: int, warmup: int, args, label: str,
              plain: bool = False) -> dict:
     """``dp`` x ``world`` ranks (world = the domain size) on ``store``; per-step slowest-rank times, memory
     maxima over ranks, and the CPU other processes used during the timed steps."""
-    from domainflow.app.launch import launch_local
+    from domainflow.launch import launch_local
 
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()

@@ -23,7 +23,7 @@ _EXPORTS = {
     "knn": "ops.neighbours", "radius": "ops.neighbours",
 }
 # Folders and top-level modules reachable as attributes (``domainflow.comm``, ``domainflow.layout.shapes``).
-_SUBMODULES = ("errors", "locks", "layout", "comm", "tensor", "dispatch", "ops", "app")
+_SUBMODULES = ("errors", "locks", "store", "launch", "layout", "comm", "tensor", "dispatch", "ops", "app")
 
 
 def load_engine() -> None:

@@ -129,7 +129,7 @@ def check_plannable(cfg: Config) -> tuple[int, int, int]:
 def measure(cfg: Config, sizes=PLAN_SIZES, steps: int = PLAN_STEPS) -> MemoryModel:
     """Fit a rank's peak memory per training step and per evaluation to the points of the sample, from one
     child process at domain 1."""
-    from domainflow.app.launch import launch_local
+    from domainflow.launch import launch_local
 
     smallest, _, parts = check_plannable(cfg)
     sizes = tuple(sorted(int(s) for s in sizes))

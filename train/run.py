@@ -24,7 +24,7 @@ def run_training(cfg: Config, nproc: int | None = None, resume: bool = False, in
     """Train with ``cfg`` on dp x domain ranks; returns rank 0's result (losses, evaluation, paths). ``resume``:
     continue this run from its latest checkpoint; ``init_from``: start from another checkpoint's weights;
     ``overwrite``: replace a training already in the output folder (refused otherwise)."""
-    from domainflow.app.launch import launch_local, under_launcher
+    from domainflow.launch import launch_local, under_launcher
 
     from . import output_folder
 

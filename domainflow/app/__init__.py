@@ -1,2 +1,3 @@
-"""Entry points: the ``domainflow`` command, the launcher and the self-check. The only core folder that may
+"""The ``domainflow`` command (``cli.py``: it assembles the subcommands ``domainflow.preprocess.cli`` and
+``domainflow.train.cli`` own) and the self-check. The top of the import graph: the only core folder that may
 import ``domainflow.train`` and ``domainflow.preprocess``."""

@@ -185,7 +185,7 @@ def test_any_engine_module_can_be_imported_first(module):
 
 # The core's rooms, bottom to top: a module may import its own room and the rooms below, never above
 # (docs/architecture.md). The package root wires the engine to the tensor layer (load_engine) and is above all.
-_CORE_LAYERS = ["errors", "locks", "store", "layout", "comm", "tensor", "dispatch", "ops", "__init__", "app"]
+_CORE_LAYERS = ["errors", "locks", "cli_values", "store", "layout", "launch", "comm", "tensor", "dispatch", "ops", "__init__", "app"]
 
 
 def _room(module: str) -> str | None:
@@ -248,6 +248,76 @@ def test_core_rooms_import_only_downward():
             elif rank[other] > rank[room]:
                 wrong.append(f"{path.relative_to(REPO)} ({room}) imports {target} ({other}, a room above)")
     assert not wrong, "\n".join(wrong)
+
+
+# The four folders, the package-dir mapping resolved: the core below everything; readers and preprocess above it
+# and never each other (they share the store format, domainflow/store/); train above those; the command (app/)
+# on top (docs/architecture.md).
+_FOLDER_ROOMS = {"core": set(), "readers": {"core"}, "preprocess": {"core"},
+                 "train": {"core", "readers", "preprocess"}, "app": {"core", "readers", "preprocess", "train"}}
+
+
+def _folder_room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ("app", "train", "readers", "preprocess") else "core"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every module of the installed package -> the modules of ours it imports (at module level or inside a
+    function; ``from pkg import sub`` counts as importing ``pkg.sub`` alone, as Python runs it)."""
+    import ast
+
+    files = {m: p for folder, prefix in (("domainflow", "domainflow"), ("readers", "domainflow.readers"),
+                                         ("preprocess", "domainflow.preprocess"), ("train", "domainflow.train"))
+             for p, m in _module_files(folder, prefix)}
+    graph = {}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    pkg = package.split(".")
+                    base = ".".join(pkg[:len(pkg) - node.level + 1] + ([base] if base else []))
+                subs = [f"{base}.{a.name}" for a in node.names]
+                names = [x for x in subs if x in files] or [base]
+            for name in names:
+                while name and name not in files:  # a name inside a module: the module
+                    name = name.rpartition(".")[0]
+                if name and name != module:
+                    targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def test_the_whole_import_graph_has_no_loop_and_runs_the_documented_way():
+    """Across the four folders (the package-dir mapping resolved, imports inside functions counted): no module
+    reaches itself through others, and no arrow runs against core <- readers, preprocess <- train <- app."""
+    graph = _import_graph()
+    wrong = [f"{m} ({_folder_room(m)}) imports {t} ({_folder_room(t)})" for m, ts in sorted(graph.items())
+             for t in sorted(ts) if _folder_room(t) != _folder_room(m)
+             and _folder_room(t) not in _FOLDER_ROOMS[_folder_room(m)]]
+    assert not wrong, "\n".join(wrong)
+    state, path, loops = {}, [], []
+
+    def visit(m):
+        state[m] = "open"
+        path.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == "open":
+                loops.append(" -> ".join(path[path.index(t):] + [t]))
+            elif t not in state:
+                visit(t)
+        path.pop()
+        state[m] = "done"
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not loops, "\n".join(loops[:10])
 
 
 # Inside the collective layer: base <- p2p <- collectives <- autograd <- indexed, and halo on p2p

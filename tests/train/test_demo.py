@@ -30,7 +30,7 @@ def _launch_tiny(k):
 
 
 def test_launch_local_returns_rank_results():
-    from domainflow.app.launch import launch_local
+    from domainflow.launch import launch_local
 
     old = os.environ.get("OMP_NUM_THREADS")
     try:

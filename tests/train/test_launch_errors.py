@@ -102,7 +102,7 @@ def buggy():
     return 0
 
 if __name__ == "__main__":
-    from domainflow.app.launch import LaunchError, launch_local
+    from domainflow.launch import LaunchError, launch_local
     try:
         launch_local(buggy, 2)
     except LaunchError as exc:

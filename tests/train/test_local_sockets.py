@@ -67,7 +67,7 @@ def rank(launcher):
     return {"sockets": got, "pid": os.getpid()}
 
 if __name__ == "__main__":
-    from domainflow.app.launch import launch_local
+    from domainflow.launch import launch_local
 
     print("RESULT", json.dumps(launch_local(rank, 2, os.getpid())))
 '''
