@@ -17,7 +17,7 @@ def add_commands(sub) -> None:
     insp.add_argument("store")
     insp.add_argument("--domain", type=int, nargs="+", default=[1, 2, 3, 4, 8],
                       help="domain sizes to show the partition balance for")
-    insp.set_defaults(run=_inspect)
+    insp.set_defaults(handler=_inspect)
 
 
 def after_error(exc) -> str | None:
@@ -108,7 +108,7 @@ def _inspect(args) -> int:
 
 def _add_synth(sub):
     synth = sub.add_parser("synth", help="generate a synthetic raw data set in a real layout")
-    synth.set_defaults(run=_synth)
+    synth.set_defaults(handler=_synth)
     kinds = synth.add_subparsers(dest="kind", required=True)
     d = kinds.add_parser("drivaerml", help="car-like bluff bodies in the DrivaerML run-folder layout")
     d.add_argument("out", help="folder to write run_<i>/ folders into")
@@ -156,7 +156,7 @@ def _add_mesh_ingest_options(d):
 
 def _add_ingest(sub):
     ingest = sub.add_parser("ingest", help="raw files -> a spatially partitioned Zarr store (resumable)")
-    ingest.set_defaults(run=_ingest, interrupted=INTERRUPTED_INGEST)
+    ingest.set_defaults(handler=_ingest, interrupted=INTERRUPTED_INGEST)
     kinds = ingest.add_subparsers(dest="kind", required=True)
     parsers = [kinds.add_parser("cfd", help="CFD run folders (a layout: drivaerml, ahmedml, windsorml or a "
                                             "layout.yaml) -> a mesh store"),

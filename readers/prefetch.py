@@ -9,6 +9,7 @@ at construction, so a dataset can start reading its next epoch before the loop a
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from typing import Callable, Iterable
@@ -90,6 +91,19 @@ class EpochStream:
     def __init__(self):
         self.epoch = 0
         self._ahead = None  # (epoch, Prefetcher) started speculatively at the end of the last pass
+
+    def samples(self, entries, depth: int | None = None, **read):
+        """The wrapped samples of ``entries`` ((key, weight) or (key, weight, epoch), in order), read up to
+        ``depth`` ahead on a background thread (default: the dataset's ``prefetch``); ``read``: more
+        ``read_region`` arguments. The one way the trainer, the metrics and predict read samples."""
+        loads = [functools.partial(self.read_region, e[0], e[1], **({"epoch": e[2]} if len(e) > 2 else {}), **read)
+                 for e in entries]
+        source = Prefetcher(loads, self.prefetch if depth is None else depth)
+        try:
+            for raw in source:
+                yield self.wrap(raw)
+        finally:
+            source.close()
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` next (same seed and epoch: the same order in every run)."""

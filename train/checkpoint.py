@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from domainflow.errors import DomainflowError
 
-from .checkpoint_files import (MANIFEST, SafePlanner, SafeReader, UnsafeCheckpoint, digest, manifest_problems, own_files,
-                               read_metadata, write_manifest)
+from .checkpoint_files import (MANIFEST, SafePlanner, SafeReader, UnsafeCheckpoint, digest, manifest_problems,
+                               not_plain, own_files, plain_name, read_metadata, write_manifest)
 
 SHARED_STORAGE = ("the checkpoint directory{} must be on storage every node can see (a shared filesystem): DCP "
                   "spreads even replicated parameters over the ranks' files, so every rank's file is needed")
@@ -69,11 +69,12 @@ def _gather(obj) -> list:
 
 
 def problems(path: Path, need_meta: bool = True, save_id: str | None = None,
-             share: tuple[int, int] | None = None) -> list[str]:
+             share: tuple[int, int] | None = None, hashes: bool = True) -> list[str]:
     """What is wrong with the checkpoint folder ``path`` as this process sees it ([] if nothing): its
     ``meta.json`` (when ``need_meta``), DCP's ``.metadata`` (from the save ``save_id`` when given), every file
     that metadata references, each at least as long as the data it holds, and (published checkpoints) every
-    file against ``manifest.json``, this rank hashing its ``share`` (rank, world) of the files."""
+    file against ``manifest.json``: sizes, and (``hashes``) the SHA-256 of this rank's ``share`` (rank, world)
+    of the files."""
     path = Path(path)
     if not path.is_dir():
         return ["the folder does not exist"]
@@ -86,13 +87,15 @@ def problems(path: Path, need_meta: bool = True, save_id: str | None = None,
         except (ValueError, KeyError, TypeError) as e:
             found.append(f"meta.json is unreadable ({type(e).__name__}: {e})")
     if need_meta:
-        checked = manifest_problems(path, share)
+        checked = manifest_problems(path, share, hashes)
         if checked:
             return found + checked
     try:
         md = read_metadata(path)
         need: dict[str, int] = {}
         for info in md.storage_data.values():
+            if not plain_name(info.relative_path):
+                return found + [f".metadata names a file outside the checkpoint folder ({info.relative_path!r})"]
             need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
     except FileNotFoundError:
         return found + [".metadata is missing"]
@@ -146,6 +149,11 @@ def save(folder: Path, step: int, model, optimizer, cfg=None, record: dict | Non
             shutil.rmtree(scratch, ignore_errors=True)
     _together(prepare, folder, step, scratch)
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    bad = not_plain({"model": model_sd, "optim": optim_sd})
+    if bad:  # the same state on every rank: every rank refuses
+        raise CheckpointError(f"checkpoint step {step} was not saved: its state {bad} is not a tensor or a plain value, "
+                              f"which a checkpoint cannot hold (it is loaded with weights_only=True, so it can never "
+                              f"run code); return tensors or plain Python values from it (e.g. get_extra_state)")
     saved = _together(lambda: dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(scratch)),
                       folder, step, scratch)
     _barrier()
@@ -242,9 +250,9 @@ def latest(folder: Path) -> Path | None:
     tried = _candidates(Path(folder))
     if not tried:
         return None
-    found = problems(tried[0])
+    found = problems(tried[0], hashes=False)  # sizes and metadata: the bytes' hashes are checked by the load
     if found:
-        older = next((p for p in tried[1:] if not problems(p)), None)
+        older = next((p for p in tried[1:] if not problems(p, hashes=False)), None)
         raise CheckpointError(
             f"checkpoint {tried[0]} is corrupt: {_listing(found)}; the newest older complete checkpoint is "
             f"{older or 'none'}" + (" (--resume falls back to it; load it by passing its folder)" if older else ""))
@@ -323,9 +331,20 @@ def load(path: Path, model, optimizer=None) -> int:
                                 f"checkpoints folder that holds them")
     step, why = _verified_load(Path(head[0]), model, optimizer)
     if step is None:
-        raise CheckpointError(f"checkpoint {head[0]} is corrupt or unreadable: {'; '.join(why)}; load an older "
-                              f"step_<n> folder, or --resume, which falls back to the newest complete one")
+        older = _gather(_older_complete(Path(head[0])) if _rank() == 0 else None)[0]
+        hint = (f"the newest older complete checkpoint is {older} (load it by passing its folder; --resume falls back "
+                f"to it)" if older else "load an older step_<n> folder, or --resume, which falls back to the newest "
+                "complete one")
+        raise CheckpointError(f"checkpoint {head[0]} is corrupt or unreadable: {'; '.join(why)}; {hint}")
     return step
+
+
+def _older_complete(path: Path) -> str | None:
+    """The newest ``step_*`` beside ``path`` and older than it whose files are all there at their sizes."""
+    if not _STEP.fullmatch(path.name):
+        return None
+    older = sorted((p for p in path.parent.glob("step_*") if p.is_dir() and p.name < path.name), reverse=True)
+    return next((str(p) for p in older if not problems(p, hashes=False)), None)
 
 
 def load_newest_complete(folder: Path, model, optimizer) -> tuple[Path, int] | None:

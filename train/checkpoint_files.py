@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import pickle
+import stat
 from pathlib import Path
 
 import torch
@@ -112,31 +113,75 @@ def write_manifest(folder: Path, digests: dict[str, tuple[int, str]]) -> None:
     tmp.replace(folder / MANIFEST)
 
 
-def manifest_problems(folder: Path, share: tuple[int, int] | None = None) -> list[str] | None:
+def plain_name(name) -> bool:
+    """A file name inside the checkpoint folder itself (no path, no ``..``): what a manifest or DCP may name."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+
+
+def manifest_problems(folder: Path, share: tuple[int, int] | None = None, hashes: bool = True) -> list[str] | None:
     """What does not match ``folder``'s manifest ([] if all does), or None when it has no manifest (a
-    checkpoint saved before checksums). Every file's size is checked; its SHA-256 only for this rank's
-    ``share`` (rank, world) of the files (all of them when None), so ranks split the reading."""
+    checkpoint saved before checksums). Every file's size is checked; its SHA-256 (``hashes``) only for this
+    rank's ``share`` (rank, world) of the files (all of them when None), so ranks split the reading. The
+    manifest is not trusted either: only regular files of the folder itself are read."""
     folder = Path(folder)
     try:
         body = json.loads((folder / MANIFEST).read_text())
         files = body["files"]
+        entries = sorted(files.items())
     except FileNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         return [f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"]
     found = []
-    for i, (name, want) in enumerate(sorted(files.items())):
+    for i, (name, want) in enumerate(entries):
+        if not plain_name(name) or not isinstance(want, dict) or not isinstance(want.get("bytes"), int) \
+                or not isinstance(want.get("sha256"), str):
+            found.append(f"{MANIFEST} has a malformed entry {name!r} (a file of the folder itself, with its bytes "
+                         f"and sha256)")
+            continue
         path = folder / name
         try:
-            size = path.stat().st_size
+            st = path.lstat()
         except FileNotFoundError:
             found.append(f"{name} is missing")
             continue
+        if not stat.S_ISREG(st.st_mode):
+            found.append(f"{name} is not a regular file")
+            continue
+        size = st.st_size
         if size != want["bytes"]:
             found.append(f"{name} is truncated ({size} of {want['bytes']} bytes)" if size < want["bytes"] else
                          f"{name} has {size} bytes, {MANIFEST} says {want['bytes']}")
             continue
-        if share is None or i % share[1] == share[0]:
+        if hashes and (share is None or i % share[1] == share[0]):
             if digest(path)[1] != want["sha256"]:
                 found.append(f"{name} does not match its SHA-256 in {MANIFEST} (its bytes changed since the save)")
     return found
+
+
+def not_plain(state, where: str = "") -> str | None:
+    """The first non-tensor value in a state dict that does not load back with ``weights_only=True`` (what
+    loading admits), as 'key (type)', or None: checked at save, so a checkpoint that could not be loaded safely
+    is refused by name when it is written, never called corrupt later."""
+    if isinstance(state, torch.Tensor) or state is None or isinstance(state, (bool, int, float, str, bytes)):
+        return None
+    if isinstance(state, dict):
+        for k, v in state.items():
+            bad = not_plain(v, f"{where}.{k}" if where else str(k))
+            if bad:
+                return bad
+        return None
+    if isinstance(state, (list, tuple)):
+        for k, v in enumerate(state):
+            bad = not_plain(v, f"{where}[{k}]")
+            if bad:
+                return bad
+        return None
+    buf = io.BytesIO()
+    try:
+        torch.save(state, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True)
+    except Exception:  # noqa: BLE001  (weights_only refuses it, or it does not even pickle)
+        return f"{where} ({type(state).__module__}.{type(state).__name__})"
+    return None

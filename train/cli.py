@@ -20,7 +20,7 @@ def add_demo(sub) -> None:
     demo.add_argument("--nproc", type=int, default=2, help="domain ranks to start (default 2)")
     demo.add_argument("--out", default="demo_output")
     demo.add_argument("--fresh", action="store_true", help="delete --out first (default: reuse data made before)")
-    demo.set_defaults(run=_demo)
+    demo.set_defaults(handler=_demo)
 
 
 def add_commands(sub) -> None:
@@ -71,13 +71,15 @@ def add_commands(sub) -> None:
     pred.add_argument("--lon", type=int, default=1, help="grid: ranks over longitude too (a domain x lon mesh)")
     pred.add_argument("--pieces", action="store_true", help="with a .pvd: each run as a .pvtp of per-rank pieces")
     pred.add_argument("--domain", type=int, default=1, help="ranks to split the surface over (default 1)")
+    pred.add_argument("--trust-model-target", action="store_true",
+                      help="build a checkpoint's own model (model.target: code outside domainflow) by importing it")
     pred.add_argument("--block-points", type=int, default=None,
                       help="forward in blocks of this many points over the domain, each rank its share, in "
                            "bounded memory (default: the "
                            "checkpoint's eval.block_points; 0: the whole run at once)")
-    train.set_defaults(run=_train, interrupted=INTERRUPTED_TRAIN, overrides_anywhere=True)
-    plan.set_defaults(run=_plan, overrides_anywhere=True)
-    pred.set_defaults(run=_predict)
+    train.set_defaults(handler=_train, interrupted=INTERRUPTED_TRAIN, overrides_anywhere=True)
+    plan.set_defaults(handler=_plan, overrides_anywhere=True)
+    pred.set_defaults(handler=_predict)
 
 
 def _demo(args) -> int:
@@ -163,7 +165,8 @@ def _predict(args) -> int:
         if args.init is None or args.run:
             raise ValueError("a grid checkpoint forecasts from --init DATE[,DATE...] (or step indices) for --steps K "
                              "steps" + ("; --run names a run of a mesh store" if args.run else ""))
-        call = (args.checkpoint, args.store, args.init, args.steps, args.out, args.domain, args.lon)
+        call = (args.checkpoint, args.store, args.init, args.steps, args.out, args.domain, args.lon,
+                args.trust_model_target)
         if args.domain * args.lon == 1 or under_launcher():
             return forecast_main(*call)
         forecast_config(*call)  # errors known before ranks start
@@ -172,9 +175,11 @@ def _predict(args) -> int:
     if not args.run or args.init is not None:
         raise ValueError("a mesh checkpoint predicts runs: give --run run_<i> (--init is for grid checkpoints)")
     runs = [r.strip() for item in args.run for r in item.split(",") if r.strip()]
-    call = (args.checkpoint, args.store, runs, args.out, args.domain, args.block_points, args.pieces)
+    call = (args.checkpoint, args.store, runs, args.out, args.domain, args.block_points, args.pieces,
+            args.trust_model_target)
     if args.domain == 1 or under_launcher():
         return predict_main(*call)
-    predict_config(args.checkpoint, args.store, runs, args.domain, args.block_points, args.out, args.pieces)  # before ranks start
+    predict_config(args.checkpoint, args.store, runs, args.domain, args.block_points, args.out, args.pieces,
+                   args.trust_model_target)  # errors known before ranks start
     launch_local(predict_main, args.domain, *call)
     return 0

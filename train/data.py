@@ -51,10 +51,11 @@ def build_dataset(cfg: Config, mesh, split: str, shuffle: bool, runs=None, extra
         inputs = tuple(d.inputs) + tuple(i for i in extra_inputs if i not in d.inputs)
         return MeshDataset(d.store, mesh, split=split if runs is None else None, location=d.location,
                            fields=tuple(d.fields), inputs=inputs, shuffle=shuffle, seed=cfg.train.seed,
-                           prefetch=0, dtype=dtype, runs=runs, sample_points=sample_points, stats=normalization.stats(norm))
+                           prefetch=d.prefetch, dtype=dtype, runs=runs, sample_points=sample_points,
+                           stats=normalization.stats(norm))
     axes = ("domain",) if len(d.shard_dims) == 1 else ("domain", "lon")
     return GridDataset(d.store, mesh, split=split, shard_dims=tuple(d.shard_dims), lead=d.lead, history=d.history,
-                       shuffle=shuffle, seed=cfg.train.seed, prefetch=0, dtype=dtype, domain_axes=axes,
+                       shuffle=shuffle, seed=cfg.train.seed, prefetch=d.prefetch, dtype=dtype, domain_axes=axes,
                        static=d.static, stats=normalization.stats(norm))
 
 

@@ -28,7 +28,8 @@ from .config import from_dict
 FORECAST_SUFFIXES = (".zarr", ".nc")
 
 
-def forecast_config(checkpoint: str, store: str, inits, steps: int, out: str, domain: int = 1, lon: int = 1):
+def forecast_config(checkpoint: str, store: str, inits, steps: int, out: str, domain: int = 1, lon: int = 1,
+                    trust_target: bool = False):
     """(checkpoint folder, config, initial step indices, output path, the model's normalisation) with every
     error that needs no process group raised here, before ranks start: no or a mesh checkpoint, an output that
     is not .zarr/.nc, steps < 1, a store whose channels do not fit the model, an initial time the store does not
@@ -52,6 +53,9 @@ def forecast_config(checkpoint: str, store: str, inits, steps: int, out: str, do
     if cfg.data.kind != "grid":
         raise ValueError(f"--init forecasts a grid; the checkpoint was trained on a {cfg.data.kind} store (predict it "
                          f"with --run)")
+    from .model_target import check_trusted
+
+    check_trusted(cfg, f"the checkpoint {path}", trust_target)
     cfg.data.store = str(store)
     cfg.mesh.dp, cfg.mesh.domain, cfg.mesh.lon = 1, domain, lon
     cfg.data.shard_dims = ["lat", "lon"] if lon > 1 else ["lat"]
@@ -118,7 +122,8 @@ def _step_of(text: str, values: np.ndarray, attrs: dict, store) -> int:
     return int(hit[0])
 
 
-def forecast_main(checkpoint: str, store: str, inits, steps: int, out: str, domain: int = 1, lon: int = 1) -> int:
+def forecast_main(checkpoint: str, store: str, inits, steps: int, out: str, domain: int = 1, lon: int = 1,
+                  trust_target: bool = False) -> int:
     """``domainflow predict ... --init``: one rank per block of the grid (started by the caller)."""
     from domainflow import comm
 
@@ -127,7 +132,7 @@ def forecast_main(checkpoint: str, store: str, inits, steps: int, out: str, doma
     from .inference import rollout
     from .predict import PredictionError, together
 
-    path, cfg, index, out, norm = forecast_config(checkpoint, store, inits, steps, out, domain, lon)
+    path, cfg, index, out, norm = forecast_config(checkpoint, store, inits, steps, out, domain, lon, trust_target)
     mesh = build_mesh(cfg)
     ds = build_dataset(cfg, mesh, next(iter(_splits(store))), shuffle=False, norm=norm)
     model = build_model(cfg, ds)

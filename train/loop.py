@@ -69,7 +69,7 @@ class Trainer:
         self.out = Path(cfg.output.dir)
         self.ds = build_dataset(cfg, self.mesh, "train", shuffle=True, sample_points=cfg.data.sample_points)
         # what this store gives the model's inputs (a resume or --init-from adopts its checkpoint's instead)
-        self.norm = normalization.from_store(cfg, self.ds.store)
+        self.norm = self.store_norm = normalization.from_store(cfg, self.ds.store)
         self.identity = run_identity.identity(cfg, self.norm)
         self.model = build_model(cfg, self.ds)
         self.sharded = cfg.mesh.dp_strategy == "fsdp"
@@ -100,27 +100,23 @@ class Trainer:
     def _stream(self, start: int, stop: int):
         """(step, [(real samples in the step, sample), ...], seconds waited for data) for steps
         ``start..stop-1``, read ahead on a background thread."""
-        from domainflow.readers.prefetch import Prefetcher
-
         plan = []
         for s in range(start, stop):
             epoch, entries, total = self._entries(s)
             plan.extend((s, total, key, w, len(entries), epoch) for key, w in entries)
-        loads = [(lambda key=key, w=w, e=e: self.ds.read_region(key, w, epoch=e)) for _, _, key, w, _, e in plan]
-        source = Prefetcher(loads, self.cfg.data.prefetch)
-        it = iter(source)
+        it = self.ds.samples([(key, w, e) for _, _, key, w, _, e in plan], depth=self.cfg.data.prefetch)
         try:
             batch, waited = [], 0.0
             for s, total, _, _, count, _ in plan:
                 t0 = time.perf_counter()
-                raw = next(it)
+                sample = next(it)
                 waited += time.perf_counter() - t0
-                batch.append((total, self.ds.wrap(raw)))
+                batch.append((total, sample))
                 if len(batch) == count:
                     yield s, batch, waited
                     batch, waited = [], 0.0
         finally:
-            source.close()
+            it.close()
 
     # -- one step --------------------------------------------------------------------------------------
     def _forward_loss(self, sample) -> tuple[torch.Tensor, object]:
@@ -224,27 +220,30 @@ class Trainer:
         weights, a fresh optimizer and step 0), checkpoint and evaluate. Rank 0 holds the output folder's lock
         for the whole job unless the caller does (``claimed``); ``overwrite`` replaces a training there."""
         # a Trainer fitted again goes on with its own run (in memory): no fresh start over its checkpoints
-        lock = None if claimed else self._claim(resume or self.step > 0, overwrite)
+        continuing = self.step > 0
+        overwrite = overwrite and not continuing
+        lock = None if claimed else self._claim(resume or continuing, overwrite, init_from)
         try:
-            return self._fit(resume, init_from)
+            return self._fit(resume, init_from, overwrite)
         finally:
             if lock is not None:
                 lock.release()
 
-    def _claim(self, resume: bool, overwrite: bool):
+    def _claim(self, resume: bool, overwrite: bool, init_from):
         """Rank 0 takes the output folder (``output_folder.claim``); its verdict is raised on every rank."""
         lock, error = None, None
         if self.rank == 0:
             try:
-                lock = output_folder.claim(self.out, resume, overwrite)
-            except output_folder.OutputFolderError as exc:
-                error = str(exc)
+                lock = output_folder.claim(self.out, resume, overwrite, init_from)
+            except Exception as exc:  # noqa: BLE001  (any failure: every rank raises it, none waits)
+                error = str(exc) if isinstance(exc, output_folder.OutputFolderError) else \
+                    f"output.dir {self.out}: {type(exc).__name__}: {exc}"
         errors = comm.all_gather_object_mesh(error, self.mesh)
         if errors[0] is not None:
             raise output_folder.OutputFolderError(errors[0])
         return lock
 
-    def _fit(self, resume: bool, init_from: str | None) -> dict:
+    def _fit(self, resume: bool, init_from: str | None, overwrite: bool = False) -> dict:
         cfg = self.cfg
         if resume and init_from:
             raise ConfigError("--resume continues this run from its own checkpoint; --init-from starts a new run from "
@@ -254,6 +253,8 @@ class Trainer:
         elif init_from:
             self.init_from(init_from)
         if self.rank == 0:
+            if overwrite:  # only now: a run refused before this point leaves the old one whole
+                output_folder.clear(self.out)
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         log = Loggers(self.out, cfg.output.loggers, self.rank == 0, self.step, cfg.to_dict())
@@ -312,7 +313,7 @@ class Trainer:
         from .data import build_dataset, make_batch
 
         ds = build_dataset(self.cfg, self.mesh, self.cfg.data.val_split, shuffle=False, norm=self.norm)
-        sample = ds.wrap(ds.read_region(t, 1.0))
+        sample = next(ds.samples([(t, 1.0)]))
         batch = make_batch(self.cfg, ds, sample, None)
         self.model.eval()
         pred = ds.denormalize(self.model(batch.x)).full_tensor()
@@ -372,12 +373,12 @@ class Trainer:
         head = ckpt.head_meta(self.ckpt_dir)
         if head is None:
             raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir}; start without --resume")
-        run_identity.check_same(head, self.identity, self.ckpt_dir)
+        run_identity.check_same(head, self.identity, self.ckpt_dir, self.store_norm)
         self._adopt(head.get("normalization"), f"the checkpoint under {self.ckpt_dir}")
         found = ckpt.load_newest_complete(self.ckpt_dir, self.model, self.opt)
         if found is None:
             raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir}; start without --resume")
-        run_identity.check_same(ckpt.meta(found[0]), self.identity, found[0])
+        run_identity.check_same(ckpt.meta(found[0]), self.identity, found[0], self.store_norm)
         self.step = found[1]
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(self.cfg, s),
                                                        last_epoch=self.step - 1)
@@ -392,7 +393,9 @@ class Trainer:
         if path is None:
             raise FileNotFoundError(f"--init-from {source}: no checkpoint there (expected a step_<n> folder or a "
                                     f"checkpoints folder with one)")
-        self._adopt(ckpt.meta(path).get("normalization"), f"the --init-from checkpoint {path}")
+        meta = ckpt.meta(path)
+        run_identity.check_init_from(meta, self.identity, self.cfg, path)
+        self._adopt(meta.get("normalization"), f"the --init-from checkpoint {path}")
         ckpt.load(path, self.model)
 
 

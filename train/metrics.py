@@ -73,7 +73,7 @@ def surface_metrics(ds, sample, pred_norm, reference_area: float) -> dict:
         for c in ("cd", "cl"):
             if c in forces:
                 out[f"{c}_csv"] = float(forces[c])
-        if forces:  # a force CSV whose coefficient is missing: named in the summary, never silently dropped
+        if forces and ("cd" not in forces or "cl" not in forces):  # named in the summary, never silently dropped
             out["csv_missing"] = [c for c in ("cd", "cl") if c not in forces]
     return out
 
@@ -98,10 +98,8 @@ def evaluate(trainer, split: str) -> dict:
     try:
         if cfg.data.kind == "grid":
             rows = _grid_rows(ds, model, cfg, split)
-        for key, w in ds.steps(0) if cfg.data.kind == "mesh" else ():
-            if w == 0:
-                continue
-            sample = ds.wrap(ds.read_region(key, w))
+        entries = [(key, w) for key, w in ds.steps(0) if w != 0] if cfg.data.kind == "mesh" else []
+        for (key, _), sample in zip(entries, ds.samples(entries)):
             batch = make_batch(cfg, ds, sample, trainer.param_stats)
             pred = infer(model, batch, cfg)
             base = torch.zeros_like(batch.target)
@@ -134,10 +132,9 @@ def _grid_rows(ds, model, cfg, split: str) -> list[dict]:
     weights = ds.lat_weights()
     ranges = ds.store.splits[split]
     rows = []
-    for t, w in ds.steps(0):
-        if w == 0 or not any(a <= t and t + last_lead * ds.lead < b for a, b in ranges):
-            continue
-        sample = ds.wrap(ds.read_region(t, w))
+    entries = [(t, w) for t, w in ds.steps(0) if w != 0 and any(a <= t and t + last_lead * ds.lead < b
+                                                                 for a, b in ranges)]
+    for (t, _), sample in zip(entries, ds.samples(entries)):
         newest = ds.history * C  # the static fields follow the window's steps
         persistence = sample["input"][:, newest - C:newest]
         row = {"run": int(t), "leads": {}}
@@ -210,14 +207,18 @@ def _summarise(rows: list[dict], kind: str) -> dict:
 def _csv_scores(rows: list[dict], which: str, summary: dict) -> dict:
     """The drag and lift errors against the runs' force CSVs; a score some run's CSV cannot give is left out and
     named in ``summary["not_computed"]`` (which runs lack which coefficient), never dropped silently."""
-    if not all("cd_pred" in r[which] for r in rows) or not any("csv_missing" in r[which] for r in rows):
+    if not all("cd_pred" in r[which] for r in rows) or not any(f"{c}_csv" in r[which] or "csv_missing" in r[which]
+                                                               for r in rows for c in ("cd", "cl")):
         return {}  # no forces integrated (no Cp/Cf/normals/areas) or a layout without force CSVs
-    scores, skipped = {}, summary.setdefault("not_computed", {})
+    scores = {}
     for key, (c, side) in CSV_SCORES.items():
         lacking = [str(r["run"]) for r in rows if f"{c}_csv" not in r[which]]
         if lacking:
-            skipped[key] = (f"the force CSV (forces_constref) of run(s) {lacking[:6]}"
-                            f"{' ...' if len(lacking) > 6 else ''} has no {c} column")
+            with_file = [str(r["run"]) for r in rows if any(k in r[which] for k in ("cd_csv", "cl_csv", "csv_missing"))]
+            what = (f"have no {c} column in their force CSV (forces_constref)" if set(lacking) <= set(with_file) else
+                    f"lack the force CSV (forces_constref) or its {c} column")
+            summary.setdefault("not_computed", {})[key] = (
+                f"run(s) {lacking[:6]}{' ...' if len(lacking) > 6 else ''} {what}")
         else:
             scores[key] = sum(abs(r[which][f"{c}_{side}"] - r[which][f"{c}_csv"]) for r in rows) / len(rows)
     return scores

@@ -31,7 +31,8 @@ SIZE_NAMES = {"in": ("in_dim", "in_channels", "in_features"), "out": ("out_dim",
 
 
 def resolve(target: str):
-    """The class or function ``target`` names; a ConfigError naming what is missing otherwise."""
+    """The ``nn.Module`` class ``target`` names; a ConfigError naming what is missing or what it is otherwise
+    (nothing but a module class is ever called, so a config or a checkpoint cannot name, say, ``os:system``)."""
     module, sep, name = target.rpartition(":")
     if not sep:
         module, _, name = target.rpartition(".")
@@ -63,7 +64,20 @@ def resolve(target: str):
     if obj is None or not callable(obj):
         public = sorted(n for n in dir(mod) if not n.startswith("_"))[:20]
         raise ConfigError(f"model.target={target!r}: {module!r} has no callable {name!r}; it has {public}")
+    if not (inspect.isclass(obj) and issubclass(obj, nn.Module)):
+        raise ConfigError(f"model.target={target!r} is a {type(obj).__name__}, not a torch.nn.Module class; name the "
+                          f"model's class")
     return obj
+
+
+def check_trusted(cfg, where, trusted: bool) -> None:
+    """A checkpoint's config that names a model outside domainflow (``model.target``) is imported and built only
+    when the user says they trust that code (``--trust-model-target``): predicting from a checkpoint must not run
+    code the checkpoint names, e.g. a ``.py`` file shipped beside it."""
+    target = cfg.model.target
+    if target and target not in BUILTIN.values() and not trusted:
+        raise ConfigError(f"{where} was trained with model.target={target!r}, code outside domainflow that predicting "
+                          f"from it imports and runs; pass --trust-model-target if you trust that code")
 
 
 def build(target: str, kwargs: dict, sizes: dict, shown: str | None = None) -> nn.Module:

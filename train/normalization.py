@@ -67,10 +67,58 @@ def params(norm: dict | None):
     return None if not p else (np.asarray(p["mean"], np.float64), np.asarray(p["std"], np.float64))
 
 
+def channels(norm: dict) -> dict:
+    """What the model's input and output channels are (the record without its statistics and store)."""
+    out = {k: v for k, v in norm.items() if k not in ("stats", "store", "params")}
+    out["params"] = (norm.get("params") or {}).get("names")
+    return out
+
+
 def digest(norm: dict) -> str:
-    """A short hash of the statistics and channels (what "the same training data" means to a resume)."""
-    body = {k: v for k, v in norm.items() if k != "store"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+    """A short hash of the channels (part of a run's identity; the statistics are compared with a tolerance)."""
+    return hashlib.sha256(json.dumps(channels(norm), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def stats_differences(recorded: dict, current: dict, rtol: float = 1e-9) -> list[str]:
+    """Statistics of ``recorded`` (a checkpoint's) that ``current`` (a store's) does not match within ``rtol``:
+    'key mean: checkpoint [..], store [..]'. Re-ingesting the same data may change the last bits (another
+    partition sums in another order); other runs or another split change the statistics themselves."""
+    def close(a, b) -> bool:
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return a.shape == b.shape and bool(np.all(np.abs(a - b) <= rtol * np.maximum(np.abs(a), np.abs(b)) + 1e-300))
+
+    out = []
+    rows = [(k, m, s.get(m), (current["stats"].get(k) or {}).get(m)) for k, s in recorded["stats"].items()
+            for m in ("mean", "std")]
+    rp, cp = recorded.get("params") or {}, current.get("params") or {}
+    rows += [("design parameters", m, rp.get(m), cp.get(m)) for m in ("mean", "std") if rp or cp]
+    for key, moment, a, b in rows:
+        if a is None or b is None or not close(a, b):
+            out.append(f"{key} {moment}: checkpoint {_short(a)}, store {_short(b)}")
+    return out
+
+
+def _short(v) -> str:
+    if v is None:
+        return "none"
+    v = np.ravel(np.asarray(v, np.float64))
+    return "[" + ", ".join(f"{x:.6g}" for x in v[:4]) + (" ..." if len(v) > 4 else "") + "]"
+
+
+def config_differences(norm: dict, cfg) -> list[str]:
+    """Where a checkpoint's channels (``norm``) differ from what the config ``cfg`` asks of its data: the fields
+    to predict, the inputs, their location, the design parameters, the static fields ('what: checkpoint X,
+    this run Y')."""
+    d = cfg.data
+    if norm["kind"] != d.kind:
+        return [f"data.kind: checkpoint {norm['kind']!r}, this run {d.kind!r}"]
+    if norm["kind"] == "mesh":
+        pairs = [("data.location", norm["location"], d.location), ("data.fields", norm["fields"], list(d.fields)),
+                 ("data.inputs", norm["inputs"], list(d.inputs)),
+                 ("data.use_params", bool(norm.get("params")), bool(d.use_params) and bool(norm.get("params")))]
+    else:
+        pairs = [("data.static", bool(norm["statics"]), bool(d.static) and bool(norm["statics"]))]
+    return [f"{k}: checkpoint {a!r}, this run {b!r}" for k, a, b in pairs if a != b]
 
 
 def check_fits(norm: dict, store, cfg, where: str) -> None:

@@ -33,7 +33,7 @@ def predict_run(model, cfg: Config, mesh, run: str, norm: dict | None = None) ->
     scaled by the model's normalisation ``norm`` (None: the store's); the arrays on the first rank, None
     elsewhere (every rank takes part in the forward)."""
     ds = build_dataset(cfg, mesh, None, shuffle=False, runs=[run], extra_inputs=["order"], norm=norm)
-    sample = ds.wrap(ds.read_region(run, 1.0, rank=None))
+    sample = next(ds.samples([(run, 1.0)]))
     batch = make_batch(cfg, ds, sample, _param_scale(norm, ds))
     pred = infer(model, batch, cfg)
     out, k = {}, 0
@@ -145,11 +145,11 @@ OUTPUT_SUFFIXES = (".vtp", ".pvtp", ".pvd")
 
 
 def predict_config(checkpoint: str, store: str, runs, domain: int = 1, block_points: int | None = None,
-                   out: str | None = None, pieces: bool = False):
+                   out: str | None = None, pieces: bool = False, trust_target: bool = False):
     """(checkpoint folder, config, [(run, output file, as pieces)], the model's normalisation) for a prediction,
     with every error that needs no process group raised here (the launcher calls it before it starts ranks): no
-    checkpoint, a grid checkpoint, a store or run missing, a store whose fields do not fit the model, an output
-    name that does not say what to write."""
+    checkpoint, a grid checkpoint, a model outside domainflow not trusted (``trust_target``), a store or run
+    missing, a store whose fields do not fit the model, an output name that does not say what to write."""
     from domainflow.readers import open_store
 
     runs = [runs] if isinstance(runs, str) else list(runs)
@@ -168,6 +168,9 @@ def predict_config(checkpoint: str, store: str, runs, domain: int = 1, block_poi
         cfg.eval.block_points = block_points
     if cfg.data.kind != "mesh":
         raise ValueError(f"predict writes surface fields; the checkpoint was trained on a {cfg.data.kind} store")
+    from .model_target import check_trusted
+
+    check_trusted(cfg, f"the checkpoint {path}", trust_target)
     norm = meta.get("normalization")
     handle = open_store(store)
     try:
@@ -212,7 +215,7 @@ def predict_local(model, cfg: Config, mesh, run: str, norm: dict | None) -> dict
     non-dimensional units) in that order, the cell centres, and this rank's sums of squared errors and truths
     per field (for relative errors); nothing is gathered."""
     ds = build_dataset(cfg, mesh, None, shuffle=False, runs=[run], extra_inputs=["order", "coords"], norm=norm)
-    sample = ds.wrap(ds.read_region(run, 1.0))
+    sample = next(ds.samples([(run, 1.0)]))
     pred = _local(infer(model, make_batch(cfg, ds, sample, _param_scale(norm, ds)), cfg))[0]
     ids = _local(sample["order"]).reshape(-1).long()
     perm = torch.argsort(ids)
@@ -293,9 +296,10 @@ def _local(t):
 
 
 def predict_main(checkpoint: str, store: str, runs, out: str, domain: int = 1, block_points: int | None = None,
-                 pieces: bool = False) -> int:
+                 pieces: bool = False, trust_target: bool = False) -> int:
     """``domainflow predict``: one rank per domain part (started by the caller)."""
-    path, cfg, targets, norm = predict_config(checkpoint, store, runs, domain, block_points, out, pieces)
+    path, cfg, targets, norm = predict_config(checkpoint, store, runs, domain, block_points, out, pieces,
+                                              trust_target)
     mesh = df.init_mesh((1, domain), ("dp", "domain"))
     ds = build_dataset(cfg, mesh, None, shuffle=False, runs=[targets[0][0]])
     model = build_model(cfg, ds)

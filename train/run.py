@@ -37,10 +37,9 @@ def run_training(cfg: Config, nproc: int | None = None, resume: bool = False, in
                           f"mesh.lon) so their product is {nproc}")
     if under_launcher():  # torchrun's ranks: rank 0 takes the output folder
         return rank_main(cfg.to_dict(), resume, init_from, overwrite)
-    if need > 1:
-        preflight(cfg, resume, init_from)
-    lock = output_folder.claim(cfg.output.dir, resume, overwrite)  # held while the ranks run
+    lock = output_folder.claim(cfg.output.dir, resume, overwrite, init_from)  # held while the ranks run
     try:
+        preflight(cfg, resume, init_from)
         if need == 1:
             return rank_main(cfg.to_dict(), resume, init_from, overwrite, claimed=True)
         return launch_local(rank_main, need, cfg.to_dict(), resume, init_from, overwrite, True)[0]
@@ -111,7 +110,10 @@ def _check_start(cfg: Config, store, resume: bool, init_from: str | None) -> Non
             return  # said below: no checkpoint to resume from
         raise FileNotFoundError(f"--init-from {init_from}: no checkpoint there (expected a step_<n> folder or a "
                                 f"checkpoints folder with one)")
+    here = normalization.from_store(cfg, store)
     if resume:
-        run_identity.check_same(head, run_identity.identity(cfg, normalization.from_store(cfg, store)), source)
+        run_identity.check_same(head, run_identity.identity(cfg, here), source, here)
+    else:
+        run_identity.check_init_from(head, run_identity.identity(cfg, here), cfg, source)
     if head.get("normalization") is not None:
         normalization.check_fits(head["normalization"], store, cfg, f"the checkpoint under {source}")

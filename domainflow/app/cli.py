@@ -30,7 +30,7 @@ def _add_selfcheck(sub) -> None:
     check.add_argument("--lr", type=float, default=3e-3)
     check.add_argument("--split", type=float, default=0.62, help="fraction of points on rank 0 (uneven shards)")
     check.add_argument("--out", default="selfcheck_output")
-    check.set_defaults(run=_selfcheck, errors_are_bugs=True)
+    check.set_defaults(handler=_selfcheck, errors_are_bugs=True)
 
 
 def main(argv=None) -> int:
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return args.run(args)
+        return args.handler(args)
     except KeyboardInterrupt:
         print(getattr(args, "interrupted", "interrupted"), file=sys.stderr)
         return 130

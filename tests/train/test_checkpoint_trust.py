@@ -98,6 +98,7 @@ def test_a_flipped_bit_in_a_checkpoint_shard_is_named(trained, tmp_path):
     assert res.returncode == 1
     assert "__0_0.distcp does not match its SHA-256 in manifest.json" in res.stderr, res.stderr
     assert f"the newest older complete checkpoint is {ckpts / 'step_00000001'}" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert not (tmp_path / "p.vtp").exists()
 
 
@@ -141,3 +142,69 @@ def test_a_full_disk_while_saving_ends_in_one_line_and_resume_continues(trained,
     assert "Traceback" not in res.stderr, res.stderr
     assert said["LEFT"].split() == ["latest", "step_00000001"], said  # the partial save's space was freed
     assert said.get("SECOND_RC") == "0" and said.get("LATEST") == "step_00000003", res.stdout + res.stderr
+
+
+def test_a_crafted_model_target_in_a_checkpoint_never_runs(trained, tmp_path):
+    """predict rebuilds the model a checkpoint names: only a torch.nn.Module class, and code outside domainflow
+    only when the user trusts it."""
+    import json
+
+    from domainflow.train.checkpoint_files import MANIFEST, write_manifest
+
+    ckpt = tmp_path / "step_00000002"
+    shutil.copytree(trained / "run" / "checkpoints" / "step_00000002", ckpt)
+    marker = tmp_path / "ran"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["config"]["model"].update(target="os:system", kwargs={"command": f"touch {marker}"})
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    (ckpt / MANIFEST).unlink()
+    write_manifest(ckpt, {})  # whoever crafts it can write a manifest to match
+    res = _predict(trained, ckpt, tmp_path / "p.vtp")
+    assert res.returncode == 1 and "code outside domainflow" in res.stderr and "--trust-model-target" in res.stderr
+    res = run_cli("predict", ckpt, trained / "cars.zarr", "--run", "run_1", tmp_path / "p.vtp", "--trust-model-target")
+    assert res.returncode == 1 and "is a builtin_function_or_method, not a torch.nn.Module class" in res.stderr, \
+        res.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("entry", ["/dev/zero", "../outside", "malformed"])
+def test_a_crafted_manifest_reads_nothing_outside_the_checkpoint(trained, tmp_path, entry):
+    import json
+
+    from domainflow.train.checkpoint_files import MANIFEST
+
+    ckpt = tmp_path / "step_00000002"
+    shutil.copytree(trained / "run" / "checkpoints" / "step_00000002", ckpt)
+    body = json.loads((ckpt / MANIFEST).read_text())
+    body["files"][entry] = {"size": 5} if entry == "malformed" else {"bytes": 0, "sha256": "0" * 64}
+    (ckpt / MANIFEST).write_text(json.dumps(body))
+    res = _predict(trained, ckpt, tmp_path / "p.vtp")
+    assert res.returncode == 1 and f"manifest.json has a malformed entry {entry!r}" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+class _NumpyState(torch.nn.Module):
+    """A module whose extra state is a numpy array: loading it would need more than plain values."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def get_extra_state(self):
+        import numpy as np
+
+        return np.arange(3)
+
+    def set_extra_state(self, state):
+        pass
+
+
+def test_state_that_could_not_load_safely_is_refused_when_saved(tmp_path):
+    from domainflow.train import checkpoint as ckpt
+
+    model = _NumpyState()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ckpt.CheckpointError, match=r"its state model\._extra_state \(numpy\.ndarray\) is not a "
+                                                   r"tensor or a plain value"):
+        ckpt.save(tmp_path, 1, model, opt)
+    assert not list(tmp_path.glob("step_*"))

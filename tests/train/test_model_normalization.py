@@ -67,7 +67,7 @@ def test_the_checkpoint_records_what_the_inputs_were_scaled_with(mesh_stores):
         np.testing.assert_array_equal(norm["stats"][key]["mean"], np.ravel(store.stats[key]["mean"]))
         np.testing.assert_array_equal(norm["stats"][key]["std"], np.ravel(store.stats[key]["std"]))
     assert norm["params"]["names"] == sorted(store.run(store.runs("train")[0]).attrs["geometry"])
-    assert meta["run"]["train.lr"] == 3e-3 and "training data (statistics and channels)" in meta["run"]
+    assert meta["run"]["train.lr"] == 3e-3 and "training data (channels)" in meta["run"]
 
 
 @pytest.fixture(scope="module")

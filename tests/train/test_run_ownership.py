@@ -111,3 +111,43 @@ def test_a_second_training_into_a_folder_in_use_is_refused(store, tmp_path):
         first.wait()
     res = _train(store, tmp_path / "busy", "train.steps=1", "--overwrite")  # the lock died with its process
     assert res.returncode == 0, res.stderr
+
+
+def test_a_refused_overwrite_leaves_the_old_run_whole(store, tmp_path):
+    out = tmp_path / "run"
+    assert _train(store, out, "train.steps=1").returncode == 0
+    before = sorted(p.name for p in out.rglob("*"))
+    res = _train(store, out, "train.steps=1", "data.fields=Cp,Cff", "--overwrite")  # a typo: refused
+    assert res.returncode == 1 and "Cff" in res.stderr, res.stderr
+    res = _train(store, out, "train.steps=1", "--overwrite", "--init-from", out / "checkpoints")
+    assert res.returncode == 1 and "lies in the output folder" in res.stderr and "--overwrite replaces" in res.stderr
+    assert sorted(p.name for p in out.rglob("*")) == before  # nothing was removed
+
+
+def test_init_from_refuses_a_model_or_channels_that_do_not_fit(store, tmp_path):
+    source = tmp_path / "a" / "checkpoints"
+    assert _train(store, tmp_path / "a", "train.steps=1").returncode == 0
+    for extra, said in ((["data.fields=Cf,Cp"], "data.fields: checkpoint ['Cp', 'Cf'], this run ['Cf', 'Cp']"),
+                        (["model.dim=16"], "model.dim: checkpoint 8, this run 16")):
+        for ranks in ([], ["--domain", "2"]):
+            res = _train(store, tmp_path / "b", "train.steps=1", *extra, *ranks, "--init-from", source)
+            assert res.returncode == 1, res.stderr
+            assert "its model or channels do not fit this run" in res.stderr and said in res.stderr, res.stderr
+            assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_resume_after_reingesting_the_same_data_but_not_other_data(cars_raw, store, tmp_path):
+    """Other parts sum the statistics in another order (the last bits change): the same data, resumed. Another
+    split is other training data: refused, naming the statistics that differ."""
+    from domainflow.preprocess.ingest_mesh import MeshOptions, ingest_drivaerml
+
+    out = tmp_path / "run"
+    assert _train(store, out, "train.steps=1", "train.checkpoint_every=1").returncode == 0
+    opts = dict(locations=("surface",), progress=False)
+    ingest_drivaerml(cars_raw, tmp_path / "parts2.zarr", MeshOptions(parts=2, split=(0.75, 0.25, 0.0), **opts))
+    ingest_drivaerml(cars_raw, tmp_path / "other.zarr", MeshOptions(parts=4, split=(0.5, 0.5, 0.0), **opts))
+    res = _train(tmp_path / "other.zarr", out, "train.steps=2", "--resume")
+    assert res.returncode == 1 and "is of another run" in res.stderr, res.stderr
+    assert "training data surface/" in res.stderr and "mean: checkpoint [" in res.stderr, res.stderr
+    res = _train(tmp_path / "parts2.zarr", out, "train.steps=2", "--resume")
+    assert res.returncode == 0, res.stderr

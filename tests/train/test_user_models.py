@@ -59,7 +59,8 @@ def test_a_torch_nn_layer_trains_and_forecasts_like_the_model_by_hand(store, tmp
     assert model_cfg["target"] == "torch.nn:Conv2d" and model_cfg["kwargs"] == {"kernel_size": 3, "padding": 1}
     expected, names = dist.run(1, _by_hand, store, tmp_path / "train" / "checkpoints", 2)[0]
     for out, extra in ((tmp_path / "one.zarr", []), (tmp_path / "two.zarr", ["--domain", "2"])):
-        r = _cli("predict", tmp_path / "train" / "checkpoints", store, out, "--init", INITS, "--steps", "2", *extra)
+        r = _cli("predict", tmp_path / "train" / "checkpoints", store, out, "--init", INITS, "--steps", "2", *extra,
+                 "--trust-model-target")
         assert r.returncode == 0, r.stderr[-3000:]
         with xr.open_zarr(out) as got:
             for c, v in enumerate(names):
@@ -74,8 +75,13 @@ def test_an_fno_from_a_file_trains_the_same_on_one_and_three_ranks(store, tmp_pa
     assert one["loss"] == pytest.approx(three["loss"], rel=1e-12)
     for key, value in one["eval"]["summary"]["model"].items():
         assert three["eval"]["summary"]["model"][key] == pytest.approx(value, rel=1e-10, abs=1e-12), key
+    # a checkpoint's own model code is imported only when the user trusts it (one line, before any rank starts)
+    r = run_cli("predict", tmp_path / "three" / "checkpoints", store, tmp_path / "f0.nc", "--init", INITS)
+    assert r.returncode == 1 and f"was trained with model.target={FNO!r}, code outside domainflow" in r.stderr
+    assert "--trust-model-target" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     outs = []
-    for out, extra in ((tmp_path / "f1.nc", []), (tmp_path / "f2.nc", ["--domain", "2"])):
+    for out, extra in ((tmp_path / "f1.nc", ["--trust-model-target"]),
+                       (tmp_path / "f2.nc", ["--domain", "2", "--trust-model-target"])):
         # predict rebuilds the model from the checkpoint alone, from another working folder
         r = _cli("predict", tmp_path / "three" / "checkpoints", store, out, "--init", INITS, "--steps", "2", *extra,
                  cwd=tmp_path)
@@ -165,5 +171,5 @@ def test_a_torch_nn_model_on_a_mesh_store_and_the_globals_contract(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "relative L2" in r.stdout or "rel_l2" in r.stdout, r.stdout[-2000:]
     r = _cli("predict", tmp_path / "linear" / "checkpoints", tmp_path / "cars.zarr", tmp_path / "run.pvtp", "--run",
-             "run_4", "--domain", "2")
+             "run_4", "--domain", "2", "--trust-model-target")
     assert r.returncode == 0, r.stderr[-3000:]
