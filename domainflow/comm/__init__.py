@@ -2,10 +2,12 @@
 
 Functions take local tensors and a (mesh, mesh_dim) pair and work on Gloo and NCCL alike: uneven
 all-gathers are padded to the largest part (Gloo has no uneven all-gather), all-to-alls move exact
-byte counts. Failures are re-raised as :class:`CollectiveError` naming rank, op and mesh dim, so a
-timed-out collective says who was waiting for what. ``stats`` counts calls and bytes moved, for
-benchmarks and tests. Rooms, each importing only those before it: ``base`` (checks, stats, naming,
-groups) <- ``p2p`` (numbered, tagged point-to-point exchanges) <- ``collectives`` <- ``autograd`` (the
+byte counts. Every collective starts with a pairing round (one fixed-size all-gather of each rank's op,
+dtype and sizes; small payloads inside it, larger ones on Gloo point to point meanwhile), so ranks in
+different collectives all raise a CollectiveError naming each rank's op instead of Gloo aborting or mixing
+bytes. Failures are re-raised as :class:`CollectiveError` naming rank, op and mesh dim, so a timed-out
+collective says who was waiting for what. ``stats`` counts calls and bytes moved, for benchmarks and tests.
+Rooms, each importing only those before it: ``base`` (checks, stats, naming, groups) <- ``p2p`` (numbered, tagged point-to-point exchanges) <- ``collectives`` <- ``autograd`` (the
 differentiable wrappers handlers use) <- ``indexed`` (gathers by global row index); ``halo`` (neighbour
 row fetches) builds on ``p2p``. Callers use this package's names: ``from domainflow import comm``.
 """

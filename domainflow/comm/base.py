@@ -114,7 +114,7 @@ def _stall_report(what: str, mesh, mesh_dim, entered: float) -> str:
         me = dist.get_rank()
         peers = dim_ranks(mesh, mesh_dim) if mesh is not None else list(range(dist.get_world_size()))
         hit = _EXCHANGES.get(id(_group(mesh, mesh_dim))) if mesh is not None else None
-        # point-to-point ops this rank ran on the group
+        # ops (collectives and point-to-point exchanges) this rank ran on the group
         mine = {"op": what, "n": hit[1] + 1 if hit else 0, "entered": entered, "failed": failed}
         global _STALL_REPORTS
         key = f"domainflow/stalled/{_STALL_REPORTS}/{{}}"  # the n-th failure of each rank: a fresh set of keys
@@ -146,8 +146,8 @@ def _stall_report(what: str, mesh, mesh_dim, entered: float) -> str:
                 f"collective)")
     if elsewhere:
         out += (". The ranks ran different collectives (e.g. .item() of a pending value on some ranks only): "
-                f"this rank waits in {what} after {mine['n']} point-to-point ops on this mesh dim; " + "; ".join(
-                    f"rank {r} in {post['op']} after {post['n']}" for r, post in elsewhere.items()))
+                f"this rank waits in {what}, its op {mine['n']} on this mesh dim (collectives and exchanges); "
+                + "; ".join(f"rank {r} in {post['op']}, its op {post['n']}" for r, post in elsewhere.items()))
     return out
 
 
@@ -160,7 +160,17 @@ def group_size(mesh: DeviceMesh, mesh_dim: int) -> int:
 
 
 def _group(mesh: DeviceMesh, mesh_dim: int):
-    return mesh.get_group(mesh_dim)
+    """The process group of ``mesh_dim`` (cached: DeviceMesh.get_group costs microseconds on every call, and a
+    collective asks for it several times)."""
+    hit = _GROUPS.get((id(mesh), mesh_dim))
+    if hit is not None and hit[0] is mesh:
+        return hit[1]
+    group = mesh.get_group(mesh_dim)
+    _GROUPS[(id(mesh), mesh_dim)] = (mesh, group)
+    return group
+
+
+_GROUPS: dict = {}  # (id(mesh), mesh dim) -> (mesh, its group); meshes are few and live for the job
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -185,4 +195,4 @@ def dim_ranks(mesh: DeviceMesh, mesh_dim: int) -> list[int]:
 
 
 _dim_ranks = dim_ranks
-_EXCHANGES: dict = {}  # id(group) -> (group, exchanges started on it by this rank)
+_EXCHANGES: dict = {}  # id(group) -> (group, number of the last op (collective or exchange) this rank started on it)

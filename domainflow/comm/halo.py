@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from domainflow.layout.shapes import index_runs
 from domainflow.layout.spec import mesh_coordinate
 from domainflow.memo import PLANS
-from domainflow.comm.p2p import _exchange_start, _exchange_wait, begin_exchange
+from domainflow.comm.p2p import SALT_HALO_BACK, _exchange_start, _exchange_wait, begin_exchange
 
 
 _runs = index_runs
@@ -85,7 +85,8 @@ def return_rows(grad: torch.Tensor, dim: int, local_shape, plan, mesh: DeviceMes
         return grad
     back = {k: _select(grad, dim, v) for k, v in plan.recv.items()}
     shapes = {k: _with_len(local_shape, dim, len(v)) for k, v in plan.send.items()}
-    pending = _exchange_start(back, shapes, grad, mesh, mesh_dim, "halo exchange (backward)", seq)
+    pending = _exchange_start(back, shapes, grad, mesh, mesh_dim, "halo exchange (backward)", seq,
+                              salt=SALT_HALO_BACK)
     if plan.covers_len == local_shape[dim]:
         # the usual halo: the own rows are the whole block, in order, once: one copy, no zero fill first
         out = grad.narrow(dim, pos[0], len(pos)).clone(memory_format=torch.contiguous_format)

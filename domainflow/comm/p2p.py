@@ -30,25 +30,33 @@ def begin_exchange(mesh: DeviceMesh, mesh_dim: int, what: str = "exchange") -> i
     return n
 
 
-def _tag(seq: int, nbytes: int) -> int:
-    """Point-to-point tag of a message: its exchange's number and its size. Messages of two different
-    exchanges, or of disagreeing sizes, then never meet: they wait and time out with a CollectiveError
-    naming the op, instead of Gloo aborting the process (a message larger than the receive buffer) or
-    filling the buffer with another op's bytes."""
-    return (seq * 1_000_003 + nbytes * 7919) % 0x7FFFFFFF
+# Kinds of point-to-point message, part of the tag (Gloo matches a message by peer and tag), so that a halo
+# exchange on one rank never meets a ring shift or a collective's payload on another (collectives use salts
+# of 16 and more, from their op and dtype; tag 0, what untagged sends use, never occurs)
+SALT_HALO, SALT_HALO_BACK, SALT_RING, SALT_SCATTER_HEADER, SALT_SCATTER = 1, 2, 4, 5, 6
+
+
+def _tag(seq: int, nbytes: int, salt: int = SALT_HALO) -> int:
+    """Point-to-point tag of a data message: its exchange's number, its size and its kind (``salt``).
+    Messages of two different exchanges, of disagreeing sizes or of different kinds (a halo against an
+    all-reduce's payload) then never meet: they wait and time out with a CollectiveError naming the op, instead of
+    Gloo aborting the process (a message larger than the receive buffer) or filling the buffer with
+    another op's bytes."""
+    return (seq * 1_000_003 + nbytes * 7919 + salt * 104_729) % 0x7FFFFFFE + 1
 
 
 def _exchange(out_pieces: dict, in_shapes: dict, like: torch.Tensor, mesh: DeviceMesh, mesh_dim: int,
-              what: str, seq: int, kind: str | None = "halo", detail: str = "") -> dict:
+              what: str, seq: int, kind: str | None = "halo", detail: str = "", salt: int = SALT_HALO) -> dict:
     """Send ``out_pieces[k]`` to the k-th rank along ``mesh_dim`` and receive ``in_shapes[k]``-shaped
     tensors from it, all at once (only with the ranks that have rows to trade: not a collective). ``seq`` is
-    the op's :func:`begin_exchange` number. The bytes sent are counted in ``stats`` under ``kind`` (None: the
-    caller counts them)."""
-    return _exchange_wait(_exchange_start(out_pieces, in_shapes, like, mesh, mesh_dim, what, seq, kind, detail))
+    the op's :func:`begin_exchange` number, ``salt`` its kind (tags). The bytes sent are counted in ``stats``
+    under ``kind`` (None: the caller counts them)."""
+    return _exchange_wait(_exchange_start(out_pieces, in_shapes, like, mesh, mesh_dim, what, seq, kind, detail,
+                                          salt))
 
 
 def _exchange_start(out_pieces: dict, in_shapes: dict, like: torch.Tensor, mesh: DeviceMesh, mesh_dim: int,
-                    what: str, seq: int, kind: str | None = "halo", detail: str = ""):
+                    what: str, seq: int, kind: str | None = "halo", detail: str = "", salt: int = SALT_HALO):
     """Post the sends and receives of :func:`_exchange` and return at once; the caller does local work
     (copying its own rows) while the rows travel, then calls :func:`_exchange_wait`."""
     entered = time.time()
@@ -60,10 +68,10 @@ def _exchange_start(out_pieces: dict, in_shapes: dict, like: torch.Tensor, mesh:
         piece = piece.contiguous()
         if kind is not None:
             stats.add(kind, _nbytes(piece))
-        ops.append(dist.P2POp(dist.isend, piece, ranks[k], tag=_tag(seq, _nbytes(piece))))
+        ops.append(dist.P2POp(dist.isend, piece, ranks[k], tag=_tag(seq, _nbytes(piece), salt)))
     for k, shape in in_shapes.items():
         received[k] = torch.empty(shape, dtype=like.dtype, device=like.device)
-        ops.append(dist.P2POp(dist.irecv, received[k], ranks[k], tag=_tag(seq, _nbytes(received[k]))))
+        ops.append(dist.P2POp(dist.irecv, received[k], ranks[k], tag=_tag(seq, _nbytes(received[k]), salt)))
     detail = f" with ranks {sorted(ranks[k] for k in set(out_pieces) | set(in_shapes))}{detail}"
     works = []
     if ops:
@@ -95,11 +103,11 @@ def ring_shift(tensors: Sequence[torch.Tensor], recv_shapes, mesh: DeviceMesh, m
     for t in tensors:
         t = t.contiguous()
         stats.add("ring", _nbytes(t))
-        ops.append(dist.P2POp(dist.isend, t, ranks[nxt], tag=_tag(seq, _nbytes(t))))
+        ops.append(dist.P2POp(dist.isend, t, ranks[nxt], tag=_tag(seq, _nbytes(t), SALT_RING)))
     for shape, ref in zip(recv_shapes, tensors):
         buf = torch.empty(shape, dtype=ref.dtype, device=ref.device)
         got.append(buf)
-        ops.append(dist.P2POp(dist.irecv, buf, ranks[prv], tag=_tag(seq, _nbytes(buf))))
+        ops.append(dist.P2POp(dist.irecv, buf, ranks[prv], tag=_tag(seq, _nbytes(buf), SALT_RING)))
     detail = f" with ranks {sorted({ranks[nxt], ranks[prv]})}"
     entered = time.time()
     with _named(what, mesh, mesh_dim, detail, entered):
@@ -108,20 +116,33 @@ def ring_shift(tensors: Sequence[torch.Tensor], recv_shapes, mesh: DeviceMesh, m
     return got
 
 
+def _scatter_seq(ranks: list[int]) -> int:
+    """The number of a source-to-all op (header, scatter) among those on these ranks: tags them like an
+    exchange, so a header never meets a piece nor a message of another op."""
+    key = ("scatter", tuple(ranks))
+    n = _SCATTERS.get(key, -1) + 1
+    _SCATTERS[key] = n
+    return n
+
+
+_SCATTERS: dict = {}
+
+
 def send_header(header: torch.Tensor | None, length: int, src: int, mesh: DeviceMesh) -> torch.Tensor:
     """Global rank ``src`` sends a small int64 ``header`` (its length known to all: ``length``) to every other
     rank of ``mesh``, which receive it: metadata only the source knows (shapes, dtype, sizes)."""
     ranks = mesh.mesh.flatten().tolist()
     me = dist.get_rank() if dist.is_initialized() else 0
+    tag = _tag(_scatter_seq(ranks), 8 * length, SALT_SCATTER_HEADER)
     if me == src:
-        ops = [dist.P2POp(dist.isend, header, r) for r in ranks if r != me]
+        ops = [dist.P2POp(dist.isend, header, r, tag=tag) for r in ranks if r != me]
         with _named("header send", None, None, f" from rank {src} to ranks {ranks}"):
             for w in dist.batch_isend_irecv(ops) if ops else ():
                 w.wait()
         return header
     out = torch.empty(length, dtype=torch.int64, device=_device(mesh))
     with _named("header receive", None, None, f" from rank {src}"):
-        dist.recv(out, src=src)
+        dist.recv(out, src=src, tag=tag)
     return out
 
 
@@ -133,6 +154,7 @@ def scatter_pieces(pieces: list[torch.Tensor] | None, recv_shape: Sequence[int],
     me = dist.get_rank() if dist.is_initialized() else 0
     if pending_checks:
         _base._run_checks("scatter")
+    seq = _scatter_seq(ranks)
     if me == src:
         ops, mine = [], None
         for k, r in enumerate(ranks):
@@ -141,7 +163,7 @@ def scatter_pieces(pieces: list[torch.Tensor] | None, recv_shape: Sequence[int],
                 mine = piece
             elif piece.numel():
                 stats.add("scatter", _nbytes(piece))
-                ops.append(dist.P2POp(dist.isend, piece, r))
+                ops.append(dist.P2POp(dist.isend, piece, r, tag=_tag(seq, _nbytes(piece), SALT_SCATTER)))
         with _named("scatter (send)", None, None, f" from rank {src} to ranks {ranks}"):
             for w in dist.batch_isend_irecv(ops) if ops else ():
                 w.wait()
@@ -151,5 +173,5 @@ def scatter_pieces(pieces: list[torch.Tensor] | None, recv_shape: Sequence[int],
     out = torch.empty(tuple(recv_shape), dtype=dtype, device=device)
     if out.numel():
         with _named("scatter (receive)", None, None, f" of shape {tuple(recv_shape)} from rank {src}"):
-            dist.recv(out, src=src)
+            dist.recv(out, src=src, tag=_tag(seq, _nbytes(out), SALT_SCATTER))
     return out

@@ -134,10 +134,15 @@ def test_item_of_a_pending_value_on_one_rank_is_a_collective_error_not_an_abort(
     assert "died with" not in msg and not info.value.exit_codes, msg  # Gloo aborted the process (SIGABRT) before
     for rank in (0, 1):
         assert f"rank {rank} raised CollectiveError" in msg, msg
-    assert "The ranks ran different collectives" in msg and "all_reduce(sum) of 1 values" in msg, msg
     if late_s:
+        assert "The ranks ran different collectives" in msg and "all_reduce(sum) of 1 values" in msg, msg
         assert "This rank came late: rank(s) [0] had already failed" in msg, msg
         assert "Likely culprit: rank(s) [1], which reached a collective only after this rank had failed" in msg
+    else:  # both reach their collectives together: the pairing round tells them apart at once, no timeout
+        for rank in (0, 1):
+            assert f"rank {rank}: the ranks called collectives that do not pair" in msg, msg
+        assert "rank 0: all_reduce(sum) of 1 values, float64; rank 1: all_reduce(sum) of " in msg, msg
+        assert "failed: " not in msg and "Timed out" not in msg, msg
     assert elapsed < 60
 
 
