@@ -9,6 +9,15 @@ Installed as ``domainflow.train``; always import it by that name, never as bare 
 """
 
 from .config import Config, ConfigError, load_config
-from .loop import Trainer, TrainingDiverged
 
 __all__ = ["Config", "ConfigError", "Trainer", "TrainingDiverged", "load_config"]
+
+
+def __getattr__(name):
+    """``Trainer`` and ``TrainingDiverged`` load torch: on first use (PEP 562), so that the ``domainflow`` command,
+    which assembles ``train.cli`` with the data commands, starts an ingest without importing torch."""
+    if name in ("Trainer", "TrainingDiverged"):
+        from . import loop
+
+        return getattr(loop, name)
+    raise AttributeError(f"module 'domainflow.train' has no attribute {name!r}")

@@ -377,3 +377,17 @@ def test_shard_tensor_module_alone_loads_the_engine_on_first_use():
             "assert torch.equal((x + x).full_tensor(), 2 * x.full_tensor()); print(type(x.sum()).__name__)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ShardTensor", res.stderr[-2000:]
+
+
+def test_the_data_commands_never_import_torch(tmp_path):
+    """synth, ingest and inspect through the one ``domainflow`` command (which also assembles the training
+    commands) never import torch: ingest processes and the workers they fork stay light."""
+    code = (f"import sys; from domainflow.app.cli import main; raw, store = {str(tmp_path / 'raw')!r}, "
+            f"{str(tmp_path / 's.zarr')!r}; "
+            "assert main(['synth', 'drivaerml', raw, '--runs', '2', '--cells', '400', '--volume-cells', '200', "
+            "'--quiet']) == 0; "
+            "assert main(['ingest', 'drivaerml', raw, store, '--parts', '2', '--locations', 'surface', '--quiet']) == 0; "
+            "assert main(['inspect', store]) == 0; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
