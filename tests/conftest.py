@@ -72,6 +72,18 @@ def cars_store(cars_raw, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def cars_store_chunked(cars_raw_large, tmp_path_factory):
+    """``cars_raw_large`` ingested in 4 parts with 4 KiB chunks (several chunks per array), train 4 runs, val 2,
+    test 2; tests that damage a store damage a copy of it."""
+    from domainflow.preprocess.ingest_mesh import ingest_drivaerml
+
+    path = tmp_path_factory.mktemp("cars_store_chunked") / "s.zarr"
+    ingest_drivaerml(cars_raw_large, path, parts=4, progress=False, split=(0.5, 0.25, 0.25), locations=("surface",),
+                     chunk_bytes=4096)
+    return path
+
+
+@pytest.fixture(scope="session")
 def cars_raw_large(tmp_path_factory):
     """8 runs of 3000 surface cells: several chunks per array (store integrity and checksum tests)."""
     from domainflow.preprocess.synth_drivaerml import synth_drivaerml

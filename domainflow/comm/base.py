@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections import Counter
 
 import torch
@@ -163,14 +164,14 @@ def _group(mesh: DeviceMesh, mesh_dim: int):
     """The process group of ``mesh_dim`` (cached: DeviceMesh.get_group costs microseconds on every call, and a
     collective asks for it several times)."""
     hit = _GROUPS.get((id(mesh), mesh_dim))
-    if hit is not None and hit[0] is mesh:
+    if hit is not None and hit[0]() is mesh:
         return hit[1]
     group = mesh.get_group(mesh_dim)
-    _GROUPS[(id(mesh), mesh_dim)] = (mesh, group)
+    _GROUPS[(id(mesh), mesh_dim)] = (weakref.ref(mesh), group)
     return group
 
 
-_GROUPS: dict = {}  # (id(mesh), mesh dim) -> (mesh, its group); meshes are few and live for the job
+_GROUPS: dict = {}  # (id(mesh), mesh dim) -> (a weak reference to the mesh, its group): no mesh kept alive
 
 
 def _nbytes(t: torch.Tensor) -> int:

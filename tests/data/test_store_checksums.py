@@ -33,11 +33,9 @@ def raw(cars_raw_large):
 
 
 @pytest.fixture(scope="module")
-def pristine(raw, tmp_path_factory):
-    """A mesh store as ingest writes it (several chunks per array); tests damage copies of it."""
-    path = tmp_path_factory.mktemp("pristine") / "s.zarr"
-    ingest_drivaerml(raw, path, **OPTS)
-    return path
+def pristine(cars_store_chunked):
+    """A mesh store as ingest writes it (several chunks per array, OPTS); tests damage copies of it."""
+    return cars_store_chunked
 
 
 @pytest.fixture

@@ -216,9 +216,12 @@ def _mesh_dataset(path):
 
 
 @pytest.fixture
-def copy(raw, tmp_path):
+def copy(cars_store_chunked, tmp_path):
+    """A copy of a store of several chunks per array, to damage."""
+    import shutil
+
     path = tmp_path / "s.zarr"
-    ingest_drivaerml(raw, path, **{**OPTS, "chunk_bytes": 4096})  # several chunks per array
+    shutil.copytree(cars_store_chunked, path)
     return path
 
 
