@@ -1,8 +1,10 @@
-"""The data subcommands of ``domainflow``: ``synth`` (synthetic raw data in real layouts), ``ingest`` (raw files
--> a partitioned store, resumable) and ``inspect`` (what a store holds). ``domainflow.app.cli`` assembles them
-with the other subsystems' commands."""
+"""The data subcommands of ``domainflow``: ``synth`` (synthetic raw data in real data sets' formats), ``ingest``
+(raw files -> a partitioned store, resumable) and ``inspect`` (what a store holds). ``domainflow.app.cli``
+assembles them with the other subsystems' commands."""
 
 from __future__ import annotations
+
+import argparse
 
 from domainflow.cli_values import parse_bytes, parse_floats
 
@@ -37,7 +39,7 @@ def _synth(args) -> int:
         paths = synth_drivaerml(args.out, runs=args.runs, cells=args.cells, seed=args.seed,
                                 volume_cells=args.volume_cells, volume_pieces=args.volume_pieces,
                                 first_run=args.first_run, progress=not args.quiet)
-        print(f"wrote {len(paths)} DrivaerML-layout runs under {args.out}")
+        print(f"wrote {len(paths)} DrivaerML-style runs under {args.out}")
     elif args.cds:
         from .synth_cds import synth_cds
 
@@ -62,20 +64,20 @@ def _ingest(args) -> int:
     if args.kind in ("cfd", "drivaerml"):
         from dataclasses import replace
 
-        from .cfd_layout import load_layout, show_layout
+        from .cfd_recipe import load_recipe, show_recipe
         from .errors import IngestError
         from .ingest_mesh import MeshOptions, ingest_cfd
 
-        if getattr(args, "show_layout", None):
-            print(show_layout(args.show_layout), end="")
+        if getattr(args, "show_recipe", None):
+            print(show_recipe(args.show_recipe), end="")
             return 0
         if args.raw is None or args.store is None:
             raise IngestError("ingest cfd needs RAW (the folder of run folders) and STORE (the .zarr to write)")
-        layout = load_layout(getattr(args, "layout", "drivaerml"))
+        recipe = load_recipe(getattr(args, "recipe", "drivaerml"))
         given = {k: getattr(args, k) for k in ("u_inf", "rho_inf", "p_inf", "l_ref") if getattr(args, k) is not None}
         locations = tuple(x for x in args.locations.split(",") if x) if args.locations else None
-        opts = MeshOptions(parts=args.parts, method=args.partition, layout=layout,
-                           reference=replace(layout.reference, **given), locations=locations,
+        opts = MeshOptions(parts=args.parts, method=args.partition, recipe=recipe,
+                           reference=replace(recipe.reference, **given), locations=locations,
                            volume_points=args.volume_points, seed=args.seed, on_error=args.on_error,
                            memory_limit=args.memory_limit, task_bytes=args.task_bytes, **common)
         report = ingest_cfd(args.raw, args.store, opts)
@@ -107,10 +109,10 @@ def _inspect(args) -> int:
 
 
 def _add_synth(sub):
-    synth = sub.add_parser("synth", help="generate a synthetic raw data set in a real layout")
+    synth = sub.add_parser("synth", help="generate a synthetic raw data set in a real data set's format")
     synth.set_defaults(handler=_synth)
     kinds = synth.add_subparsers(dest="kind", required=True)
-    d = kinds.add_parser("drivaerml", help="car-like bluff bodies in the DrivaerML run-folder layout")
+    d = kinds.add_parser("drivaerml", help="car-like bluff bodies in DrivaerML's run folders and file names")
     d.add_argument("out", help="folder to write run_<i>/ folders into")
     d.add_argument("--runs", type=int, default=8)
     d.add_argument("--cells", type=int, default=20000, help="surface cells per run (approximate)")
@@ -137,7 +139,7 @@ def _add_mesh_ingest_options(d):
     """The options of a mesh ingest (``ingest cfd`` and its alias ``ingest drivaerml``)."""
     d.add_argument("--parts", type=int, default=64, help="spatial parts per run, a power of two (default 64)")
     d.add_argument("--partition", choices=("rcb", "morton", "slab"), default="rcb")
-    d.add_argument("--locations", default=None, help="surface,volume or one of them (default: the layout's)")
+    d.add_argument("--locations", default=None, help="surface,volume or one of them (default: the recipe's)")
     d.add_argument("--volume-points", type=int, default=None,
                    help="cap volume cells per run (a seeded random subset; only these cells are read and checked)")
     d.add_argument("--memory-limit", type=parse_bytes, default=2 << 30,
@@ -147,21 +149,21 @@ def _add_mesh_ingest_options(d):
                         "tasks, so one huge run uses every worker (the store is the same)")
     d.add_argument("--seed", type=int, default=0, help="seed of the split and the volume subsample")
     d.add_argument("--u-inf", type=float, default=None,
-                   help="free-stream speed, m/s (default: the layout's; DrivaerML 38.889, the paper's 140 km/h)")
+                   help="free-stream speed, m/s (default: the recipe's; DrivaerML 38.889, the paper's 140 km/h)")
     d.add_argument("--rho-inf", type=float, default=None,
-                   help="density (default: the layout's; 1 where OpenFOAM wrote kinematic pressure and shear)")
-    d.add_argument("--p-inf", type=float, default=None, help="free-stream pressure (default: the layout's)")
-    d.add_argument("--l-ref", type=float, default=None, help="reference length, m (default: the layout's)")
+                   help="density (default: the recipe's; 1 where OpenFOAM wrote kinematic pressure and shear)")
+    d.add_argument("--p-inf", type=float, default=None, help="free-stream pressure (default: the recipe's)")
+    d.add_argument("--l-ref", type=float, default=None, help="reference length, m (default: the recipe's)")
 
 
 def _add_ingest(sub):
     ingest = sub.add_parser("ingest", help="raw files -> a spatially partitioned Zarr store (resumable)")
     ingest.set_defaults(handler=_ingest, interrupted=INTERRUPTED_INGEST)
     kinds = ingest.add_subparsers(dest="kind", required=True)
-    parsers = [kinds.add_parser("cfd", help="CFD run folders (a layout: drivaerml, ahmedml, windsorml or a "
-                                            "layout.yaml) -> a mesh store"),
+    parsers = [kinds.add_parser("cfd", help="CFD run folders (a recipe: drivaerml, ahmedml, windsorml or a "
+                                            "recipe.yaml) -> a mesh store"),
                kinds.add_parser("climate", help="netCDF / GRIB files or a Zarr of climate data -> a grid store"),
-               kinds.add_parser("drivaerml", help="the same as `ingest cfd --layout drivaerml`")]
+               kinds.add_parser("drivaerml", help="the same as `ingest cfd --recipe drivaerml`")]
     for p in parsers:
         if p is not parsers[1]:
             p.add_argument("raw", nargs="?" if p is parsers[0] else None, help="the folder of run folders")
@@ -184,10 +186,13 @@ def _add_ingest(sub):
                             "(default: a folder under the temp dir, kept for a resume)")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
     cfd, c, drivaerml = parsers
-    cfd.add_argument("--layout", default="drivaerml",
-                     help="the raw data's layout: drivaerml (default), ahmedml, windsorml, or a layout.yaml of your own "
-                          "(run folders, files, arrays -> fields, units); --show-layout NAME prints one as a template")
-    cfd.add_argument("--show-layout", default=None, metavar="NAME", help="print a built-in layout as YAML and exit")
+    cfd.add_argument("--recipe", default="drivaerml",
+                     help="how to read the raw data: drivaerml (default), ahmedml, windsorml, or a recipe.yaml of your "
+                          "own (run folders, files, arrays -> fields, units); --show-recipe NAME prints one as a template")
+    cfd.add_argument("--show-recipe", default=None, metavar="NAME", help="print a built-in recipe as YAML and exit")
+    # the names before issue 36 (a "layout" is a ShardTensor's sharding now): still accepted, not shown
+    cfd.add_argument("--layout", dest="recipe", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    cfd.add_argument("--show-layout", dest="show_recipe", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     for d in (cfd, drivaerml):
         _add_mesh_ingest_options(d)
     c.add_argument("--variables", default=None,

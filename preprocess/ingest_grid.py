@@ -345,12 +345,12 @@ def _missing_values(writer: StoreWriter, root, store: Path, src: ClimateSource, 
             tasks[f"fill-{t0:09d}-{t1:09d}"] = (str(store), t0, t1, by_index, mask_of)
     # the values are fixed before the first fill task starts: a task killed mid-way has filled some chunks
     # already, so a rerun with other values would mix two fills in one channel
-    plan = done.get("fill-plan")
-    if plan is not None and plan["fill"] != by_index:
-        raise IngestError(f"{store} was being filled with {plan['fill']} (channel index: value) and this ingest "
+    fixed = done.get("fill-values") or done.get("fill-plan")  # its name in stores begun before issue 36
+    if fixed is not None and fixed["fill"] != by_index:
+        raise IngestError(f"{store} was being filled with {fixed['fill']} (channel index: value) and this ingest "
                           f"asks {by_index}; rerun with the first --fill, or pass --overwrite to start again")
-    if tasks and plan is None:
-        StoreWriter(store).mark_block("fill-plan", {"fill": by_index})
+    if tasks and fixed is None:
+        StoreWriter(store).mark_block("fill-values", {"fill": by_index})
     todo = [(n, *args) for n, args in tasks.items() if n not in done]
     for out in run_tasks(fill_task, todo, workers=opts.workers, scheduler=opts.scheduler, desc="fill",
                          progress=opts.progress):

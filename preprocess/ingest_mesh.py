@@ -1,6 +1,6 @@
-"""``domainflow ingest cfd RAW STORE --layout L``: CFD run folders -> a partitioned mesh store.
+"""``domainflow ingest cfd RAW STORE --recipe R``: CFD run folders -> a partitioned mesh store.
 
-The layout (``cfd_layout``: DrivaerML, AhmedML, WindsorML built in, or a layout.yaml) names the run
+The recipe (``cfd_recipe``: DrivaerML, AhmedML, WindsorML built in, or a recipe.yaml) names the run
 folders, each run's files and which arrays become which dimensionless fields.
 
 Per run, a small dask graph (``run_graph``): a start task (files present, CSVs read); per location scan
@@ -10,8 +10,8 @@ non-dimensionalised fields, NaN/Inf counted; a partition task (checks over all s
 compact contiguous parts; on several workers an RCB's subtrees and a merge as tasks of their own); a task
 per column that writes it into the run's group in scratch; and a last task that moves the run into
 ``runs/<id>`` in one rename. One huge run thus uses every worker. Memory per worker is set by
-``--memory-limit``, not by the run's size. ``reader="vtk"`` keeps the earlier in-memory path (VTK reads the
-whole file), the tests' oracle. The coordinator then merges the train runs' statistics (in run order, so
+``--memory-limit``, not by the run's size. ``reader="vtk"`` is the whole-file path (VTK reads each file whole,
+any format VTK reads, through ``domainflow.vtk.pyvista_io``; the tests compare the streaming path with it). The coordinator then merges the train runs' statistics (in run order, so
 1 or N workers give identical stores), records splits, fields and references, and marks the store
 complete last. A rerun resumes: published runs are kept, the rest are redone.
 """
@@ -29,11 +29,14 @@ from typing import Any
 import numpy as np
 
 from domainflow import remote
+from domainflow.vtk.errors import VtkFileError
+from domainflow.vtk.pieces import locate, pieces_of, whole_file
+from domainflow.vtk.pyvista_io import cell_centres, read_cells, surface_geometry
 
 from .errors import IngestError, RunError
 from .parallel import count_cells, peak_memory, release_free_memory, reset_peak_memory, run_graphs
 from .partition import METHODS, check_parts, partition
-from .cfd_layout import LOCATIONS, FieldSpec, Layout, load_layout
+from .cfd_recipe import LOCATIONS, FieldSpec, Recipe, load_recipe
 from .reference import Reference
 from .report import IngestReport
 from .splits import check_fractions, read_split_file, split_runs
@@ -41,8 +44,7 @@ from .stats import RunningStats, merge_all
 from .mesh_stream import (_warn_cp, block_cells_for, merge_subtrees, partition_location, partition_subtree,
                           remove_files, scan_cells, scan_tasks_for, write_column)
 from .store_writer import StoreWriter, write_array
-from .vtk_io import (cell_centres, check_finite, locate, pieces_of, read_cells, read_csv_row,
-                     surface_geometry, whole_file)
+from .raw_values import check_finite, read_csv_row
 
 @dataclass
 class MeshOptions:
@@ -50,9 +52,9 @@ class MeshOptions:
 
     parts: int = 64
     method: str = "rcb"
-    reference: Reference | None = None  # None: the layout's
-    locations: tuple[str, ...] | None = None  # None: every location of the layout
-    layout: Any = "drivaerml"  # a built-in layout's name, a layout.yaml path or a Layout
+    reference: Reference | None = None  # None: the recipe's
+    locations: tuple[str, ...] | None = None  # None: every location of the recipe
+    recipe: Any = "drivaerml"  # a built-in recipe's name, a recipe.yaml path or a Recipe
     volume_points: int | None = None
     seed: int = 0
     split: tuple[float, float, float] = (0.8, 0.1, 0.1)
@@ -66,18 +68,18 @@ class MeshOptions:
     progress: bool = True
     memory_limit: int = 2 << 30  # per worker: sets the streaming block size
     task_bytes: int = 256 << 20  # a raw file larger than this is scanned by several tasks (same store)
-    reader: str = "stream"       # "stream" (bounded memory) or "vtk" (whole file through VTK: the tests' oracle)
+    reader: str = "stream"       # "stream" (bounded memory) or "vtk" (whole file through VTK)
 
     def validate(self):
-        self.layout = load_layout(self.layout)
+        self.recipe = load_recipe(self.recipe)
         if self.reference is None:
-            self.reference = self.layout.reference
+            self.reference = self.recipe.reference
         if self.locations is None:
-            self.locations = tuple(loc for loc in LOCATIONS if loc in self.layout.files)
-        missing = [loc for loc in self.locations if loc not in self.layout.files]
+            self.locations = tuple(loc for loc in LOCATIONS if loc in self.recipe.files)
+        missing = [loc for loc in self.locations if loc not in self.recipe.files]
         if missing:
-            raise IngestError(f"--locations {list(missing)}: layout {self.layout.name!r} has no such files (it has "
-                              f"{sorted(self.layout.files)})")
+            raise IngestError(f"--locations {list(missing)}: recipe {self.recipe.name!r} has no such files (it has "
+                              f"{sorted(self.recipe.files)})")
         check_parts(self.parts)
         if self.method not in METHODS:
             raise IngestError(f"unknown partition method {self.method!r}; choose one of {METHODS}")
@@ -101,23 +103,24 @@ class MeshOptions:
         self.split = check_fractions(self.split)
 
     def config(self) -> dict:
-        # the DrivaerML layout is what every store before layouts was ingested with: left out of the config,
-        # so such a store still resumes (and a complete one is still "nothing to do")
-        layout = {} if self.layout.to_attrs() == load_layout("drivaerml").to_attrs() else \
-            {"layout": self.layout.to_attrs()}
-        return {"parts": self.parts, "partition": self.method, "reference": self.reference.to_attrs(), **layout,
+        # the DrivaerML recipe is what every store before recipes was ingested with: left out of the config,
+        # so such a store still resumes (and a complete one is still "nothing to do"); stores written before
+        # the rename record it as "layout" (RENAMED_CONFIG_KEYS: compared as "recipe")
+        recipe = {} if self.recipe.to_attrs() == load_recipe("drivaerml").to_attrs() else \
+            {"recipe": self.recipe.to_attrs()}
+        return {"parts": self.parts, "partition": self.method, "reference": self.reference.to_attrs(), **recipe,
                 "locations": list(self.locations), "volume_points": self.volume_points, "seed": self.seed,
                 "split": list(self.split), "split_file": read_split_file(self.split_file),
                 "chunk_bytes": self.chunk_bytes}
 
 
 # -- discovery ---------------------------------------------------------------------------------------
-def discover_runs(raw: Path, layout="drivaerml") -> dict[str, Path]:
-    """``run_<i>`` -> its folder, for the layout's run folders under ``raw``, in numeric order."""
-    return load_layout(layout).discover(raw)
+def discover_runs(raw: Path, recipe="drivaerml") -> dict[str, Path]:
+    """``run_<i>`` -> its folder, for the recipe's run folders under ``raw``, in numeric order."""
+    return load_recipe(recipe).discover(raw)
 
 
-# -- one run: a graph of tasks (streaming) or one task (the in-memory oracle) ------------------------
+# -- one run: a graph of tasks (streaming) or one task (the whole-file path) ------------------------
 def run_graph(run_dir: Path, run_id: str, store: Path, opts: MeshOptions):
     """The dask graph that ingests one run; its last task returns the run's summary. Streaming: a start
     task (files present, CSVs read), per location ``scan_tasks_for`` scan tasks, a partition task and a
@@ -141,13 +144,13 @@ def run_graph(run_dir: Path, run_id: str, store: Path, opts: MeshOptions):
         scans = [stage(_scan, run_id, o, start, files[loc], loc, tag, i, pieces, block_cells, run_id, o)
                  for i in range(pieces)]
         depth = split_depth(pieces, opts)
-        plan = stage(_partition, run_id, o, start, scans, files[loc], loc, tag, block_cells, depth, o)
-        planned = [plan]
+        parted = stage(_partition, run_id, o, start, scans, files[loc], loc, tag, block_cells, depth, o)
+        partition_tasks = [parted]
         if depth:  # the RCB's subtrees as tasks of their own (when the partition task finds it out of core)
-            subtrees = [stage(_subtree, run_id, o, plan, j, o) for j in range(1 << depth)]
-            planned += subtrees + [stage(_merge, run_id, o, start, plan, subtrees, tag, o)]
-        columns = [stage(_column, run_id, o, planned[-1], key, loc, o) for key in column_keys(loc, opts)]
-        locations.append((loc, tag, scans, planned, columns))
+            subtrees = [stage(_subtree, run_id, o, parted, j, o) for j in range(1 << depth)]
+            partition_tasks += subtrees + [stage(_merge, run_id, o, start, parted, subtrees, tag, o)]
+        columns = [stage(_column, run_id, o, partition_tasks[-1], key, loc, o) for key in column_keys(loc, opts)]
+        locations.append((loc, tag, scans, partition_tasks, columns))
     return dask.delayed(_finish_run, pure=False)(run_id, str(store), o, start, locations)
 
 
@@ -163,14 +166,14 @@ def split_depth(pieces: int, opts: MeshOptions) -> int:
 def column_keys(loc: str, opts: MeshOptions) -> list[str]:
     """The row columns a location's store group holds (``field/<name>`` for fields)."""
     return ["coords", "order"] + (["normals", "areas"] if loc == "surface" else []) + \
-        [f"field/{s.name}" for s in opts.layout.fields[loc]]
+        [f"field/{s.name}" for s in opts.recipe.fields[loc]]
 
 
 def _raw_size(path: Path) -> int:
     """Bytes of a raw file or of its .part pieces; 0 when absent or incomplete (its scan names the fault)."""
     try:
         return path.stat().st_size if path.exists() else sum(p.stat().st_size for p in pieces_of(path))
-    except (IngestError, OSError):
+    except (IngestError, VtkFileError, OSError):
         return 0
 
 
@@ -207,7 +210,7 @@ def _stage(fn, run_id: str, opts: MeshOptions, *args):
     t0, started, rss0 = time.perf_counter(), time.time(), reset_peak_memory()
     try:
         out = fn(*args)
-    except (IngestError, OSError) as exc:
+    except (IngestError, VtkFileError, OSError) as exc:
         return _run_failed(exc, run_id, opts)
     peak = peak_memory()
     if peak - rss0 > _TRIM_ABOVE:  # the next stage in this worker starts from what is live, not from this
@@ -234,12 +237,12 @@ def _start_run(run_dir: str, run_id: str, store: str, token: str, opts: MeshOpti
 
 
 def _files(run_dir: Path, run_id: str, opts: MeshOptions) -> dict[str, Path]:
-    return opts.layout.files_of(run_dir, run_id)
+    return opts.recipe.files_of(run_dir, run_id)
 
 
 def _scan(start: dict, path: Path, loc: str, tag: str, piece: int, pieces: int, block_cells: int,
           run_id: str, opts: MeshOptions) -> dict:
-    return scan_cells(path, path, loc, opts.layout.fields[loc], opts, run_id, Path(start["out"]["columns"]), tag, piece,
+    return scan_cells(path, path, loc, opts.recipe.fields[loc], opts, run_id, Path(start["out"]["columns"]), tag, piece,
                       pieces, block_cells)
 
 
@@ -249,36 +252,37 @@ def _partition(start: dict, scans: list, path: Path, loc: str, tag: str, block_c
                               Path(start["out"]["columns"]), tag, block_cells, depth)
 
 
-def _subtree(plan: dict, j: int, opts: MeshOptions) -> dict | None:
-    return partition_subtree(plan["out"], j, opts)
+def _subtree(parted: dict, j: int, opts: MeshOptions) -> dict | None:
+    return partition_subtree(parted["out"], j, opts)
 
 
-def _merge(start: dict, plan: dict, subtrees: list, tag: str, opts: MeshOptions) -> dict:
-    return merge_subtrees(plan["out"], [s["out"] for s in subtrees], Path(start["out"]["columns"]), tag, opts)
+def _merge(start: dict, parted: dict, subtrees: list, tag: str, opts: MeshOptions) -> dict:
+    return merge_subtrees(parted["out"], [s["out"] for s in subtrees], Path(start["out"]["columns"]), tag, opts)
 
 
-def _column(plan: dict, key: str, loc: str, opts: MeshOptions) -> dict:
-    field = next((s for s in opts.layout.fields[loc] if key == f"field/{s.name}"), None)
-    return write_column(plan["out"], key, opts, field, _cp_check(loc, field, opts))
+def _column(parted: dict, key: str, loc: str, opts: MeshOptions) -> dict:
+    field = next((s for s in opts.recipe.fields[loc] if key == f"field/{s.name}"), None)
+    return write_column(parted["out"], key, opts, field, _cp_check(loc, field, opts))
 
 
 def _cp_check(loc: str, field: FieldSpec | None, opts: MeshOptions) -> str | None:
-    """The file's own Cp array that this field's values are compared with (the layout's cp_check)."""
-    check = opts.layout.cp_check.get(loc)
+    """The file's own Cp array that this field's values are compared with (the recipe's cp_check)."""
+    check = opts.recipe.cp_check.get(loc)
     return check if check and field is not None and field.name == "Cp" and field.quantity == "pressure" else None
 
 
 def _finish_run(run_id: str, store: str, opts: MeshOptions, start: dict, locations: list) -> dict:
     """The run's last task: publish its group (attrs, cells, statistics) in one rename, or, when a stage
     failed (``--on-error skip``), drop what the run left in scratch and return the failure."""
-    stages = [start] + [x for _, _, scans, planned, columns in locations for x in scans + planned + columns]
+    stages = [start] + [x for _, _, scans, partition_tasks, columns in locations
+                        for x in scans + partition_tasks + columns]
     bad = _failed(stages)
     if bad is not None:
         _drop_run_scratch(start, locations)
         return bad
     try:
         return _publish_run(run_id, store, start, locations, stages, opts)
-    except (IngestError, OSError) as exc:
+    except (IngestError, VtkFileError, OSError) as exc:
         _drop_run_scratch(start, locations)
         return _run_failed(exc, run_id, opts)
 
@@ -289,8 +293,8 @@ def _publish_run(run_id: str, store: str, start: dict, locations: list, stages: 
     begun = start["out"]
     group = zarr.open_group(begun["folder"], mode="r+")
     stats, cells, warnings, raw_bytes = {}, {}, [], 0
-    for loc, _, scans, planned, columns in locations:
-        p = planned[-1]["out"]
+    for loc, _, scans, partition_tasks, columns in locations:
+        p = partition_tasks[-1]["out"]
         cells[loc], raw_bytes = p["rows"], raw_bytes + p["raw_bytes"]
         warnings += p["warnings"]
         for c in columns:
@@ -330,7 +334,7 @@ def _drop_run_scratch(start: dict, locations: list) -> None:
 
 
 def _check_present(run_dir: Path, run_id: str, files: dict, opts: MeshOptions) -> None:
-    needed = [k for k in opts.layout.csv if k not in opts.layout.optional_csv] + list(opts.locations)
+    needed = [k for k in opts.recipe.csv if k not in opts.recipe.optional_csv] + list(opts.locations)
     missing = [files[k] for k in needed if locate(files[k]) is None]
     if missing:
         present = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
@@ -340,8 +344,8 @@ def _check_present(run_dir: Path, run_id: str, files: dict, opts: MeshOptions) -
 def _run_attrs(run_id: str, files: dict, opts: MeshOptions) -> dict:
     return {"run": int(run_id[4:]), "run_id": run_id, **opts.reference.to_attrs(),
             "fingerprint": fingerprint(files, opts), "folder": files[opts.locations[0]].parent.name,
-            **{k: read_csv_row(files[k]) for k in opts.layout.csv if files[k].exists()
-               or k not in opts.layout.optional_csv}}
+            **{k: read_csv_row(files[k]) for k in opts.recipe.csv if files[k].exists()
+               or k not in opts.recipe.optional_csv}}
 
 
 def ingest_run(run_dir: str, run_id: str, store: str, opts: MeshOptions) -> dict:
@@ -349,7 +353,7 @@ def ingest_run(run_dir: str, run_id: str, store: str, opts: MeshOptions) -> dict
     t0, started, rss0 = time.perf_counter(), time.time(), reset_peak_memory()
     try:
         summary = _ingest_run(Path(run_dir), run_id, StoreWriter(store), opts)
-    except (IngestError, OSError) as exc:
+    except (IngestError, VtkFileError, OSError) as exc:
         return _run_failed(exc, run_id, opts)
     summary["seconds"] = time.perf_counter() - t0
     summary["started"], summary["pid"] = started, os.getpid()
@@ -358,7 +362,7 @@ def ingest_run(run_dir: str, run_id: str, store: str, opts: MeshOptions) -> dict
 
 
 def _ingest_run(run_dir: Path, run_id: str, writer: StoreWriter, opts: MeshOptions) -> dict:
-    """The in-memory path (``reader="vtk"``, the tests' oracle): VTK reads each file whole."""
+    """The whole-file path (``reader="vtk"``): VTK reads each file whole (the tests compare the streaming path with it)."""
     import zarr
 
     files = _files(run_dir, run_id, opts)
@@ -385,21 +389,25 @@ def fingerprint(files: dict, opts: MeshOptions) -> dict:
     """Size and modification time of every raw file a run is built from: a resume redoes a published run
     whose raw files changed since."""
     out = {}
-    for key in list(opts.layout.csv) + list(opts.locations):
+    for key in list(opts.recipe.csv) + list(opts.locations):
         path = files[key]
-        if key in opts.layout.csv and not path.exists():
+        if key in opts.recipe.csv and not path.exists():
             continue  # an optional CSV this run lacks
-        for p in ([path] if path.exists() else pieces_of(path)):
+        try:
+            found = [path] if path.exists() else pieces_of(path)
+        except VtkFileError as exc:  # a resume's check of a published run: ingest's own error
+            raise IngestError(str(exc)) from None
+        for p in found:
             st = p.stat()
             out[p.name] = [st.st_size, st.st_mtime_ns]
     return out
 
 
 def _read_location(loc, path, shown_as, run_id, opts, warnings):
-    specs = opts.layout.fields[loc]
-    cp_check = opts.layout.cp_check.get(loc)
+    specs = opts.recipe.fields[loc]
+    cp_check = opts.recipe.cp_check.get(loc)
     mesh, raw = read_cells(path, {a: s.association for s in specs for a in s.sources}, shown_as=shown_as,
-                           optional=(cp_check,) if cp_check else ())
+                           optional=(cp_check,) if cp_check else (), fix="set the recipe's data: to match")
     rows = {}
     if loc == "surface":
         rows["coords"], rows["normals"], rows["areas"] = surface_geometry(mesh, shown_as)
@@ -463,7 +471,7 @@ def _write_location(group, loc, rows, fields, opts) -> dict:
 
 # -- the whole ingest -----------------------------------------------------------------------------
 def ingest_cfd(raw, store, opts: MeshOptions | None = None, **kw) -> IngestReport:
-    """Ingest every run folder of ``raw`` (``opts.layout``'s, DrivaerML by default) into the mesh store
+    """Ingest every run folder of ``raw`` (``opts.recipe``'s, DrivaerML by default) into the mesh store
     ``store`` (resuming if partial)."""
     opts = opts or MeshOptions(**kw)
     if remote.is_url(store):  # built locally, then uploaded with its root metadata last
@@ -473,7 +481,7 @@ def ingest_cfd(raw, store, opts: MeshOptions | None = None, **kw) -> IngestRepor
     opts.validate()
     t0 = time.perf_counter()
     raw, store = Path(raw).resolve(), Path(store).resolve()  # tasks may run in other working directories
-    runs = opts.layout.discover(raw)
+    runs = opts.recipe.discover(raw)
     splits = split_runs(list(runs), opts.split, opts.seed, opts.split_file)
     wanted = [r for k in ("train", "val", "test") for r in splits[k]]
     wanted = [r for r in runs if r in set(wanted)]
@@ -528,19 +536,19 @@ def _ingest_runs(writer: StoreWriter, raw: Path, store: Path, runs: dict, splits
         if merged is not None:
             stats[key] = merged.to_attrs()
     fields = {f"{loc}/{s.name}": s.attrs(loc, opts.reference) for loc in opts.locations
-              for s in opts.layout.fields[loc]}
+              for s in opts.recipe.fields[loc]}
     writer.complete({"fields": fields, "stats": stats, "splits": ok, "reference": opts.reference.to_attrs(),
-                     "layout": opts.layout.name, "forces": force_attrs(opts.layout), "skipped": report.skipped})
+                     "recipe": opts.recipe.name, "forces": force_attrs(opts.recipe), "skipped": report.skipped})
     report.seconds = time.perf_counter() - t0
     return report
 
 
 
-def force_attrs(layout: Layout) -> dict:
+def force_attrs(recipe: Recipe) -> dict:
     """What the metrics integrate forces with: the drag and lift axes (0, 1, 2) and the reference area."""
-    f = layout.forces
+    f = recipe.forces
     return {"drag_axis": "xyz".index(f["drag"]), "lift_axis": "xyz".index(f["lift"]),
             "reference_area": f["reference_area"]}
 
 
-ingest_drivaerml = ingest_cfd  # the DrivaerML layout is the default
+ingest_drivaerml = ingest_cfd  # the DrivaerML recipe is the default

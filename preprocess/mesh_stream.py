@@ -3,7 +3,7 @@ memory: the ingest's default path, in three stages that run as separate dask tas
 keeps every worker busy.
 
 1. ``scan_cells`` (one task per stretch of cells; a file larger than ``--task-bytes`` gets several):
-   blocks of cells: read that stretch of the connectivity and the points it refers to (``vtk_xml``),
+   blocks of cells: read that stretch of the connectivity and the points it refers to (``domainflow.vtk.xml_reader``),
    compute centres (and surface normals and areas, ``mesh_geometry``), check them, and append every row
    to column files on scratch disk. The fields are not read here (their column tasks read them).
    ``--volume-points K`` keeps the same K cells as the in-memory path (one seeded draw), skips blocks
@@ -28,7 +28,8 @@ Every stage can run again (a cluster reruns the tasks of a lost worker): inputs 
 run is published.
 
 Peak memory per task is set by ``block_cells`` (the ingest derives it from ``--memory-limit``), not by the
-run. The in-memory path (``vtk_io.read_cells``, VTK's filters, ``partition()``) stays as the tests' oracle.
+run. The in-memory path (``domainflow.vtk.pyvista_io.read_cells``, VTK's filters, ``partition()``) is ``reader="vtk"``, what the
+tests compare this path with.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from domainflow.vtk.xml_reader import VtkXmlFile
+
 from .errors import IngestError
 from .mesh_geometry import cell_centres, polygon_normals_areas
 from .parallel import count_cells
@@ -45,7 +48,6 @@ from .partition import group_perm, group_rows, key_order_streaming, partition, r
 from .scratch import CellIds, JoinedColumns, RowRange, ScratchArray, row_blocks
 from .stats import RunningStats
 from .store_writer import chunk_rows, create_array, write_array
-from .vtk_xml import VtkXmlFile
 
 BYTES_PER_CELL = 2048  # working bytes per cell of a block (all columns, the gathered points, temporaries)
 # a location of at most this many blocks of rows is partitioned, and its columns reordered, in memory
@@ -185,9 +187,9 @@ def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, s
                        block_cells: int, split_depth: int = 0) -> dict:
     """Stage 2: the checks over every scanned stretch (in the in-memory path's order), then the partition
     of all rows and the per-block sorting permutation; creates the location's group with its ``parts`` and
-    ``part_boxes``; returns the plan the ``write_column`` tasks follow (and any warning). RCB out of core with
+    ``part_boxes``; returns the partition the ``write_column`` tasks follow (and any warning). RCB out of core with
     ``split_depth`` D > 0: only the first D levels here, the rows of each of the 2**D subtrees grouped for
-    ``partition_subtree`` tasks (in parallel) and ``merge_subtrees``, which then completes the plan."""
+    ``partition_subtree`` tasks (in parallel) and ``merge_subtrees``, which then completes the partition."""
     import zarr
 
     first = scans[0]
@@ -200,7 +202,7 @@ def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, s
         for k in first["geometry"]:
             _BadRows.merged([s["bad_geo"][k] for s in scans]).check()
         rows = sum(s["rows"] for s in scans)
-        plan = {"rows": rows, "columns": columns, "method": opts.method, "block_cells": block_cells,
+        parted = {"rows": rows, "columns": columns, "method": opts.method, "block_cells": block_cells,
                 "group": str(Path(group_dir) / loc), "source": str(shown_as), "warnings": [], "location": loc,
                 "raw_bytes": first["raw_bytes"], "cell_counts": first["cell_counts"]}
         with contextlib.ExitStack() as stack:
@@ -210,10 +212,10 @@ def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, s
             def scratch_array(name, dtype, tail=(), keep=True):
                 arr = ScratchArray(scratch / f"{tag}.{name}", rows, dtype, tail)
                 stack.callback(arr.close, not keep)  # kept: later stages read them
-                plan[name] = str(arr.path)
+                parted[name] = str(arr.path)
                 return arr
 
-            plan["group_of"], plan["perm"], plan["inner"], windows = None, None, None, None
+            parted["group_of"], parted["perm"], parted["inner"], windows = None, None, None, None
             if rows <= IN_MEMORY_BLOCKS * block_cells:  # fits the budget: partition() in memory, and each
                 # column task takes its rows in the partition's order in memory (one permutation for all)
                 p = partition(coords.read(0, rows), opts.parts, opts.method)
@@ -231,7 +233,7 @@ def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, s
                     grouped = scratch_array("subtree-coords", coords.dtype, coords.tail)
                     group_rows(coords, group_of, perm, offsets, grouped, block_cells)
                     scratch_array("subtree-parts", np.uint32)
-                    plan.update(subtrees=offsets, subtree_parts=opts.parts // nodes)
+                    parted.update(subtrees=offsets, subtree_parts=opts.parts // nodes)
                     offsets = boxes = None  # merge_subtrees writes them
             else:  # out of core: the same order, by a sample sort (inner: the sort within its windows); the
                 # coords task finds the boxes
@@ -241,37 +243,37 @@ def partition_location(scans: list, loc: str, shown_as, opts, group_dir: Path, s
                                         scratch_array("sorted-keys", np.uint64, keep=False),
                                         scratch_array("inner", np.uint32))
                 offsets, groups, windows, boxes = k.offsets, k.groups, k.windows, None
-            plan.update(groups=groups, windows=windows, boxes_from_coords=boxes is None and "subtrees" not in plan)
-        sub = zarr.open_group(plan["group"], mode="w", zarr_format=3)
+            parted.update(groups=groups, windows=windows, boxes_from_coords=boxes is None and "subtrees" not in parted)
+        sub = zarr.open_group(parted["group"], mode="w", zarr_format=3)
         sub.create_group("fields")
-        if "subtrees" not in plan:
-            _write_parts(plan, offsets, boxes, opts)
-        return plan
+        if "subtrees" not in parted:
+            _write_parts(parted, offsets, boxes, opts)
+        return parted
     except BaseException:
         remove_files([f for files in columns.values() for f in files])
         raise
 
 
-def _write_parts(plan: dict, offsets: np.ndarray, boxes, opts) -> None:
+def _write_parts(parted: dict, offsets: np.ndarray, boxes, opts) -> None:
     import zarr
 
-    plan["offsets"] = offsets
-    sub = zarr.open_group(plan["group"], mode="r+")
+    parted["offsets"] = offsets
+    sub = zarr.open_group(parted["group"], mode="r+")
     write_array(sub, "parts", offsets.astype(np.int64), opts.chunk_bytes, overwrite=True)
     if boxes is not None:
         write_array(sub, "part_boxes", boxes.astype(np.float32), opts.chunk_bytes, overwrite=True)
 
 
-def partition_subtree(plan: dict, j: int, opts) -> dict | None:
+def partition_subtree(parted: dict, j: int, opts) -> dict | None:
     """Stage 2b (one task per subtree, when the partition task split the RCB): subtree j's rows, together in
     the grouped coordinates in file order, partitioned into its parts exactly as the whole RCB would (in
     memory when small); their local parts go to the subtree's rows of ``subtree-parts``."""
-    if "subtrees" not in plan:
+    if "subtrees" not in parted:
         return None
-    lo, hi = int(plan["subtrees"][j]), int(plan["subtrees"][j + 1])
-    block_cells, parts = plan["block_cells"], plan["subtree_parts"]
-    coords = ScratchArray.open(plan["subtree-coords"], np.float32, (3,))
-    ids = ScratchArray.open(plan["subtree-parts"], np.uint32)
+    lo, hi = int(parted["subtrees"][j]), int(parted["subtrees"][j + 1])
+    block_cells, parts = parted["block_cells"], parted["subtree_parts"]
+    coords = ScratchArray.open(parted["subtree-coords"], np.float32, (3,))
+    ids = ScratchArray.open(parted["subtree-parts"], np.uint32)
     try:
         mine, mine_ids = RowRange(coords, lo, hi), RowRange(ids, lo, hi)
         if hi - lo <= IN_MEMORY_BLOCKS * block_cells:
@@ -287,29 +289,29 @@ def partition_subtree(plan: dict, j: int, opts) -> dict | None:
         ids.close(remove=False)
 
 
-def merge_subtrees(plan: dict, subtrees: list, scratch: Path, tag: str, opts) -> dict:
+def merge_subtrees(parted: dict, subtrees: list, scratch: Path, tag: str, opts) -> dict:
     """Stage 2c: every row's part in file order from its subtree and its part within it (rows of a subtree
     keep file order in the grouped columns), the per-block permutation by part, the part offsets and boxes.
-    Without a split the plan is already complete."""
-    if "subtrees" not in plan:
-        return plan
-    rows, block_cells, nodes = plan["rows"], plan["block_cells"], len(plan["subtrees"]) - 1
-    k = plan["subtree_parts"]
+    Without a split the partition is already complete."""
+    if "subtrees" not in parted:
+        return parted
+    rows, block_cells, nodes = parted["rows"], parted["block_cells"], len(parted["subtrees"]) - 1
+    k = parted["subtree_parts"]
     offsets = np.concatenate([[0], np.cumsum(np.concatenate([s["counts"] for s in subtrees]))]).astype(np.int64)
     boxes = np.concatenate([s["boxes"] for s in subtrees])
-    out = dict(plan, groups=offsets, scratch=[plan["group_of"], plan["perm"], plan["subtree-coords"],
-                                               plan["subtree-parts"]])
+    out = dict(parted, groups=offsets, scratch=[parted["group_of"], parted["perm"], parted["subtree-coords"],
+                                               parted["subtree-parts"]])
     with contextlib.ExitStack() as stack:
         opened = []
         for name, dtype in (("group_of", np.uint32), ("perm", np.uint32), ("subtree-parts", np.uint32)):
-            opened.append(ScratchArray.open(plan[name], dtype))
+            opened.append(ScratchArray.open(parted[name], dtype))
             stack.callback(opened[-1].close, False)
         node_of, node_perm, local = opened
         final = {}
         for name in ("part_of", "part_perm"):
             final[name] = ScratchArray(scratch / f"{tag}.{name}", rows, np.uint32)
             stack.callback(final[name].close, False)
-        filled = np.asarray(plan["subtrees"][:-1], dtype=np.int64).copy()
+        filled = np.asarray(parted["subtrees"][:-1], dtype=np.int64).copy()
         for lo, hi in node_of.blocks(block_cells):
             node = node_of.read(lo, hi)
             counts = np.bincount(node, minlength=nodes)
@@ -331,29 +333,29 @@ class FieldColumn:
     the file's ``CpMeanTrim``), read like a scratch column. Kept cells of ``--volume-points`` only: their
     ids come from the ``order`` column, and stretches of cells holding none are not read."""
 
-    def __init__(self, plan: dict, spec, opts, cp_check: str | None = None):
-        self.spec, self.opts, self.name = spec, opts, plan["source"]
-        self.n, self.block = plan["rows"], plan["block_cells"]
+    def __init__(self, parted: dict, spec, opts, cp_check: str | None = None):
+        self.spec, self.opts, self.name = spec, opts, parted["source"]
+        self.n, self.block = parted["rows"], parted["block_cells"]
         self.dtype, self.tail = np.dtype(np.float32), (spec.components,)
         self.row_bytes = 4 * spec.components
         self.scale, self.offset = spec.scale_offset(opts.reference)
         self.bad = _BadRows(f"{self.name} array {spec.source!r}")
         self.bad_scaled = _BadRows(f"{self.name} array {spec.source!r} made dimensionless (scale {self.scale:g})")
-        order = plan["columns"]["order"]
+        order = parted["columns"]["order"]
         self.ids = None if order[0] is None else JoinedColumns.open(order)
         try:
-            self.f = VtkXmlFile(plan["source"])
-            if self.f.src.size != plan["raw_bytes"] or self.f.cell_counts() != plan["cell_counts"]:
+            self.f = VtkXmlFile(parted["source"])
+            if self.f.src.size != parted["raw_bytes"] or self.f.cell_counts() != parted["cell_counts"]:
                 raise IngestError(f"{self.name} changed while the run was ingested ({self.f.src.size} bytes, cells "
-                                  f"{self.f.cell_counts()}; its scan saw {plan['raw_bytes']} bytes, cells "
-                                  f"{plan['cell_counts']}); rerun the ingest once the file is complete")
+                                  f"{self.f.cell_counts()}; its scan saw {parted['raw_bytes']} bytes, cells "
+                                  f"{parted['cell_counts']}); rerun the ingest once the file is complete")
         except BaseException:
             if self.ids is not None:
                 self.ids.close()
             if hasattr(self, "f"):
                 self.f.close()
             raise
-        self.section = _check_mesh(self.f, plan["location"], self.name)
+        self.section = _check_mesh(self.f, parted["location"], self.name)
         self.cp_check = cp_check if cp_check and cp_check in self.f.array_names(spec.association) else None
         self.cp = np.array([0.0, 0.0, 1.0])  # dot(theirs, ours), dot(ours, ours), all of theirs finite
         self.next = 0
@@ -432,38 +434,38 @@ class FieldColumn:
             self.ids.close()
 
 
-def write_column(plan: dict, key: str, opts, field=None, cp_check: str | None = None) -> dict:
+def write_column(parted: dict, key: str, opts, field=None, cp_check: str | None = None) -> dict:
     """Stage 3: column ``key`` reordered into its parts and written into the store's array in whole chunks;
     returns its statistics (none for ``order``) and any warning. A field (``field``: its FieldSpec) is read
     from the raw file here (``FieldColumn``), the geometry and kept cell ids from the scan's files."""
     import zarr
 
-    rows, block_cells = plan["rows"], plan["block_cells"]
+    rows, block_cells = parted["rows"], parted["block_cells"]
     with contextlib.ExitStack() as stack:
         if field is not None:
-            col = FieldColumn(plan, field, opts, cp_check)
+            col = FieldColumn(parted, field, opts, cp_check)
         else:
-            files = plan["columns"][key]
+            files = parted["columns"][key]
             col = CellIds(rows) if files[0] is None else JoinedColumns.open(files)
         stack.callback(col.close)  # the scan files stay until the run is published: a rerun reads them again
-        if plan.get("take"):  # small: reordered in memory by the partition's order, no scratch copy
-            take = ScratchArray.open(plan["take"], np.uint32)
+        if parted.get("take"):  # small: reordered in memory by the partition's order, no scratch copy
+            take = ScratchArray.open(parted["take"], np.uint32)
             stack.callback(take.close, False)
             reordered = col.read(0, rows)[take.read(0, rows)]
         else:  # parts (or buckets) together a block at a time, then sorted by key within windows, in place
-            group_of = ScratchArray.open(plan["group_of"], np.uint32)
+            group_of = ScratchArray.open(parted["group_of"], np.uint32)
             stack.callback(group_of.close, False)
-            inner = ScratchArray.open(plan["inner"], np.uint32) if plan["inner"] else None
+            inner = ScratchArray.open(parted["inner"], np.uint32) if parted["inner"] else None
             if inner is not None:
                 stack.callback(inner.close, False)
-            windows = list(zip(plan["windows"][:-1], plan["windows"][1:])) if inner is not None else []
-            perm = ScratchArray.open(plan["perm"], np.uint32)
+            windows = list(zip(parted["windows"][:-1], parted["windows"][1:])) if inner is not None else []
+            perm = ScratchArray.open(parted["perm"], np.uint32)
             stack.callback(perm.close, False)
-            at = Path(plan["group_of"])
+            at = Path(parted["group_of"])
             reordered = ScratchArray(at.with_name(at.stem + f".sorted-{key.replace('/', '-')}"), rows, col.dtype,
                                      col.tail)
             stack.callback(reordered.close)
-            group_rows(col, group_of, perm, plan["groups"], reordered, block_cells)
+            group_rows(col, group_of, perm, parted["groups"], reordered, block_cells)
             for a, b in windows:
                 reordered.write(int(a), reordered.read(int(a), int(b))[inner.read(int(a), int(b))])
         warnings = col.finish() if field is not None else []  # all rows read: checked before any is written
@@ -472,11 +474,11 @@ def write_column(plan: dict, key: str, opts, field=None, cp_check: str | None = 
         merged = None if key == "order" else RunningStats.empty(channels)
         chunks = (min(max(1, rows), chunk_rows(col.row_bytes, opts.chunk_bytes)),) + col.tail
         # created by its path inside the location's group (opening the groups first costs two more reads)
-        where = Path(plan["group"]) / ("fields" if key.startswith("field/") else "")
+        where = Path(parted["group"]) / ("fields" if key.startswith("field/") else "")
         arr = create_array(where, name, shape=col.shape, chunks=chunks, dtype=col.dtype,
                            overwrite=True)  # a rerun (lost worker) writes it again
         step = chunks[0] * max(1, block_cells // chunks[0])  # whole chunks per write
-        boxes = _PartBoxes(plan["offsets"], col.tail) if key == "coords" and plan["boxes_from_coords"] else None
+        boxes = _PartBoxes(parted["offsets"], col.tail) if key == "coords" and parted["boxes_from_coords"] else None
         in_memory = isinstance(reordered, np.ndarray)
         if in_memory and rows:
             arr[...] = reordered  # one write; the statistics still go a step at a time (the same numbers)
@@ -490,7 +492,7 @@ def write_column(plan: dict, key: str, opts, field=None, cp_check: str | None = 
             if boxes is not None:
                 boxes.add(lo, values)
         if boxes is not None:
-            write_array(zarr.open_group(plan["group"], mode="r+"), "part_boxes", boxes.boxes(), opts.chunk_bytes,
+            write_array(zarr.open_group(parted["group"], mode="r+"), "part_boxes", boxes.boxes(), opts.chunk_bytes,
                         overwrite=True)  # a rerun too
         return {"stats": {name: merged.to_attrs()} if merged is not None else {}, "warnings": warnings}
 
@@ -568,7 +570,7 @@ def _check_mesh(f: VtkXmlFile, loc: str, name) -> str:
 
 
 def _check_arrays(f: VtkXmlFile, specs, name) -> None:
-    """Every field's arrays are there, as the layout's cell or point data (one line naming what is)."""
+    """Every field's arrays are there, as the recipe's cell or point data (one line naming what is)."""
     present = {"cell": f.array_names("cell"), "point": f.array_names("point")}
     absent = {}
     for s in specs:
@@ -580,7 +582,7 @@ def _check_arrays(f: VtkXmlFile, specs, name) -> None:
         hints = [f"{[a for a in names if a in present[other[kind]]]} exist as {other[kind].upper()} data"
                  for kind, names in absent.items() if any(a in present[other[kind]] for a in names)]
         what = "; ".join(f"{kind} array(s) {names}" for kind, names in absent.items())
-        raise IngestError(f"{name}: missing {what}{' (' + '; '.join(hints) + ': set the layout' + chr(39) + 's data: to match)' if hints else ''}; "
+        raise IngestError(f"{name}: missing {what}{' (' + '; '.join(hints) + ': set the recipe' + chr(39) + 's data: to match)' if hints else ''}; "
                           f"cell arrays present: {present['cell']}, point arrays present: {present['point']}")
 
 

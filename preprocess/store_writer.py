@@ -38,6 +38,9 @@ from domainflow.store.format import CHECKSUM, FORMAT, HEAD, RUNS, chunk_options
 from .errors import IngestError
 
 TARGET_CHUNK_BYTES = 1 << 20
+# ingest options renamed since stores were first written: a store's old key is compared under its new name, so a
+# store written before the rename still resumes (or is still "complete": nothing to do)
+RENAMED_CONFIG_KEYS = {"layout": "recipe"}
 
 
 def create_array(where, name: str, *, shape, chunks, dtype, attributes: dict | None = None,
@@ -147,7 +150,7 @@ class StoreWriter:
                     raise IngestError(f"{self.path} was ingested from {head.get('source')}, not {source}; rerun with "
                                       f"the original RAW to resume, or pass --overwrite to start again")
                 root = zarr.open_group(self.path, mode="r+")
-                old = dict(root.attrs.get("ingest", {}).get("config", {}))
+                old = {RENAMED_CONFIG_KEYS.get(k, k): v for k, v in root.attrs.get("ingest", {}).get("config", {}).items()}
                 diff = {k: (old.get(k), config.get(k)) for k in sorted(set(old) | set(config))
                         if old.get(k) != config.get(k)}
                 if diff and not head.get("complete") and set(diff) <= set(resumable):

@@ -61,7 +61,7 @@ the run's frontal area and mid-wheelbase point; force_mom_constref uses A_REF_CO
 
 Volume flow model: a uniform hexahedral box grid around the car (cells whose centre lies inside the
 body are removed; the ground is the box floor), built and written slab by slab (``BoxGrid``,
-``vtk_xml_writer``) so a 50M-cell volume needs no more memory than a small one; values do not depend on the
+``domainflow.vtk.xml_writer``) so a 50M-cell volume needs no more memory than a small one; values do not depend on the
 block size. Potential flow of a Rankine-like body: line sources of
 strength U dS/dx along the body axis (S = cross-section area, continued behind the base by a wake
 displacement body decaying over 1.5 m), with core radii so the field is regular, plus their ground
@@ -759,7 +759,7 @@ _STL_TRIANGLE = np.dtype([("normal", "<f4", (3,)), ("corners", "<f4", (3, 3)), (
 def write_surface(folder: Path, run: int, body: Body, cells: int, reference: Reference) -> SurfaceCase:
     """``boundary_<run>.vtp`` (binary appended, zlib, as VTK writes it) and ``drivaer_<run>.stl`` (binary STL)
     streamed block by block; returns the run's coefficients (a case without arrays)."""
-    from .vtk_xml_writer import VtkXmlWriter
+    from domainflow.vtk.xml_writer import VtkXmlWriter
 
     mesh = SurfaceMesh(body, cells)
     writer = VtkXmlWriter(folder / f"boundary_{run}.vtp", kind="PolyData")
@@ -806,7 +806,7 @@ def _write_volume(path: Path, case: SurfaceCase, cells: int, pieces: int, refere
     """Stream the volume mesh and its fields into ``path`` (binary VTK XML, zlib), block by block; with
     pieces > 1 as consecutive byte pieces ``.NN.part`` (what ``cat`` joins back), replacing any stale
     whole file or pieces of an earlier synth."""
-    from .vtk_xml_writer import VtkXmlWriter
+    from domainflow.vtk.xml_writer import VtkXmlWriter
 
     grid = BoxGrid(case.body, cells)
     writer = VtkXmlWriter(path, pieces)

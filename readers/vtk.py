@@ -8,23 +8,25 @@ path for data not yet ingested (prefer ``domainflow ingest`` and the region read
 Bad input raises on every rank together: everything that can be checked from the small XML headers is
 checked identically on every rank before any collective; a failure only the reading rank can see
 (corrupt binary data) is agreed on in the one all-gather that also carries the row counts.
+
+The file-level work (index files, piece headers, reads through VTK) is the VTK layer's (``domainflow.vtk``);
+this module spreads it over the ranks, turns arrays into tensors and agrees on the outcome. The layer's
+``VtkFileError`` reaches the caller as a ``ValueError`` that starts with ``read_vtk:``.
 """
 
 from __future__ import annotations
 
 import os
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-__all__ = ["read_vtk", "VtkRead", "PARTITIONED_SUFFIXES"]
+from domainflow.vtk.errors import MissingArraysError, VtkFileError
+from domainflow.vtk.partitioned import ASSOCIATIONS, PARTITIONED_SUFFIXES, index_pieces, piece_header
+from domainflow.vtk.pyvista_io import cell_centres, read_dataset
 
-#: Suffixes read piecewise (an XML index of piece files); anything else is read whole by one rank.
-PARTITIONED_SUFFIXES = (".pvtu", ".pvtp", ".vtm")
-_PIECE_SUFFIXES = (".vtu", ".vtp", ".vts", ".vtr", ".vti")
-_ASSOCIATIONS = {"cell": "CellData", "point": "PointData"}
+__all__ = ["read_vtk", "VtkRead", "PARTITIONED_SUFFIXES"]
 
 # VTK XML type -> torch dtype; unsigned types wider than 8 bits widen to the next signed type, as the
 # ShardTensor collectives carry only torch's common dtypes.
@@ -34,8 +36,6 @@ _XML_DTYPES = {
     "Float32": torch.float32, "Float64": torch.float64,
 }
 _NP_WIDEN = {np.dtype(np.uint16): np.int32, np.dtype(np.uint32): np.int64, np.dtype(np.uint64): np.int64}
-_HEADER_CHUNK = 4 << 10
-_APPENDED = b"<AppendedData"
 
 
 @dataclass
@@ -58,16 +58,6 @@ class VtkRead:
     pieces: list = field(default_factory=list)
 
 
-@dataclass
-class _Header:
-    """What a piece's XML header says, read without touching its data."""
-
-    path: str
-    arrays: dict  # association -> {name: (VTK type, components)}
-    points_type: str
-    counts: dict | None  # association -> rows, when the header lists them all
-
-
 # --------------------------------------------------------------------------------------------
 # public entry point
 # --------------------------------------------------------------------------------------------
@@ -86,7 +76,7 @@ def read_vtk(path, arrays=None, mesh=None, axis: str = "domain", association: st
     None reads every data set of the index as pieces of one.
     """
     path = os.fspath(path)
-    if association not in _ASSOCIATIONS:
+    if association not in ASSOCIATIONS:
         raise ValueError(f"read_vtk({path}): association={association!r}; use 'cell' or 'point'")
     if arrays is not None:
         arrays = list(dict.fromkeys([arrays] if isinstance(arrays, str) else arrays))
@@ -123,10 +113,10 @@ def _domain_mesh(mesh, axis):
 # --------------------------------------------------------------------------------------------
 def _read_partitioned(path, arrays, domain, association, blocks=None) -> VtkRead:
     """Each rank reads its contiguous range of pieces; one all-gather agrees on success and row counts."""
-    pieces, declared, nbytes = _piece_files(path, blocks)
+    pieces, declared, nbytes = _layer(index_pieces, path, blocks)
     headers = []
     for p in pieces:
-        h, n = _piece_header(p)
+        h, n = _layer(piece_header, p)
         headers.append(h)
         nbytes += n
     if arrays is None and declared is not None and declared[association] is not None:
@@ -152,152 +142,6 @@ def _read_partitioned(path, arrays, domain, association, blocks=None) -> VtkRead
     out.arrays = {n: _wrap(t, domain, sizes) for n, t in local.items()}
     out.coords = _wrap(coords, domain, sizes)
     return out
-
-
-def _vtm_datasets(node, around=()) -> list[tuple[str, set]]:
-    """(file, the names of the data set and of every block around it) of each data set of a .vtm, in order."""
-    out = []
-    for child in node:
-        names = set(around) | ({child.get("name")} if child.get("name") else set())
-        if child.tag == "DataSet" and child.get("file"):
-            out.append((child.get("file"), names))
-        out += _vtm_datasets(child, names if child.tag in ("Block", "Piece") else around)
-    return out
-
-
-def _piece_files(path, blocks=None) -> tuple[list[str], dict | None, int]:
-    """Piece paths listed by a .pvtu / .pvtp / .vtm index, in document order, each checked to exist;
-    plus the arrays a .pvtu / .pvtp declares ({association: {name: VTK type} or None where it has no
-    P*Data element}; None for .vtm) and the index's size."""
-    folder = os.path.dirname(os.path.abspath(path))
-    nbytes = os.path.getsize(path)
-    try:
-        root = ET.parse(path).getroot()
-    except ET.ParseError as exc:
-        raise ValueError(f"read_vtk: {path} is not a valid VTK XML index ({exc}); rewrite it or read "
-                         f"the pieces one by one") from None
-    declared = None
-    if path.lower().endswith(".vtm"):
-        found = _vtm_datasets(root)
-        if blocks is not None:
-            known = sorted({n for _, names in found for n in names})
-            unknown = [b for b in blocks if b not in known]
-            if unknown:
-                raise ValueError(f"read_vtk: {path} has no block(s) named {unknown}; its blocks and data sets are "
-                                 f"{known}")
-            found = [(f, names) for f, names in found if names & set(blocks)]
-        files = [f for f, _ in found]
-    else:
-        declared = {assoc: None if root.find(f"./*/P{tag}") is None else
-                    {e.get("Name"): e.get("type") for e in root.iterfind(f"./*/P{tag}/PDataArray")}
-                    for assoc, tag in _ASSOCIATIONS.items()}
-        ghost = root.find("./*[@GhostLevel]")
-        if ghost is not None and ghost.get("GhostLevel", "0").strip() not in ("", "0"):
-            raise ValueError(f"read_vtk: {path} has GhostLevel={ghost.get('GhostLevel')}: its pieces overlap, "
-                             f"so their union would repeat rows; write it with ghost level 0")
-        files = [e.get("Source") for e in root.iter("Piece") if e.get("Source")]
-    if not files:
-        raise ValueError(f"read_vtk: {path} lists no piece files (no <Piece Source=...> / <DataSet file=...>)")
-    pieces = [os.path.join(folder, f) for f in files]
-    missing = [p for p in pieces if not os.path.isfile(p)]
-    if missing:
-        raise ValueError(f"read_vtk: {path} lists piece file(s) that do not exist: {missing[:5]}"
-                         f"{' ...' if len(missing) > 5 else ''}; restore them or rewrite the index")
-    return pieces, declared, nbytes
-
-
-def _piece_header(path) -> tuple[_Header, int]:
-    """Parse a piece's XML header up to its appended data (or its first inline Piece); (header, bytes)."""
-    if not path.lower().endswith(_PIECE_SUFFIXES):
-        raise ValueError(f"read_vtk: piece {path} is not a VTK XML dataset file (expected one of "
-                         f"{_PIECE_SUFFIXES})")
-    scan = _HeaderScan()
-    nbytes = 0
-    try:
-        with open(path, "rb") as fh:
-            carry = b""  # bytes not fed yet: the marker may straddle two chunks
-            while scan.state is None:
-                chunk = fh.read(_HEADER_CHUNK)
-                nbytes += len(chunk)
-                window = carry + chunk
-                cut = window.find(_APPENDED)
-                keep = len(_APPENDED) - 1
-                if cut >= 0:
-                    scan.feed(window[:cut], end="appended")
-                elif not chunk:
-                    scan.feed(window, end="eof")
-                else:
-                    split = max(len(window) - keep, 0)
-                    scan.feed(window[:split])
-                    carry = window[split:]
-    except (ET.ParseError, UnicodeDecodeError) as exc:
-        raise ValueError(f"read_vtk: piece {path} has a corrupt XML header ({exc}); rewrite the file") from None
-    if scan.kind is None or scan.state == "eof":
-        raise ValueError(f"read_vtk: piece {path} ends inside its XML header (truncated?); rewrite the file")
-    complete = scan.state in ("appended", "closed")
-    return _Header(path, scan.arrays, scan.points_type or "Float64", scan.counts if complete else None), nbytes
-
-
-class _HeaderScan:
-    """Incremental XML scan of a piece header: array names/types/components, points type, row counts.
-
-    ``state`` becomes "appended" (reached the appended data), "closed" (the root element ended),
-    "piece" (inline data: stopped after the first Piece, not reading the rest) or "eof" (truncated).
-    """
-
-    def __init__(self):
-        self.parser = ET.XMLPullParser(events=("start", "end"))
-        self.stack: list[str] = []
-        self.arrays = {"cell": {}, "point": {}}
-        self.counts = {"cell": 0, "point": 0}
-        self.points_type = None
-        self.kind = None
-        self.inline = False
-        self.state = None
-
-    def feed(self, data: bytes, end: str | None = None) -> None:
-        self.parser.feed(data)
-        for event, el in self.parser.read_events():
-            self._start(el) if event == "start" else self._end(el)
-            if self.state is not None:
-                return
-        self.state = end
-
-    def _start(self, el) -> None:
-        self.stack.append(el.tag)
-        if len(self.stack) == 1:
-            self.kind = el.get("type")
-        elif el.tag == "Piece":
-            _count_rows(el, self.counts)
-        elif el.tag == "DataArray":
-            self.inline = self.inline or el.get("format", "appended") != "appended"
-            parent = self.stack[-2]
-            if parent in ("CellData", "PointData") and "Piece" in self.stack:
-                assoc = "cell" if parent == "CellData" else "point"
-                comps = int(el.get("NumberOfComponents", "1"))
-                self.arrays[assoc].setdefault(el.get("Name"), (el.get("type"), comps))
-            elif parent in ("Points", "Coordinates") and self.points_type is None:
-                self.points_type = el.get("type")
-
-    def _end(self, el) -> None:
-        self.stack.pop()
-        if el.tag == "Piece" and self.inline:
-            self.state = "piece"  # inline data: the rest of the file is data, not header
-        elif not self.stack:
-            self.state = "closed"
-
-
-def _count_rows(piece, counts) -> None:
-    """Add a <Piece>'s row counts (unstructured / poly data); structured pieces give extents instead."""
-    if piece.get("NumberOfPoints") is None:
-        counts["cell"] = counts["point"] = None
-        return
-    if counts["point"] is None:
-        return
-    counts["point"] += int(piece.get("NumberOfPoints"))
-    cells = [piece.get(a) for a in ("NumberOfCells", "NumberOfVerts", "NumberOfLines", "NumberOfStrips",
-                                    "NumberOfPolys")]
-    counts["cell"] += sum(int(c) for c in cells if c is not None)
 
 
 def _plan(path, headers, arrays, association):
@@ -409,37 +253,24 @@ def _share_names(domain, names, src):
 # --------------------------------------------------------------------------------------------
 # VTK reading and cross-rank agreement
 # --------------------------------------------------------------------------------------------
-def _vtk_read(path, names, association):
-    """Read ``path`` through pyvista with only ``names`` of ``association`` enabled; VTK's printed errors
-    become a ValueError naming the file."""
-    import pyvista as pv
+def _layer(fn, *args):
+    """A call into the VTK layer (``domainflow.vtk``) with its :class:`VtkFileError` as read_vtk's ValueError."""
+    try:
+        return fn(*args)
+    except VtkFileError as exc:
+        raise ValueError(f"read_vtk: {exc}") from None
 
-    _quiet_vtk()
-    with pv.VtkErrorCatcher(raise_errors=False, send_to_logging=False) as caught:
-        try:
-            reader = pv.get_reader(path)
-        except Exception as exc:
-            raise ValueError(f"read_vtk: {path} cannot be read as VTK ({_first_line(exc)})") from None
-        _raise_caught(caught, path)
-        if hasattr(reader, "disable_all_cell_arrays"):
-            present = {"cell": dict.fromkeys(reader.cell_array_names), "point": dict.fromkeys(reader.point_array_names)}
-            _raise_caught(caught, path)
-            absent = [n for n in (names or ()) if n not in present[association]]
-            if absent:
-                raise ValueError(_missing_message(path, absent, association, present))
-            reader.disable_all_cell_arrays()
-            reader.disable_all_point_arrays()
-            enable = reader.enable_cell_array if association == "cell" else reader.enable_point_array
-            for n in (names if names is not None else present[association]):
-                enable(n)
-        try:
-            mesh = reader.read()
-        except Exception as exc:
-            raise ValueError(f"read_vtk: {path} is corrupt or truncated ({_first_line(exc)})") from None
-        _raise_caught(caught, path)
-    if mesh is None or not hasattr(mesh, "n_cells") or not hasattr(mesh, "points"):
-        raise ValueError(f"read_vtk: {path} did not give one dataset (got {type(mesh).__name__}); "
-                         f"multi-block data belongs in a .vtm index")
+
+def _vtk_read(path, names, association):
+    """Read ``path`` through pyvista with only ``names`` of ``association`` enabled (None: all of them);
+    VTK's errors become a ValueError naming the file."""
+    try:
+        mesh, _ = read_dataset(path, None if names is None else dict.fromkeys(names, association),
+                               association=association)
+    except MissingArraysError as exc:
+        raise ValueError(_missing_message(path, list(exc.absent), association, exc.present)) from None
+    except VtkFileError as exc:
+        raise ValueError(f"read_vtk: {exc}") from None
     return mesh
 
 
@@ -472,7 +303,7 @@ def _coords(mesh, association) -> torch.Tensor:
     """Cell centres (in the points' dtype) or points, as an (N, 3) tensor."""
     pts = np.asarray(mesh.points)
     if association == "cell":
-        pts = np.asarray(mesh.cell_centers().points).astype(pts.dtype, copy=False)
+        pts = cell_centres(mesh, pts.dtype)
     return torch.from_numpy(np.array(pts, order="C")).reshape(-1, 3)
 
 
@@ -497,26 +328,6 @@ def _wrap(local, domain, sizes):
     return ShardTensor.from_local(local, domain, [Shard(0)], sharding_shapes={0: sizes})
 
 
-def _quiet_vtk() -> None:
-    """Stop VTK printing to stderr; errors still reach pyvista's catcher."""
-    from vtkmodules.vtkCommonCore import vtkLogger, vtkObject
-
-    vtkLogger.SetStderrVerbosity(vtkLogger.VERBOSITY_OFF)
-    vtkObject.GlobalWarningDisplayOn()
-
-
 def _describe(exc) -> str:
     """A one-rank failure as text to share: ValueErrors as they are, anything else with its type."""
     return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-
-
-def _first_line(exc) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-
-
-def _raise_caught(caught, path) -> None:
-    """Turn the VTK errors caught so far into a ValueError naming the file."""
-    if caught.error_events:
-        said = "; ".join(str(getattr(e, "alert", e)).strip().splitlines()[-1][:160]
-                         for e in caught.error_events[:2])
-        raise ValueError(f"read_vtk: {path} is corrupt or truncated (VTK: {said})")

@@ -1,6 +1,7 @@
-"""The training subcommands of ``domainflow``: ``demo`` (the main job, end to end), ``train``, ``plan`` (memory per
-rank at every domain size) and ``predict`` (surface fields for ParaView, or a grid model's forecast).
-``domainflow.app.cli`` assembles them with the other subsystems' commands."""
+"""The training subcommands of ``domainflow``: ``demo`` (the main job, end to end), ``train``, ``estimate`` (memory
+per rank at every domain size; ``plan``, its name before issue 36, is a hidden alias) and ``predict`` (surface fields
+for ParaView, or a grid model's forecast). ``domainflow.app.cli`` assembles them with the other subsystems'
+commands."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from domainflow.cli_values import parse_bytes
 
 INTERRUPTED_TRAIN = "interrupted; rerun with --resume to continue from the last checkpoint"
+HIDDEN_COMMANDS = ("plan",)  # earlier names that still work, left out of the help: plan is estimate
 
 
 def add_demo(sub) -> None:
@@ -24,8 +26,8 @@ def add_demo(sub) -> None:
 
 
 def add_commands(sub) -> None:
-    """Add ``train``, ``plan`` and ``predict`` to the ``domainflow`` command's subparsers ``sub``; ``train`` and
-    ``plan`` take ``section.key=value`` overrides after their options too."""
+    """Add ``train``, ``estimate`` (and its hidden alias ``plan``) and ``predict`` to the ``domainflow`` command's
+    subparsers ``sub``; ``train`` and ``estimate`` take ``section.key=value`` overrides after their options too."""
     train = sub.add_parser("train", help="train a model on a store (config file + key=value overrides)")
     train.add_argument("config", nargs="?", default=None, help="YAML or TOML config (default: built-in defaults)")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=200 data.store=cars.zarr")
@@ -42,20 +44,24 @@ def add_commands(sub) -> None:
     train.add_argument("--init-from", default=None, metavar="CKPT",
                        help="start from the weights (and input scaling) of another run's checkpoint: fine-tuning, with "
                             "a fresh optimizer at step 0")
-    plan = sub.add_parser("plan", help="measure a config's step at domain 1 and predict the memory per rank at "
-                                       "every domain size")
-    plan.add_argument("config", nargs="?", default=None, help="YAML or TOML config (as for train)")
-    plan.add_argument("overrides", nargs="*", help="section.key=value, e.g. model.dim=128 data.store=cars.zarr")
-    plan.add_argument("--points", type=int, default=None,
-                      help="points of a sample (default: the largest training run of the store)")
-    plan.add_argument("--memory", type=parse_bytes, default=None,
-                      help="memory per rank, e.g. 80GiB: also print the smallest domain size that fits it")
-    plan.add_argument("--max-domain", type=int, default=64, help="largest domain size to consider (default 64)")
-    plan.add_argument("--sizes", type=lambda t: tuple(int(x) for x in t.split(",")), default=None,
-                      help="points of the measured samples (default 16384,32768)")
-    plan.add_argument("--headroom", type=float, default=None,
-                      help="share of the prediction added for the allocator when deciding what fits (default 0.2)")
-    plan.add_argument("--json", default=None, help="also write the plan to this JSON file")
+    estimate = sub.add_parser("estimate", help="measure a config's step at domain 1 and estimate the memory per "
+                                               "rank at every domain size")
+    # ``plan``: the name before issue 36, the same command; no help, so the command list leaves it out
+    old = sub.add_parser("plan", description="the same as `domainflow estimate` (its earlier name)")
+    for est in (estimate, old):
+        est.add_argument("config", nargs="?", default=None, help="YAML or TOML config (as for train)")
+        est.add_argument("overrides", nargs="*", help="section.key=value, e.g. model.dim=128 data.store=cars.zarr")
+        est.add_argument("--points", type=int, default=None,
+                         help="points of a sample (default: the largest training run of the store)")
+        est.add_argument("--memory", type=parse_bytes, default=None,
+                         help="memory per rank, e.g. 80GiB: also print the smallest domain size that fits it")
+        est.add_argument("--max-domain", type=int, default=64, help="largest domain size to consider (default 64)")
+        est.add_argument("--sizes", type=lambda t: tuple(int(x) for x in t.split(",")), default=None,
+                         help="points of the measured samples (default 16384,32768)")
+        est.add_argument("--headroom", type=float, default=None,
+                         help="share of the prediction added for the allocator when deciding what fits (default 0.2)")
+        est.add_argument("--json", default=None, help="also write the estimate to this JSON file")
+        est.set_defaults(handler=_estimate, overrides_anywhere=True)
     pred = sub.add_parser("predict", help="write runs' predicted, true and error surface fields for ParaView, or a "
                                           "grid model's forecast as a Zarr / netCDF dataset")
     pred.add_argument("checkpoint", help="a step_<n> checkpoint folder, or the checkpoints folder (latest)")
@@ -78,7 +84,6 @@ def add_commands(sub) -> None:
                            "bounded memory (default: the "
                            "checkpoint's eval.block_points; 0: the whole run at once)")
     train.set_defaults(handler=_train, interrupted=INTERRUPTED_TRAIN, overrides_anywhere=True)
-    plan.set_defaults(handler=_plan, overrides_anywhere=True)
     pred.set_defaults(handler=_predict)
 
 
@@ -129,9 +134,10 @@ def train_report(result: dict, cfg) -> str:
     return "\n".join(lines)
 
 
-def _plan(args) -> int:
+def _estimate(args) -> int:
     from .config import load_config
-    from .plan import HEADROOM, PlanError, check_plannable, format_plan, make_plan, measure, plan_json
+    from .estimate import (HEADROOM, EstimateError, check_measurable, estimate_json, format_estimate, make_estimate,
+                           measure)
 
     overrides = list(args.overrides)
     if args.config is not None and "=" in args.config:  # no config file, only overrides
@@ -142,16 +148,16 @@ def _plan(args) -> int:
     for name, value, low in (("--points", args.points, 1), ("--max-domain", args.max_domain, 1),
                              ("--memory", args.memory, 1)):
         if value is not None and value < low:
-            raise PlanError(f"{name} must be at least {low}, got {value}")
+            raise EstimateError(f"{name} must be at least {low}, got {value}")
     if not (headroom >= 0 and headroom < 10):
-        raise PlanError(f"--headroom is a fraction >= 0 of the prediction (e.g. 0.2), got {headroom}")
-    _, largest_run, _ = check_plannable(cfg)
+        raise EstimateError(f"--headroom is a fraction >= 0 of the prediction (e.g. 0.2), got {headroom}")
+    _, largest_run, _ = check_measurable(cfg)
     points = args.points if args.points is not None else largest_run
     model = measure(cfg, args.sizes) if args.sizes is not None else measure(cfg)
-    plan = make_plan(model, points, cfg.data.sample_points, args.memory, args.max_domain, headroom)
-    print(format_plan(plan, cfg))
+    estimate = make_estimate(model, points, cfg.data.sample_points, args.memory, args.max_domain, headroom)
+    print(format_estimate(estimate, cfg))
     if args.json:
-        Path(args.json).write_text(json.dumps(plan_json(plan), indent=1))
+        Path(args.json).write_text(json.dumps(estimate_json(estimate), indent=1))
     return 0
 
 

@@ -98,7 +98,7 @@ class OutputConfig:
     dir: str = "runs/train"
     plots: bool = True
     progress: bool = True
-    reference_area: float = 0.0          # m^2 of the force coefficients; 0: the store's layout's (DrivaerML 2.15)
+    reference_area: float = 0.0          # m^2 of the force coefficients; 0: the store's recipe's (DrivaerML 2.15)
     loggers: list = field(default_factory=lambda: ["jsonl"])   # jsonl | tensorboard | mlflow (rank 0 logs)
 
 

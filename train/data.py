@@ -70,7 +70,7 @@ def model_io(cfg: Config, ds) -> ModelIO:
 
 
 def check_params(store) -> None:
-    """Every run has the same design parameters (a layout's optional geometry CSV may be missing for some):
+    """Every run has the same design parameters (a recipe's optional geometry CSV may be missing for some):
     else one ConfigError naming the runs, before any run trains with NaN or without its globals."""
     from .config import ConfigError
 
@@ -79,7 +79,7 @@ def check_params(store) -> None:
     if len(kinds) > 1:
         odd = sorted((r for r, k in names.items() if k != kinds[0]), key=lambda r: (len(r), r))
         raise ConfigError(f"{store.path}: run(s) {odd[:10]}{' ...' if len(odd) > 10 else ''} have other design "
-                          f"parameters than the rest ({len(kinds[0])} named in a geometry CSV; a layout's optional CSV "
+                          f"parameters than the rest ({len(kinds[0])} named in a geometry CSV; a recipe's optional CSV "
                           f"missing for them?); set data.use_params=false, or re-ingest without those runs")
 
 

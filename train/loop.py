@@ -100,14 +100,14 @@ class Trainer:
     def _stream(self, start: int, stop: int):
         """(step, [(real samples in the step, sample), ...], seconds waited for data) for steps
         ``start..stop-1``, read ahead on a background thread."""
-        plan = []
+        schedule = []
         for s in range(start, stop):
             epoch, entries, total = self._entries(s)
-            plan.extend((s, total, key, w, len(entries), epoch) for key, w in entries)
-        it = self.ds.samples([(key, w, e) for _, _, key, w, _, e in plan], depth=self.cfg.data.prefetch)
+            schedule.extend((s, total, key, w, len(entries), epoch) for key, w in entries)
+        it = self.ds.samples([(key, w, e) for _, _, key, w, _, e in schedule], depth=self.cfg.data.prefetch)
         try:
             batch, waited = [], 0.0
-            for s, total, _, _, count, _ in plan:
+            for s, total, _, _, count, _ in schedule:
                 t0 = time.perf_counter()
                 sample = next(it)
                 waited += time.perf_counter() - t0

@@ -37,11 +37,11 @@ def _channels(ds, fields) -> dict[str, slice]:
     return out
 
 
-DRIVAERML_FORCES = {"drag_axis": 0, "lift_axis": 2, "reference_area": 2.15}  # a store from before layouts
+DRIVAERML_FORCES = {"drag_axis": 0, "lift_axis": 2, "reference_area": 2.15}  # a store from before recipes
 
 
 def force_axes(store, reference_area: float = 0.0) -> tuple[int, int, float]:
-    """(drag axis, lift axis, reference area) of a mesh store's force coefficients: its layout's (WindsorML
+    """(drag axis, lift axis, reference area) of a mesh store's force coefficients: its recipe's (WindsorML
     lifts along y), the area ``reference_area`` when given (> 0)."""
     f = {**DRIVAERML_FORCES, **{k: v for k, v in dict(store.attrs.get("forces", {})).items() if v is not None}}
     return int(f["drag_axis"]), int(f["lift_axis"]), float(reference_area or f["reference_area"])
@@ -209,7 +209,7 @@ def _csv_scores(rows: list[dict], which: str, summary: dict) -> dict:
     named in ``summary["not_computed"]`` (which runs lack which coefficient), never dropped silently."""
     if not all("cd_pred" in r[which] for r in rows) or not any(f"{c}_csv" in r[which] or "csv_missing" in r[which]
                                                                for r in rows for c in ("cd", "cl")):
-        return {}  # no forces integrated (no Cp/Cf/normals/areas) or a layout without force CSVs
+        return {}  # no forces integrated (no Cp/Cf/normals/areas) or a recipe without force CSVs
     scores = {}
     for key, (c, side) in CSV_SCORES.items():
         lacking = [str(r["run"]) for r in rows if f"{c}_csv" not in r[which]]

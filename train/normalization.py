@@ -144,7 +144,7 @@ def check_fits(norm: dict, store, cfg, where: str) -> None:
             names = sorted(store.run(runs[0]).attrs.get("geometry", {})) if runs else []
             if names != p["names"]:
                 raise ConfigError(f"{store.path}'s runs have design parameters {names}, but {where} was trained on "
-                                  f"{p['names']}; use a store ingested with the same layout (geometry CSV)")
+                                  f"{p['names']}; use a store ingested with the same recipe (geometry CSV)")
         return
     grid = store.attrs.get("grid", {})
     here_vars = list(grid.get("variables", []))

@@ -62,21 +62,22 @@ def predict_run(model, cfg: Config, mesh, run: str, norm: dict | None = None) ->
 def raw_surface_path(store, run: str, n_cells: int | None = None) -> Path | None:
     """The raw surface file ingest read for ``run``, if it is still where the store says, reads as VTK XML
     and (given ``n_cells``) has that many polygons; else None."""
-    from domainflow.preprocess.errors import IngestError
-    from domainflow.preprocess.vtk_xml import VtkXmlFile
+    from domainflow.vtk.xml_reader import VtkXmlFile
 
     source = store.attrs.get("domainflow", {}).get("source")
     if not source:
         return None
-    # the layout it was ingested with (a store without one: DrivaerML's run_<i>/boundary_<i>.vtp)
-    layout = store.attrs.get("ingest", {}).get("config", {}).get("layout") or \
+    # the recipe it was ingested with ("layout" in stores written before the rename; a store without one:
+    # DrivaerML's run_<i>/boundary_<i>.vtp)
+    config = store.attrs.get("ingest", {}).get("config", {})
+    recipe = config.get("recipe") or config.get("layout") or \
         {"runs": "run_{i}", "files": {"surface": "boundary_{i}.vtp"}}
-    template = layout.get("files", {}).get("surface")
+    template = recipe.get("files", {}).get("surface")
     try:
         folder = str(store.run(run).attrs.get("folder", run))
     except Exception:  # noqa: BLE001  (no such run: no raw surface)
         return None
-    head, _, tail = layout.get("runs", "run_{i}").partition("{i}")
+    head, _, tail = recipe.get("runs", "run_{i}").partition("{i}")
     if not template or not folder.startswith(head) or not folder.endswith(tail):
         return None
     path = Path(source) / folder / template.format(i=folder[len(head):len(folder) - len(tail)])
@@ -87,7 +88,7 @@ def raw_surface_path(store, run: str, n_cells: int | None = None) -> Path | None
             polys = f.cell_counts().get("Polys" if f.kind == "PolyData" else "Cells", 0)
             if n_cells is not None and (polys != n_cells or f.n_cells != n_cells):
                 return None
-    except (IngestError, OSError, ValueError):  # a raw file that no longer reads: fall back to the cell centres
+    except (OSError, ValueError):  # a raw file that no longer reads (a VtkFileError): fall back to the cell centres
         return None
     return path
 
@@ -99,7 +100,7 @@ def raw_surface(store, run: str):
     path = raw_surface_path(store, run)
     if path is None:
         return None
-    from domainflow.preprocess.vtk_io import as_polydata
+    from domainflow.vtk.pyvista_io import as_polydata
 
     try:
         return as_polydata(pv.read(path), path)  # a surface given as a .vtu of polygons too

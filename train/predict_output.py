@@ -20,8 +20,8 @@ from xml.sax.saxutils import quoteattr
 
 import numpy as np
 
-from domainflow.preprocess.vtk_xml import VtkXmlFile
-from domainflow.preprocess.vtk_xml_writer import VtkXmlWriter, vtk_type
+from domainflow.vtk.xml_reader import VtkXmlFile
+from domainflow.vtk.xml_writer import VtkXmlWriter, vtk_type
 
 ROWS_PER_APPEND = 1 << 18  # rows handed to the writer at a time (it copies what it is given)
 ASSEMBLE_CELLS = 1 << 20   # cells of the assembled file handled at a time

@@ -1,5 +1,5 @@
 """The ``domainflow`` command: it assembles the subsystems' subcommands (``domainflow.train.cli``: demo, train,
-plan, predict; ``domainflow.preprocess.cli``: synth, ingest, inspect; here: selfcheck) and turns a user's error
+estimate, predict; ``domainflow.preprocess.cli``: synth, ingest, inspect; here: selfcheck) and turns a user's error
 into one line (``DOMAINFLOW_TRACEBACK=1`` shows the traceback)."""
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def main(argv=None) -> int:
     _add_selfcheck(sub)
     train_cli.add_commands(sub)
     data_cli.add_commands(sub)
+    sub.metavar = "{" + ",".join(c for c in sub.choices if c not in train_cli.HIDDEN_COMMANDS) + "}"  # aliases unlisted
     args, extra = parser.parse_known_args(argv)
     if extra and getattr(args, "overrides_anywhere", False) and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides = list(args.overrides) + extra  # overrides given after options

@@ -142,14 +142,14 @@ def method_function(cls, func, types, args=(), kwargs=None):
     if type(out) is not _Tensor or out.shape != plan.shape:
         return _engine(func, types, args, kwargs)  # cannot happen for a key learnt right
     spec = plan.spec
-    # ShardTensor(out, spec), inline; a non-contiguous result (a transpose) takes the global strides
-    # learnt with the local strides they follow from
+    # ShardTensor.from_spec(out, spec), inline (checked above: the shape the key was learnt with; outside autograd);
+    # a non-contiguous result (a transpose) takes the global strides learnt with the local strides they follow from
     if out.is_contiguous():
         r = _wrapper(ShardTensor, spec.shape, dtype=out.dtype, device=plan.device)
     elif out.stride() == plan.local_strides:
         r = _wrapper(ShardTensor, spec.shape, strides=plan.global_strides, dtype=out.dtype, device=plan.device)
     else:
-        return ShardTensor(out, spec)
+        return ShardTensor.from_spec(out, spec)
     r._local = out
     r._spec = spec
     return r

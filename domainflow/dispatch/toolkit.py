@@ -18,7 +18,7 @@ from domainflow.layout.placements import Partial, Replicate, Shard, normalize_pl
 from domainflow.layout.spec import ShardSpec
 from domainflow.memo import PLANS, memoized  # PLANS: the one plan cache, re-exported for handlers
 from domainflow.tensor.redistribute import redistribute_local
-from domainflow.tensor.shard_tensor import ShardTensor, TensorMarks, spec_of_local_shape, target_spec, wrapped_as
+from domainflow.tensor.shard_tensor import ShardTensor, TensorMarks, spec_of_local_shape, target_spec
 
 _INPLACE = torch.Tag.inplace
 _R = Replicate()
@@ -57,13 +57,15 @@ def common_mesh(sts, op):
     return mesh
 
 
-def wrap(out, spec_or_fn):
-    """Wrap local results; ``spec_or_fn`` is a spec or a function from a local tensor to its spec."""
+def wrap_outputs(out, spec_or_fn):
+    """Every local tensor in ``out`` (a tensor, or lists and tuples of them, nested; other values kept as they
+    are) wrapped by :meth:`ShardTensor.from_spec`; ``spec_or_fn`` is the spec of each, or a function from a
+    local tensor to its spec."""
     if isinstance(out, torch.Tensor):
         spec = spec_or_fn(out) if callable(spec_or_fn) else spec_or_fn
-        return ShardTensor(out, spec)
+        return ShardTensor.from_spec(out, spec)
     if isinstance(out, (list, tuple)):
-        return type(out)(wrap(o, spec_or_fn) for o in out)
+        return type(out)(wrap_outputs(o, spec_or_fn) for o in out)
     return out
 
 
@@ -300,7 +302,7 @@ def run_replicated(func, args, kwargs, sts):
     if _INPLACE in func.tags and args and isinstance(args[0], ShardTensor):
         return args[0]
     local_exact()
-    return wrap(out, lambda t: replicated_spec(mesh, t.shape))
+    return wrap_outputs(out, lambda t: replicated_spec(mesh, t.shape))
 
 
 def _unwrap_all(args, kwargs):
@@ -360,7 +362,7 @@ def gather_fallback(func, args, kwargs, reason: str):
     def w(o):
         if isinstance(o, torch.Tensor):
             spec, local = respec(o)
-            return ShardTensor(local, spec)
+            return ShardTensor.from_spec(local, spec)
         if isinstance(o, (list, tuple)):
             return type(o)(w(x) for x in o)
         return o
@@ -424,23 +426,42 @@ def params_for(mesh, mesh_dims, *params):
     return _SumGradsOver.apply(mesh, tuple(mesh_dims), *params)
 
 
-def as_sharded(local: torch.Tensor, spec: ShardSpec) -> ShardTensor:
-    """``local`` wrapped with exactly ``spec``, a layout the handler derived (and cached) whose local shape is
-    ``local.shape``: :func:`like` without re-deriving the layout (differentiable; no communication)."""
-    return wrapped_as(local, spec)
-
-
-def like(spec, local: torch.Tensor) -> ShardTensor:
-    """``local`` wrapped with ``spec``'s placements and per-rank sizes (differentiable; no communication);
-    the layout is derived once per (spec, local shape)."""
-    return wrapped_as(local, _like_spec(spec, tuple(local.shape)))
+def spec_like(spec: ShardSpec, local_shape) -> ShardSpec:
+    """The layout of a chunk of shape ``local_shape`` with ``spec``'s mesh, placements and per-rank sizes (the
+    global shape follows: ``spec``'s along sharded dims, ``local_shape`` elsewhere), for
+    ``ShardTensor.from_spec(local, spec_like(spec, local.shape))``; derived once per (spec, local shape)."""
+    return _spec_like(spec, tuple(local_shape))
 
 
 @layout_rule
-def _like_spec(spec, local_shape: tuple):
+def _spec_like(spec, local_shape: tuple):
     mapping = {m: list(s) for m, s in enumerate(spec.sizes) if s is not None}
     return spec_of_local_shape(local_shape, spec.mesh, normalize_placements(spec.placements, len(local_shape),
                                                                             spec.mesh.ndim), mapping)
+
+
+def spec_from_sizes(local_shape, mesh, placements, sizes) -> ShardSpec:
+    """The layout of a chunk of shape ``local_shape`` over ``mesh`` with ``placements``, given every rank's sizes
+    as ``ShardTensor.from_local`` takes them (``{mesh dim or name: [size or local shape of each rank]}``), for
+    ``ShardTensor.from_spec``: for a handler's own outputs, whose sizes it derived from checked layouts, so
+    nothing is recorded for the cross-rank layout check (that would cost a collective per op). Derived once
+    per (mesh, placements, local shape, sizes) and kept in :data:`PLANS` (sizes given as lists of lists:
+    each time)."""
+    local_shape = tuple(local_shape)
+    key = (_derived_specs, mesh, tuple(placements), local_shape, tuple((k, tuple(v)) for k, v in sizes.items()))
+    try:
+        spec = PLANS.get(key)
+    except TypeError:  # sizes given as lists of lists: derived each time
+        key, spec = None, None
+    if spec is None:
+        spec = spec_of_local_shape(local_shape, mesh, normalize_placements(placements, len(local_shape), mesh.ndim),
+                                   sizes)
+        if key is not None:
+            PLANS.put(key, spec)
+    return spec
+
+
+_derived_specs = "derived specs"  # first part of their keys in PLANS
 
 
 def without_partial(x: ShardTensor) -> ShardTensor:

@@ -16,8 +16,8 @@ from domainflow.dispatch.toolkit import Schema, layout_rule, run_function_defaul
 from domainflow.layout import shapes
 from domainflow.layout.placements import Replicate, Shard
 from domainflow.dispatch.registry import register_function
-from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
-from domainflow.dispatch.toolkit import without_partial, like
+from domainflow.tensor.shard_tensor import ShardTensor
+from domainflow.dispatch.toolkit import spec_from_sizes, spec_like, without_partial
 
 
 def _norm_dim(d: int, ndim: int) -> int:
@@ -58,7 +58,7 @@ def _softmax_like(log: bool):
         shifted = local - _global_max(local, (d,), spec, [m])
         total = comm.all_reduce_sum_autograd(shifted.exp().sum(d, keepdim=True), spec.mesh, m)
         y = shifted - total.log() if log else shifted.exp() / total
-        return like(spec, y)
+        return ShardTensor.from_spec(y, spec_like(spec, y.shape))
     return handler
 
 
@@ -94,7 +94,7 @@ def _logsumexp(func, args, kwargs):
             placements.append(Replicate())
     if not a["keepdim"]:
         y = y.squeeze(dims) if dims else y
-    return derived_from_local(y, spec.mesh, placements, sharding_shapes=mapping)
+    return ShardTensor.from_spec(y, spec_from_sizes(y.shape, spec.mesh, placements, mapping))
 
 
 _ROLL_ARGS = Schema("self", "shifts", "dims", dims=None)
@@ -119,7 +119,7 @@ def _roll(func, args, kwargs):
             local = torch.roll(local, shift, d)
             continue
         local = comm.fetch(local, d, _roll_fetch(tuple(spec.sizes[m]), shift, spec.coord[m]), spec.mesh, m)
-    return like(spec, local)
+    return ShardTensor.from_spec(local, spec_like(spec, local.shape))
 
 
 @layout_rule

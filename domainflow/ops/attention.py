@@ -27,9 +27,9 @@ from domainflow import comm
 from domainflow.dispatch.toolkit import Schema, layout_rule, run_function_default, run_replicated, shard_tensors, unsupported_or_fallback
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_aten, register_function
-from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
+from domainflow.tensor.shard_tensor import ShardTensor
 from domainflow.layout.spec import ShardSpec
-from domainflow.dispatch.toolkit import like, params_for, warn_relayout, without_partial
+from domainflow.dispatch.toolkit import params_for, spec_from_sizes, spec_like, warn_relayout, without_partial
 
 
 def _ring_exchange(tensors, recv_shapes, mesh, m):
@@ -273,7 +273,7 @@ def _flash_cpu(func, args, kwargs):
     spec = q._spec
     out, lse = ring_forward(q._local, k._local, v._local, spec.sizes[m], k._spec.sizes[m], spec.mesh, m,
                             bool(a["is_causal"]), scale, 1)
-    return ShardTensor(out, out_spec), ShardTensor(lse.squeeze(-1), lse_spec)
+    return ShardTensor.from_spec(out, out_spec), ShardTensor.from_spec(lse.squeeze(-1), lse_spec)
 
 
 @register_aten(_aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
@@ -292,7 +292,7 @@ def _flash_cpu_backward(func, args, kwargs):
         local = [t._local if isinstance(t, ShardTensor) else t for t in args]
         lk = {key: (val._local if isinstance(val, ShardTensor) else val) for key, val in kwargs.items()}
         outs = func(*local, **lk)
-        return tuple(ShardTensor(o, _reshaped(g._spec, tuple(o.shape))) for o in outs)
+        return tuple(ShardTensor.from_spec(o, _reshaped(g._spec, tuple(o.shape))) for o in outs)
     m = _ring_specs(q, k, v)
     if m is None:
         return unsupported_or_fallback(func, args, kwargs, "attention backward with mixed layouts")
@@ -305,7 +305,7 @@ def _flash_cpu_backward(func, args, kwargs):
         if isinstance(g, ShardTensor) else g
     dq, dk, dv = ring_backward(g, q._local, k._local, v._local, a["out"]._local, a["logsumexp"]._local.unsqueeze(-1),
                                spec.sizes[m], k._spec.sizes[m], spec.mesh, m, bool(a["is_causal"]), scale, 1)
-    return ShardTensor(dq, spec), ShardTensor(dk, k._spec), ShardTensor(dv, v._spec)
+    return ShardTensor.from_spec(dq, spec), ShardTensor.from_spec(dk, k._spec), ShardTensor.from_spec(dv, v._spec)
 
 
 def _seq_mesh_dim(t, seq_dim):
@@ -356,7 +356,8 @@ def _sdpa(func, args, kwargs):
             return unsupported_or_fallback(func, args, kwargs, "query, key and value laid out differently")
         out = _RingAttention.apply(q.to_local(), k.to_local(), v.to_local(), spec.sizes[mq], k._spec.sizes[mq],
                                    spec.mesh, mq, causal, scale, groups, mask)
-        return like(_reshaped(spec, tuple(spec.shape[:-1]) + (out.shape[-1],)), out)
+        return ShardTensor.from_spec(out, spec_like(_reshaped(spec, tuple(spec.shape[:-1]) + (out.shape[-1],)),
+                                                    out.shape))
     if mq is not None:  # replicated K/V: local attention, K/V gradients summed over the ranks
         q = without_partial(q)
         spec = q._spec
@@ -370,7 +371,8 @@ def _sdpa(func, args, kwargs):
             out = F.dropout(torch.softmax(s, -1), dropout) @ _expand(v_full, groups)
         else:
             out = F.scaled_dot_product_attention(ql, k_full, v_full, scale=scale, enable_gqa=a["enable_gqa"])
-        return like(_reshaped(spec, tuple(spec.shape[:-1]) + (out.shape[-1],)), out)
+        return ShardTensor.from_spec(out, spec_like(_reshaped(spec, tuple(spec.shape[:-1]) + (out.shape[-1],)),
+                                                    out.shape))
     # replicated queries, sharded K/V: partial attention per rank, combined by log-sum-exp weights
     if causal or mask is not None:
         return unsupported_or_fallback(func, args, kwargs, "is_causal or attn_mask with replicated queries and "
@@ -391,9 +393,9 @@ def _sdpa(func, args, kwargs):
     den = comm.all_reduce_to_replicated(p.sum(-1, keepdim=True), spec.mesh, mk)
     out = num / den
     placements = [Replicate() if k_ == mk else p_ for k_, p_ in enumerate(spec.placements)]
-    return derived_from_local(out, spec.mesh, placements,
-                                  sharding_shapes={d: list(s_) for d, s_ in enumerate(spec.sizes)
-                                                   if s_ is not None and d != mk})
+    return ShardTensor.from_spec(out, spec_from_sizes(out.shape, spec.mesh, placements,
+                                                      {d: list(s_) for d, s_ in enumerate(spec.sizes)
+                                                       if s_ is not None and d != mk}))
 
 
 def _replicated_local(t, mesh):

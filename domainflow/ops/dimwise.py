@@ -128,11 +128,12 @@ def dim_local(func, args, kwargs):
         locs = [local_as(t, ref) for t in tensors]
     if func is aten.logsumexp.default:
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-        return ShardTensor(torch.logsumexp(locs[0], dims, keepdim), _logsumexp_layout(ref, tuple(dims), bool(keepdim)))
+        return ShardTensor.from_spec(torch.logsumexp(locs[0], dims, keepdim),
+                                     _logsumexp_layout(ref, tuple(dims), bool(keepdim)))
     out = func(*locs, *args[n_t:], **kwargs)
     if isinstance(out, torch.Tensor):
-        return ShardTensor(out, _global_spec(ref, out.shape))
-    return type(out)(ShardTensor(o, _global_spec(ref, o.shape)) for o in out)
+        return ShardTensor.from_spec(out, _global_spec(ref, out.shape))
+    return type(out)(ShardTensor.from_spec(o, _global_spec(ref, o.shape)) for o in out)
 
 
 @layout_rule
@@ -171,7 +172,7 @@ def layer_norm(func, args, kwargs):
     lw = weight._local if isinstance(weight, ShardTensor) else weight
     lb = bias._local if isinstance(bias, ShardTensor) else bias
     out, mean, rstd = func(lx, normalized_shape, lw, lb, eps)
-    return ShardTensor(out, spec), ShardTensor(mean, stat_spec), ShardTensor(rstd, stat_spec)
+    return ShardTensor.from_spec(out, spec), ShardTensor.from_spec(mean, stat_spec), ShardTensor.from_spec(rstd, stat_spec)
 
 
 @layout_rule
@@ -203,9 +204,9 @@ def layer_norm_backward(func, args, kwargs):
     lw = weight._local if isinstance(weight, ShardTensor) else weight
     lb = bias._local if isinstance(bias, ShardTensor) else bias
     gi, gw, gb = func(lg, lx, normalized_shape, lm, lr, lw, lb, mask)
-    return (ShardTensor(gi, spec) if gi is not None else None,
-            ShardTensor(gw, pspec) if gw is not None else None,
-            ShardTensor(gb, pspec) if gb is not None else None)
+    return (ShardTensor.from_spec(gi, spec) if gi is not None else None,
+            ShardTensor.from_spec(gw, pspec) if gw is not None else None,
+            ShardTensor.from_spec(gb, pspec) if gb is not None else None)
 
 
 # op -> positions of the tensor arguments laid out alike (all but the `dim` extent agree)
@@ -268,4 +269,4 @@ def index_along_unsharded_dim(func, args, kwargs):
                 relayout(self_, local_args[0], out_spec)
             return self_
         return unsupported_or_fallback(func, args, kwargs, "an in-place index op on a plain tensor")
-    return ShardTensor(out, out_spec)
+    return ShardTensor.from_spec(out, out_spec)

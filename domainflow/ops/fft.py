@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from domainflow.dispatch.registry import register_function
-from domainflow.dispatch.toolkit import layout_rule, like, run_function_default, unsupported_or_fallback, without_partial
+from domainflow.dispatch.toolkit import layout_rule, run_function_default, spec_like, unsupported_or_fallback, without_partial
 from domainflow.ops.dimwise import layout_avoiding
 from domainflow.tensor.shard_tensor import ShardTensor
 
@@ -67,8 +67,10 @@ def _handler(name: str):
             y = func(probe, *rest, **call).narrow(d, 0, 0)
             # joined to the graph (a real zero: a complex one would turn an irfft's real result complex), so its
             # backward takes part in the all-to-all
-            return like(spec, y + (local.real if local.is_complex() else local).sum() * 0)
-        return like(spec, func(local, *rest, **call))
+            y = y + (local.real if local.is_complex() else local).sum() * 0
+            return ShardTensor.from_spec(y, spec_like(spec, y.shape))
+        y = func(local, *rest, **call)
+        return ShardTensor.from_spec(y, spec_like(spec, y.shape))
     return handler
 
 

@@ -17,7 +17,7 @@ import torch
 
 from domainflow.dispatch.registry import register_aten
 from domainflow.dispatch.toolkit import (local_as, relayout, replicate_local, unsupported_or_fallback, warn_relayout,
-                                         wrap)
+                                         wrap_outputs)
 from domainflow.layout.placements import Replicate
 from domainflow.tensor.shard_tensor import ShardTensor
 
@@ -115,7 +115,7 @@ def foreach(func, args, kwargs):
                 relayout(t, local[lists[0]][j], refs[j])  # a Partial self, or one moved to another layout
         return out
     # elementwise: each result has its index's global shape and layout
-    return [o if refs[j] is None else wrap(o, refs[j]) for j, o in enumerate(out)]
+    return [o if refs[j] is None else wrap_outputs(o, refs[j]) for j, o in enumerate(out)]
 
 
 def _per_index(name, bound, lists, n):

@@ -27,8 +27,8 @@ from domainflow.dispatch.toolkit import Schema, into_plain, run_function_default
 from domainflow.errors import ShardingMismatchError
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_function
-from domainflow.tensor.shard_tensor import ShardTensor, distribute_tensor, derived_from_local
-from domainflow.dispatch.toolkit import params_for, without_partial
+from domainflow.tensor.shard_tensor import ShardTensor, distribute_tensor
+from domainflow.dispatch.toolkit import params_for, spec_from_sizes, without_partial
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,7 +93,7 @@ def _wrap(out_local, x_spec, m: int, dim: int, index_sizes, shift: int = 0) -> S
             mapping[k] = list(x_spec.sizes[k])
         else:
             placements.append(p)
-    return derived_from_local(out_local, x_spec.mesh, placements, sharding_shapes=mapping)
+    return ShardTensor.from_spec(out_local, spec_from_sizes(out_local.shape, x_spec.mesh, placements, mapping))
 
 
 def _plan(index_local, x_spec, m: int, what: str, dedupe: bool = True, cache_on=None) -> comm.IndexPlan:
@@ -196,7 +196,7 @@ def _replicated_source(func, args, kwargs, x, index, dim):
     else:
         placements = list(spec.placements)
     mapping = {k: list(spec.sizes[k]) for k in mesh_dims}
-    return derived_from_local(out, spec.mesh, placements, sharding_shapes=mapping)
+    return ShardTensor.from_spec(out, spec_from_sizes(out.shape, spec.mesh, placements, mapping))
 
 
 _GATHER_ARGS = Schema("self", "dim", "index", "sparse_grad", sparse_grad=False)
@@ -329,9 +329,10 @@ def _scatter(kind: str):
                 got = _scatter_rows(flat, _flat_index(idx, local).reshape(-1), src_m.reshape(-1), flat_spec, m,
                                     "index_reduce", reduce, a["include_self"], what)
                 out = got.reshape(local.shape)
-        return _finish(func, a["self"], derived_from_local(
-            out.movedim(0, d), spec.mesh, list(spec.placements),
-            sharding_shapes={k: list(s) for k, s in enumerate(spec.sizes) if s is not None}), inplace)
+        out = out.movedim(0, d)
+        return _finish(func, a["self"], ShardTensor.from_spec(out, spec_from_sizes(
+            out.shape, spec.mesh, list(spec.placements),
+            {k: list(s) for k, s in enumerate(spec.sizes) if s is not None})), inplace)
     return handler
 
 
@@ -404,7 +405,7 @@ def _scatter_to_replicated(kind, a, src):
     else:
         out = local_x.scatter_add(a["dim"], index_l, src_l)
     placements = [Partial("sum") if k in mesh_dims else Replicate() for k in range(spec.mesh.ndim)]
-    return derived_from_local(out, spec.mesh, placements, sharding_shapes={})
+    return ShardTensor.from_spec(out, spec_from_sizes(out.shape, spec.mesh, placements, {}))
 
 
 def _check_messages(kind: str, index, src, dim: int) -> None:

@@ -26,8 +26,8 @@ from domainflow.dispatch.toolkit import Schema, layout_rule, run_function_defaul
 from domainflow.layout import shapes
 from domainflow.layout.placements import Shard
 from domainflow.dispatch.registry import register_function
-from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
-from domainflow.dispatch.toolkit import without_partial
+from domainflow.tensor.shard_tensor import ShardTensor
+from domainflow.dispatch.toolkit import spec_from_sizes, without_partial
 
 _MODES = {"nearest": 1, "nearest-exact": 1, "linear": 2, "bilinear": 2, "trilinear": 2, "bicubic": 4}
 _A = -0.75  # torch's cubic convolution coefficient
@@ -251,7 +251,7 @@ def _native_on_block(x, local, d, mode, a, in_sizes, out_sizes, scales, align):
 def _wrap(local, spec, sizes_out) -> ShardTensor:
     """The interpolated chunk, laid out like the input with every rank's output sizes ``sizes_out``."""
     mapping = {m: list(s) for m, s in enumerate(sizes_out) if s is not None}
-    return derived_from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+    return ShardTensor.from_spec(local, spec_from_sizes(local.shape, spec.mesh, list(spec.placements), mapping))
 
 
 register_function(F.interpolate)(_interpolate)

@@ -71,11 +71,11 @@ def elementwise_loss(func, args, kwargs):
                                 (replicate_local(w) if isinstance(w, ShardTensor) else w)) for w in tensors[2:]]
     extra = args[red_pos + 1:]  # e.g. huber's delta
     if reduction == _NONE:
-        return ShardTensor(func(*locs, _NONE, *extra, **kwargs), spec)
+        return ShardTensor.from_spec(func(*locs, _NONE, *extra, **kwargs), spec)
     local = func(*locs, _SUM, *extra, **kwargs)
     if reduction == _MEAN:
         local = local / spec.shape.numel()
-    return ShardTensor(local, summed)
+    return ShardTensor.from_spec(local, summed)
 
 
 # backward op -> reduction position
@@ -99,7 +99,7 @@ def elementwise_loss_backward(func, args, kwargs):
     out = func(lg, lx, lt, _SUM if reduction != _NONE else _NONE, *args[4:], **kwargs)
     if reduction == _MEAN:
         out = out / spec.shape.numel()
-    return ShardTensor(out, spec)
+    return ShardTensor.from_spec(out, spec)
 
 
 @register_aten(aten.native_dropout.default)
@@ -109,4 +109,4 @@ def dropout(func, args, kwargs):
     x = args[0]
     spec = x._spec.reduced()
     out, mask = func(to_spec(x, spec), *args[1:], **kwargs)
-    return ShardTensor(out, spec), ShardTensor(mask, spec)
+    return ShardTensor.from_spec(out, spec), ShardTensor.from_spec(mask, spec)

@@ -155,7 +155,7 @@ def _contract(func, a, b, nb, bias=None, beta=1, alpha=1):
         b_local = _bias_local(bias, bias_spec, full_out)
         if _partial_rank_zero(out):
             local = local + (b_local * beta if beta != 1 else b_local)
-    return ShardTensor(local, out)
+    return ShardTensor.from_spec(local, out)
 
 
 def _bias_local(bias, bias_spec: ShardSpec, out: ShardSpec) -> torch.Tensor:
@@ -215,7 +215,7 @@ class _LocalLinear(torch.autograd.Function):
         # activation checkpointing), for the deferred gradient sums that are keyed by parameter
         ctx.spec, ctx.has_bias, ctx.params = spec, bias is not None, (weight, bias)
         out = torch.nn.functional.linear(local, weight, bias)
-        return ShardTensor(out, _linear_specs(spec, weight.shape[0])[0])
+        return ShardTensor.from_spec(out, _linear_specs(spec, weight.shape[0])[0])
 
     @staticmethod
     def backward(ctx, grad):
@@ -236,7 +236,7 @@ class _LocalLinear(torch.autograd.Function):
         gb = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
         # summed over the domain now, or once per backward for the whole model (deferred_param_grads)
         gw, gb = reduce_param_grads(ctx.params, (gw, gb), spec.mesh, mesh_dims)
-        return ShardTensor(gx, gx_spec), gw, gb
+        return ShardTensor.from_spec(gx, gx_spec), gw, gb
 
 
 @layout_rule

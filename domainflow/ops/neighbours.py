@@ -22,7 +22,8 @@ from domainflow import comm
 from domainflow.errors import ShardingMismatchError
 from domainflow.layout.placements import Replicate, Shard
 from domainflow.ops.point_search import kd_order, knn_search, merge_knn, radius_search
-from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
+from domainflow.tensor.shard_tensor import ShardTensor
+from domainflow.dispatch.toolkit import spec_from_sizes
 
 _last_fetch = {"points": 0, "local": 0}
 
@@ -96,12 +97,13 @@ def radius(points, r: float, queries=None, *, max_neighbors: int | None = None, 
     qi, pi, d2 = radius_search(q, p, pid, r, max_neighbors, qid if exclude_self else None)
     qi = qid[qi] if len(qi) else qi
     if m is None:  # replicated queries: every rank found every edge
-        return tuple(derived_from_local(t, mesh, [Replicate()] * mesh.ndim, {}) for t in (qi, pi, d2.sqrt()))
+        return tuple(ShardTensor.from_spec(t, spec_from_sizes(t.shape, mesh, [Replicate()] * mesh.ndim, {}))
+                     for t in (qi, pi, d2.sqrt()))
     n = comm.group_size(mesh, m)
     counts = comm.all_gather_uneven(torch.tensor([len(qi)], device=q.device), 0, [1] * n, mesh, m)
     placements = [Shard(0) if k == m else Replicate() for k in range(mesh.ndim)]
     sizes = {m: [int(c) for c in counts]}
-    return tuple(derived_from_local(t, mesh, placements, sharding_shapes=sizes) for t in (qi, pi, d2.sqrt()))
+    return tuple(ShardTensor.from_spec(t, spec_from_sizes(t.shape, mesh, placements, sizes)) for t in (qi, pi, d2.sqrt()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,10 +180,10 @@ def _global_ids(t: ShardTensor, m: int) -> torch.Tensor:
 def _like_queries(local: torch.Tensor, queries, mesh=None) -> ShardTensor:
     """``local`` (one row per local query) laid out like the queries; replicated when they are plain."""
     if not isinstance(queries, ShardTensor):
-        return derived_from_local(local, mesh, [Replicate()] * mesh.ndim, {})
+        return ShardTensor.from_spec(local, spec_from_sizes(local.shape, mesh, [Replicate()] * mesh.ndim, {}))
     spec = queries._spec
-    return derived_from_local(local, spec.mesh, list(spec.placements),
-                                  sharding_shapes={k: list(s) for k, s in enumerate(spec.sizes) if s is not None})
+    return ShardTensor.from_spec(local, spec_from_sizes(local.shape, spec.mesh, list(spec.placements),
+                                                        {k: list(s) for k, s in enumerate(spec.sizes) if s is not None}))
 
 
 def _point_boxes(p: torch.Tensor, mesh, m: int, boxes) -> torch.Tensor:

@@ -20,7 +20,7 @@ from domainflow.dispatch.toolkit import Schema, layout_rule, params_for, run_fun
 from domainflow.layout.placements import Shard
 from domainflow.dispatch.registry import register_function
 from domainflow.tensor.shard_tensor import ShardTensor
-from domainflow.dispatch.toolkit import without_partial, like
+from domainflow.dispatch.toolkit import spec_like, without_partial
 
 
 @layout_rule
@@ -179,7 +179,7 @@ def _group_norm(func, args, kwargs):
     _, var, centred, delta = _centred_moments(view, dims, count, spec, spatial_mesh_dims)
     y = _normalize(view, centred, a["weight"], a["bias"], delta, var, a["eps"], dims, count, spec,
                    spatial_mesh_dims, mesh_dims, True, affine)
-    return like(spec, y.reshape(local.shape))
+    return ShardTensor.from_spec(y.reshape(local.shape), spec_like(spec, local.shape))
 
 
 @layout_rule
@@ -243,7 +243,7 @@ def _channel_norm(func, args, kwargs, a, stats_over_batch: bool, use_batch_stats
         var = a["running_var"].reshape(affine)
         y = _normalize(local, local, a["weight"], a["bias"], mean, var, a["eps"], dims, count, spec, [],
                        mesh_dims, False, affine)
-    return like(spec, y)
+    return ShardTensor.from_spec(y, spec_like(spec, y.shape))
 
 
 @layout_rule
@@ -289,7 +289,7 @@ def _layer_norm(func, args, kwargs):
     affine = (1,) * axis + tuple(local.shape[axis:])
     y = _normalize(local, centred, block(weight), block(bias), delta, var, a["eps"], dims, count, spec, stat_mesh,
                    [], True, affine)
-    return like(spec, y)
+    return ShardTensor.from_spec(y, spec_like(spec, y.shape))
 
 
 register_function(F.layer_norm)(_layer_norm)

@@ -11,7 +11,7 @@ import torch
 from domainflow.dispatch.registry import REGISTRY
 from domainflow.dispatch.toolkit import hook_plain_grads, hooked_plain_grads, into_plain, local_as, local_exact
 from domainflow.dispatch.toolkit import relayout, replicate_local, to_spec, unsupported_or_fallback, warn_moved
-from domainflow.dispatch.toolkit import warn_relayout, wrap
+from domainflow.dispatch.toolkit import warn_relayout, wrap_outputs
 from domainflow.errors import ShardingMismatchError
 from domainflow.tensor.redistribute import redistribute_local
 from domainflow.layout.placements import Partial, Replicate, Shard
@@ -127,8 +127,8 @@ def pointwise(func, args, kwargs):
     if plan.inplace:
         return args[0]
     if type(out) is torch.Tensor:
-        return ShardTensor(out, plan.out_spec)
-    return wrap(out, plan.out_spec)
+        return ShardTensor.from_spec(out, plan.out_spec)
+    return wrap_outputs(out, plan.out_spec)
 
 
 _SCALARS = (int, float, bool, complex)

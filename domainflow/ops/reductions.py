@@ -40,7 +40,7 @@ def _reduce_partials(x: ShardTensor, keep_sum: bool) -> ShardTensor:
     pl = [p if (keep_sum and isinstance(p, Partial) and p.reduce_op == "sum") else
           (_R if isinstance(p, Partial) else p) for p in spec.placements]
     dst = spec.with_(placements=pl)
-    return x if dst == spec else ShardTensor(to_spec(x, dst), dst)
+    return x if dst == spec else ShardTensor.from_spec(to_spec(x, dst), dst)
 
 
 def _out_spec(spec: ShardSpec, red, where, keepdim, partial: str | None, out_shape) -> ShardSpec:
@@ -120,7 +120,7 @@ def sum_mean(func, args, kwargs):
         local = fn(x._local, dtype=dtype) if x.ndim == 0 else x._local.to(dtype) if dtype else x._local.clone()
     if is_mean:
         local = local / count
-    return ShardTensor(local, out_spec)
+    return ShardTensor.from_spec(local, out_spec)
 
 
 _EXTREME = {"max": -math.inf, "min": math.inf}
@@ -155,7 +155,7 @@ def amax_amin(func, args, kwargs):
     else:
         op = torch.amax if kind == "max" else torch.amin
         out = op(local, dim=red, keepdim=keepdim) if x.ndim else local.clone()
-    return ShardTensor(out, out_spec)
+    return ShardTensor.from_spec(out, out_spec)
 
 
 @register_aten(aten.prod.default, aten.prod.dim_int)
@@ -169,7 +169,7 @@ def prod(func, args, kwargs):
         dims, keepdim = [args[1]], (args[2] if len(args) > 2 else kwargs.get("keepdim", False))
         dtype = args[3] if len(args) > 3 else kwargs.get("dtype")
         local = torch.prod(x._local, dims[0], keepdim=keepdim, dtype=dtype)
-    return ShardTensor(local, _reduction_layout(spec, _key_dims(dims), bool(keepdim), "product").out_spec)
+    return ShardTensor.from_spec(local, _reduction_layout(spec, _key_dims(dims), bool(keepdim), "product").out_spec)
 
 
 @register_aten(aten.any.default, aten.all.default, aten.any.dim, aten.all.dim, aten.any.dims, aten.all.dims)
@@ -185,7 +185,7 @@ def any_all(func, args, kwargs):
     red, out_spec, _, _ = _reduction_layout(spec, _key_dims(dims), bool(keepdim), kind)
     op = torch.any if kind == "max" else torch.all
     local = op(x._local, dim=tuple(red), keepdim=keepdim) if x.ndim else op(x._local)
-    return ShardTensor(local, out_spec)
+    return ShardTensor.from_spec(local, out_spec)
 
 
 @register_aten(aten.linalg_vector_norm.default)
@@ -200,7 +200,7 @@ def vector_norm(func, args, kwargs):
     rd, out_spec, _, mesh_dims = _reduction_layout(spec, _key_dims(dims), bool(keepdim), None)
     if not mesh_dims:
         out = torch.linalg.vector_norm(x._local, ordv, dim=rd if x.ndim else None, keepdim=keepdim, dtype=dtype)
-        return ShardTensor(out, out_spec)
+        return ShardTensor.from_spec(out, out_spec)
     a = x._local.abs() if dtype is None else x._local.to(dtype).abs()
     if ordv in (math.inf, -math.inf):
         kind = "max" if ordv > 0 else "min"
@@ -215,7 +215,7 @@ def vector_norm(func, args, kwargs):
         local = comm.all_reduce(local, kind, spec.mesh, m)
     if post is not None:
         local = local.pow(1.0 / post)
-    return ShardTensor(local, out_spec)
+    return ShardTensor.from_spec(local, out_spec)
 
 
 @register_aten(aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default)
@@ -231,7 +231,7 @@ def indexed_reduction(func, args, kwargs):
     if dim is None:  # argmax over the flattened tensor
         flat_idx, _ = _flat_candidates(x, kind)
         shape = (1,) * x.ndim if keepdim else ()
-        return ShardTensor(flat_idx.reshape(shape), ShardSpec(spec.mesh, (_R,) * spec.mesh.ndim, shape,
+        return ShardTensor.from_spec(flat_idx.reshape(shape), ShardSpec(spec.mesh, (_R,) * spec.mesh.ndim, shape,
                                                               (None,) * spec.mesh.ndim))
     dim %= max(x.ndim, 1)
     out_spec = _reduction_layout(spec, (dim,), bool(keepdim), None).out_spec
@@ -240,7 +240,8 @@ def indexed_reduction(func, args, kwargs):
     if m is None:
         v, i = (torch.max if kind == "max" else torch.min)(local, dim, keepdim=True)
         v, i = (v, i) if keepdim else (v.squeeze(dim), i.squeeze(dim))
-        return (ShardTensor(v, out_spec), ShardTensor(i, out_spec)) if want_values else ShardTensor(i, out_spec)
+        indices = ShardTensor.from_spec(i, out_spec)
+        return (ShardTensor.from_spec(v, out_spec), indices) if want_values else indices
     k = spec.coord[m]
     off = shapes.offsets(spec.sizes[m])
     if local.shape[dim] == 0:
@@ -261,7 +262,8 @@ def indexed_reduction(func, args, kwargs):
     idx = is_.gather(dim, bi)
     if not keepdim:
         bv, idx = bv.squeeze(dim), idx.squeeze(dim)
-    return (ShardTensor(bv, out_spec), ShardTensor(idx, out_spec)) if want_values else ShardTensor(idx, out_spec)
+    indices = ShardTensor.from_spec(idx, out_spec)
+    return (ShardTensor.from_spec(bv, out_spec), indices) if want_values else indices
 
 
 def _better(val, gi, best_val, best_gi, kind) -> bool:
@@ -324,8 +326,8 @@ def var_std(func, args, kwargs):
         var, mean = var.squeeze(rd) if rd else var, mean.squeeze(rd) if rd else mean
     res = var.sqrt() if func in (aten.std.correction, aten.std_mean.correction) else var
     if func in (aten.var_mean.correction, aten.std_mean.correction):
-        return ShardTensor(res, out_spec), ShardTensor(mean, out_spec)
-    return ShardTensor(res, out_spec)
+        return ShardTensor.from_spec(res, out_spec), ShardTensor.from_spec(mean, out_spec)
+    return ShardTensor.from_spec(res, out_spec)
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,7 +366,7 @@ class _SumMean(torch.autograd.Function):
         local = torch.sum(x._local, dim=plan.red, keepdim=keepdim, dtype=dtype)
         if plan.count != 1:
             local = local / plan.count  # as sum_mean divides (0 / 0 over nothing is NaN, as torch)
-        return ShardTensor(local, plan.out_spec)
+        return ShardTensor.from_spec(local, plan.out_spec)
 
     @staticmethod
     def backward(ctx, grad):
@@ -372,7 +374,8 @@ class _SumMean(torch.autograd.Function):
         want, in_grad_spec = plan.grad_want, plan.in_grad_spec
         if not isinstance(grad, ShardTensor):
             spec = in_grad_spec
-            grad = ShardTensor(grad, ShardSpec(spec.mesh, (_R,) * spec.mesh.ndim, grad.shape, (None,) * spec.mesh.ndim))
+            grad = ShardTensor.from_spec(grad, ShardSpec(spec.mesh, (_R,) * spec.mesh.ndim, grad.shape,
+                                                         (None,) * spec.mesh.ndim))
         g = to_spec(grad, want) if grad._spec != want else grad._local
         if not ctx.keepdim:
             for d in plan.red:
@@ -380,7 +383,7 @@ class _SumMean(torch.autograd.Function):
         g = g.expand(in_grad_spec.local_shape)
         if plan.scale != 1.0:
             g = g * plan.scale
-        return ShardTensor(g.to(ctx.in_dtype), in_grad_spec), None, None, None
+        return ShardTensor.from_spec(g.to(ctx.in_dtype), in_grad_spec), None, None, None
 
 
 _SUM_ARGS = Schema("self", "dim", "keepdim", dim=None, keepdim=False, dtype=None)
@@ -449,7 +452,7 @@ class _Prod(torch.autograd.Function):
         out = torch.where(zeros > 0, torch.zeros_like(nonzero_prod), nonzero_prod)
         if not keepdim:
             out = out.squeeze(rd) if rd else out
-        return ShardTensor(out, out_spec)
+        return ShardTensor.from_spec(out, out_spec)
 
     @staticmethod
     def backward(ctx, grad):
@@ -462,7 +465,7 @@ class _Prod(torch.autograd.Function):
         if not ctx.keepdim:
             for d in rd:
                 g = g.unsqueeze(d)
-        return ShardTensor(g * product_of_others(local, zeros, nz), grad_spec(spec)), None, None, None
+        return ShardTensor.from_spec(g * product_of_others(local, zeros, nz), grad_spec(spec)), None, None, None
 
 
 def _prod_function(func, args, kwargs):

@@ -26,8 +26,8 @@ def same_layout(func, args, kwargs):
     dtype = kwargs.get("dtype")
     if x._spec.has_partial and dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
         spec = x._spec.reduced()
-        return ShardTensor(func(to_spec(x, spec), *args[1:], **kwargs), spec)
-    return ShardTensor(func(x._local, *args[1:], **kwargs), x._spec)
+        return ShardTensor.from_spec(func(to_spec(x, spec), *args[1:], **kwargs), spec)
+    return ShardTensor.from_spec(func(x._local, *args[1:], **kwargs), x._spec)
 
 
 @register_aten(aten.view_as_real.default, aten.view_as_complex.default)
@@ -40,10 +40,10 @@ def complex_views(func, args, kwargs):
         # a local chunk can carry torch's lazy conjugate bit that the wrapper does not (an op's result seen
         # through the engine); view_as_real refuses it, so it is resolved first (a copy, the same values)
         local = x._local.resolve_conj() if x._local.is_conj() else x._local
-        return ShardTensor(func(local), spec.with_(shape=tuple(spec.shape) + (2,)))
+        return ShardTensor.from_spec(func(local), spec.with_(shape=tuple(spec.shape) + (2,)))
     if spec.mesh_dim_of(spec.ndim - 1) is not None:
         return unsupported_or_fallback(func, args, kwargs, "its last dim (real, imaginary) is sharded")
-    return ShardTensor(func(x._local), spec.with_(shape=tuple(spec.shape[:-1])))
+    return ShardTensor.from_spec(func(x._local), spec.with_(shape=tuple(spec.shape[:-1])))
 
 
 @register_aten(aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
@@ -53,7 +53,7 @@ def like_factory(func, args, kwargs):
     """New tensor laid out like the input; a Partial input gives a replicated result (its values are
     the op's, not pending sums)."""
     x = args[0]
-    return ShardTensor(func(x._local, *args[1:], **kwargs), x._spec.reduced())
+    return ShardTensor.from_spec(func(x._local, *args[1:], **kwargs), x._spec.reduced())
 
 
 @register_aten(aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
@@ -62,7 +62,7 @@ def new_factory(func, args, kwargs):
     """``x.new_zeros(size)`` gives a replicated tensor of the requested global size."""
     x = args[0]
     out = func(x._local, *args[1:], **kwargs)
-    return ShardTensor(out, replicated_spec(x._spec.mesh, out.shape))
+    return ShardTensor.from_spec(out, replicated_spec(x._spec.mesh, out.shape))
 
 
 @register_aten(aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, aten.normal_.default,
@@ -123,7 +123,7 @@ def cat(func, args, kwargs):
     common_mesh(sts, func)
     layouts = tuple(t._spec if isinstance(t, ShardTensor) else t.shape for t in tensors)
     targets, out = _cat_plan(layouts, dim % sts[0].ndim)
-    return ShardTensor(torch.cat([local_as(t, spec) for t, spec in zip(tensors, targets)], dim), out)
+    return ShardTensor.from_spec(torch.cat([local_as(t, spec) for t, spec in zip(tensors, targets)], dim), out)
 
 
 @layout_rule

@@ -39,7 +39,7 @@ def _replicate_dims(x: ShardTensor, dims) -> ShardTensor:
         if isinstance(p, Shard) and p.dim in dims:
             pl[m], sz[m] = _R, None
     dst = _spec(spec, pl, spec.shape, sz)
-    return x if dst == spec else ShardTensor(to_spec(x, dst), dst)
+    return x if dst == spec else ShardTensor.from_spec(to_spec(x, dst), dst)
 
 
 @register_aten(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default)
@@ -68,7 +68,7 @@ def view(func, args, kwargs):
         res = local.reshape(out.local_shape)
     else:
         res = func(local, out.local_shape)
-    return ShardTensor(res, out)
+    return ShardTensor.from_spec(res, out)
 
 
 _view_layouts = "view layouts"  # the first part of their keys in toolkit.PLANS
@@ -124,7 +124,7 @@ def _view_layout(x: ShardTensor, size):
         # out like another operand): move them to the nearest layout the reshape keeps sharded
         warn_relayout(aten.view.default, f"re-sharded a {src} tensor so that reshaping it to {out_shape} "
                                          f"keeps whole rows on each rank")
-        x = gathered = ShardTensor(to_spec(x, moved), moved)
+        x = gathered = ShardTensor.from_spec(to_spec(x, moved), moved)
         spec = moved
     pl, sz = list(spec.placements), list(spec.sizes)
     for m, p in enumerate(spec.placements):
@@ -145,7 +145,7 @@ def permute(func, args, kwargs):
     x = args[0]
     dims, spec = _permuted(x._spec, tuple(args[1]))
     local_exact()  # transpose and t come here too: each is itself run on the local chunk
-    return ShardTensor(x._local.permute(dims), spec)
+    return ShardTensor.from_spec(x._local.permute(dims), spec)
 
 
 @layout_rule
@@ -184,7 +184,7 @@ def t(func, args, kwargs):
 def unsqueeze(func, args, kwargs):
     x, dim = args[0], args[1] % (args[0].ndim + 1)
     local_exact()
-    return ShardTensor(x._local.unsqueeze(dim), _unsqueezed(x._spec, dim))
+    return ShardTensor.from_spec(x._local.unsqueeze(dim), _unsqueezed(x._spec, dim))
 
 
 @layout_rule
@@ -208,7 +208,7 @@ def squeeze(func, args, kwargs):
     dims = [d for d in dims if x.shape[d] == 1]
     x = _replicate_dims(x, dims)
     out = _squeezed(x._spec, tuple(dims))
-    return ShardTensor(x._local.reshape(out.local_shape), out)
+    return ShardTensor.from_spec(x._local.reshape(out.local_shape), out)
 
 
 @layout_rule
@@ -228,7 +228,7 @@ def expand(func, args, kwargs):
     grow = [d for d in range(x.ndim) if spec.shape[d] == 1 and out_shape[d + lead] != 1]
     x = _replicate_dims(x, grow)
     out = _expanded(x._spec, tuple(out_shape), lead)
-    return ShardTensor(x._local.expand(out.local_shape), out)
+    return ShardTensor.from_spec(x._local.expand(out.local_shape), out)
 
 
 @layout_rule
@@ -254,7 +254,7 @@ def slice_(func, args, kwargs):
     m = spec.mesh_dim_of(dim)
     if m is not None:
         _remember(out, (dim, start, end, step, n), spec.sizes[m])
-    return ShardTensor(local, out)
+    return ShardTensor.from_spec(local, out)
 
 
 @layout_rule
@@ -287,7 +287,7 @@ def select(func, args, kwargs):
     index %= n
     out, m, offs = _selected(spec, dim)
     if m is None:
-        return ShardTensor(x._local.select(dim, index), out)
+        return ShardTensor.from_spec(x._local.select(dim, index), out)
     _remember(out, ("select", dim, index, n), (m, spec.sizes[m]))
     sizes = spec.sizes[m]
     owner = max(k for k in range(len(offs)) if offs[k] <= index and sizes[k] > 0)
@@ -295,8 +295,8 @@ def select(func, args, kwargs):
         # the owner keeps a true view, so `x[i] = v` (select, then an in-place write) lands in x
         view = x._local.select(dim, index - offs[owner])
         comm.broadcast(view.contiguous(), owner, spec.mesh, m)
-        return ShardTensor(view, out)
-    return ShardTensor(comm.broadcast(x._local.new_empty(out.local_shape), owner, spec.mesh, m), out)
+        return ShardTensor.from_spec(view, out)
+    return ShardTensor.from_spec(comm.broadcast(x._local.new_empty(out.local_shape), owner, spec.mesh, m), out)
 
 
 @layout_rule
@@ -344,7 +344,7 @@ def strided(func, args, kwargs):
     x = args[0]
     if x._spec.is_replicated:
         out = func(x._local, *args[1:], **kwargs)
-        return ShardTensor(out, _spec(x._spec, x._spec.placements, out.shape, x._spec.sizes))
+        return ShardTensor.from_spec(out, _spec(x._spec, x._spec.placements, out.shape, x._spec.sizes))
     return unsupported_or_fallback(func, args, kwargs, f"{func} reinterprets memory, which a sharded tensor "
                                     f"does not have as one block")
 
@@ -392,11 +392,11 @@ def slice_backward(func, args, kwargs):
     origin = None if m is None else _slice_origin.get((spec, (dim, start, end, step, n)))
     out, rows = _slice_grad_layout(spec, tuple(input_sizes), dim, start, end, step, origin)
     if m is None:
-        return ShardTensor(func(grad._local, out.local_shape, dim, start, end, step), out)
+        return ShardTensor.from_spec(func(grad._local, out.local_shape, dim, start, end, step), out)
     local = grad._local.new_zeros(out.local_shape)
     if rows is not None:
         local[(slice(None),) * dim + (rows,)] = grad._local
-    return ShardTensor(local, out)
+    return ShardTensor.from_spec(local, out)
 
 
 @layout_rule
@@ -428,12 +428,12 @@ def select_backward(func, args, kwargs):
     origin = _slice_origin.get((spec, ("select", dim, index, n)))
     out, rows = _select_grad_layout(spec, tuple(input_sizes), dim, origin)
     if origin is None:  # the forward did not cut a sharded dim: insert the dim locally
-        return ShardTensor(func(grad._local, out.local_shape, dim, index), out)
+        return ShardTensor.from_spec(func(grad._local, out.local_shape, dim, index), out)
     local = grad._local.new_zeros(out.local_shape)
     lo, count = rows
     if lo <= index < lo + count:
         local.select(dim, index - lo).copy_(grad._local)
-    return ShardTensor(local, out)
+    return ShardTensor.from_spec(local, out)
 
 
 @layout_rule

@@ -20,12 +20,12 @@ import torch.nn.functional as F
 
 from domainflow import comm
 from domainflow.layout import shapes
-from domainflow.dispatch.toolkit import Schema, as_sharded, layout_rule, like, params_for, run_function_default, unsupported_or_fallback
-from domainflow.dispatch.toolkit import without_partial
+from domainflow.dispatch.toolkit import Schema, layout_rule, params_for, run_function_default, unsupported_or_fallback
+from domainflow.dispatch.toolkit import spec_from_sizes, spec_like, without_partial
 from domainflow.layout.placements import Shard
 from domainflow.layout.spec import mesh_shape
 from domainflow.dispatch.registry import register_function
-from domainflow.tensor.shard_tensor import ShardTensor, derived_from_local
+from domainflow.tensor.shard_tensor import ShardTensor
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,7 +106,7 @@ def _wrap_out(out_local, x_spec, sharded, plans, out_shape):
     sizes = list(x_spec.sizes)
     for m, d in sharded:
         sizes[m] = plans[(m, d)].out_sizes
-    return like(x_spec.with_(shape=out_shape, sizes=sizes), out_local)
+    return ShardTensor.from_spec(out_local, spec_like(x_spec.with_(shape=out_shape, sizes=sizes), out_local.shape))
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def sharded_conv(func, x: ShardTensor, weight, bias, stride, pads, dilation, gro
     if setup.out_spec is None:  # no outputs on this rank along a sharded dim
         return _wrap_out(_empty_like_output(local, weight, bias, spec, setup.sharded, setup.plans, setup.out_shape),
                          spec, setup.sharded, setup.plans, setup.out_shape)
-    return as_sharded(func(local, weight, bias, stride, setup.conv_pad, dilation, groups), setup.out_spec)
+    return ShardTensor.from_spec(func(local, weight, bias, stride, setup.conv_pad, dilation, groups), setup.out_spec)
 
 
 class _ConvSetup(NamedTuple):
@@ -288,7 +288,7 @@ def _insert_zeros(x: ShardTensor, stride) -> ShardTensor:
             sizes[m] = tuple(max(0, min((a + k) * s, total) - a * s) if k else 0 for a, k in zip(starts, sz))
         shape[d] = total
     mapping = {m: list(v) for m, v in enumerate(sizes) if v is not None}
-    return derived_from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+    return ShardTensor.from_spec(local, spec_from_sizes(local.shape, spec.mesh, list(spec.placements), mapping))
 
 
 def _scatter_strided(local, new_shape, d, s):
@@ -379,7 +379,7 @@ def _pad(func, args, kwargs):
         else:
             local = F.pad(local, rest, mode=mode, value=value) if mode == "constant" else F.pad(local, rest, mode=mode)
     mapping = {m: list(sizes[m]) for m, p in enumerate(spec.placements) if isinstance(p, Shard)}
-    return derived_from_local(local, spec.mesh, list(spec.placements), sharding_shapes=mapping)
+    return ShardTensor.from_spec(local, spec_from_sizes(local.shape, spec.mesh, list(spec.placements), mapping))
 
 
 register_function(F.pad)(_pad)

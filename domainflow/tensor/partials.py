@@ -28,7 +28,7 @@ class _ReduceTogether(torch.autograd.Function):
             reduced = comm.all_reduce_coalesced([locals_[k] for k in idx], "sum", specs[0].mesh, m)
             for k, t in zip(idx, reduced):
                 locals_[k] = t
-        return tuple(ShardTensor(t, grad_spec(s)) for t, s in zip(locals_, specs))
+        return tuple(ShardTensor.from_spec(t, grad_spec(s)) for t, s in zip(locals_, specs))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -44,16 +44,16 @@ class _ReduceTogether(torch.autograd.Function):
             reduced = comm.all_reduce_coalesced([grads[k]._local.contiguous() for k in idx], "sum", mesh, m)
             for k, t in zip(idx, reduced):
                 g = grads[k]
-                grads[k] = ShardTensor(t, g._spec.with_(placements=tuple(
+                grads[k] = ShardTensor.from_spec(t, g._spec.with_(placements=tuple(
                     Replicate() if j == m else p for j, p in enumerate(g._spec.placements))))
         out = []
         for g, s in zip(grads, ctx.specs):
             gs = grad_spec(s)
             if isinstance(g, ShardTensor):
                 g = g.redistribute(list(gs.placements)) if g._spec.placements != gs.placements else g
-                out.append(ShardTensor(g._local, gs))
+                out.append(ShardTensor.from_spec(g._local, gs))
             else:
-                out.append(ShardTensor(g, gs))
+                out.append(ShardTensor.from_spec(g, gs))
         return (None, *out)
 
 

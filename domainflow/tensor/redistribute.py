@@ -50,7 +50,7 @@ def redistribute_local(local: torch.Tensor, src: ShardSpec, dst: ShardSpec) -> t
     """Turn this rank's chunk under ``src`` into its chunk under ``dst`` (same mesh, same global shape)."""
     if src == dst:
         return local
-    steps = PLANS.cached((plan_redistribute, src, dst), lambda: plan_redistribute(src, dst))
+    steps = PLANS.cached((redistribute_steps, src, dst), lambda: redistribute_steps(src, dst))
     mesh = src.mesh
     for step in steps:
         local = step.run(local, mesh)
@@ -119,7 +119,7 @@ class MakePartial(NamedTuple):
 
 
 
-def plan_redistribute(src: ShardSpec, dst: ShardSpec) -> tuple:
+def redistribute_steps(src: ShardSpec, dst: ShardSpec) -> tuple:
     """The typed steps (:class:`Reduce`, :class:`AllToAll`, :class:`Gather`, :class:`Narrow`,
     :class:`MakePartial`) from layout ``src`` to ``dst`` on this rank; pure layout arithmetic, cached per
     (src, dst) by :func:`redistribute_local`."""
@@ -177,6 +177,6 @@ def plan_redistribute(src: ShardSpec, dst: ShardSpec) -> tuple:
         elif isinstance(b, Partial):
             steps.append(MakePartial(m, b, coord[m]))
             cur = _set(cur, m, b)
-    if cur != dst:  # pragma: no cover - a planning bug, never a user error
-        raise AssertionError(f"redistribute planned {cur} instead of {dst}")
+    if cur != dst:  # pragma: no cover - a bug of ours, never a user error
+        raise AssertionError(f"redistribute_steps reached {cur} instead of {dst}")
     return tuple(steps)

@@ -60,7 +60,13 @@ def _strides_in_order(local_strides, shape) -> tuple[int, ...]:
 
 
 class ShardTensor(torch.Tensor):
-    """This rank's chunk (``_local``) of a tensor laid out by ``_spec`` over a device mesh."""
+    """This rank's chunk (``_local``) of a tensor laid out by ``_spec`` over a device mesh.
+
+    Two public ways make one from a local chunk: :meth:`from_local` (mesh and placements, like DTensor's; it
+    may communicate to learn every rank's shape) and :meth:`from_spec` (the whole :class:`ShardSpec` known;
+    no communication: what op handlers and readers use). ``ShardTensor(local, spec)`` itself is the raw
+    wrapper below autograd, for this module and the dispatch engine only.
+    """
 
     _local: torch.Tensor
     _spec: ShardSpec
@@ -143,12 +149,15 @@ class ShardTensor(torch.Tensor):
     @staticmethod
     def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, sharding_shapes="infer",
                    shape: Sequence[int] | None = None) -> "ShardTensor":
-        """Wrap each rank's ``local`` chunk.
+        """Wrap each rank's ``local`` chunk, given the mesh and placements (DTensor's ``from_local``): the
+        way for user code that knows its chunk but not every rank's sizes.
 
         ``sharding_shapes``: "infer" (one all-gather of shapes over the mesh; checks that ranks agree),
         "chunk" (``torch.chunk`` layout of ``shape``, or an even split when ``shape`` is None; no
         communication), or a mapping ``{mesh dim or name: [local shape or size of each rank]}``
-        (no communication). Differentiable: gradients flow back to ``local``.
+        (no communication; each rank's word is checked against the others' later, with the next
+        collective). Differentiable: gradients flow back to ``local``. With the whole layout already at
+        hand (another ShardTensor's ``.spec``, a layout a handler derived), :meth:`from_spec` is cheaper.
         """
         if isinstance(local, ShardTensor):
             raise TypeError("from_local got a ShardTensor; pass its .to_local() or call .redistribute()")
@@ -157,6 +166,21 @@ class ShardTensor(torch.Tensor):
         if not isinstance(sharding_shapes, str) or sharding_shapes != "infer":
             consistency.record_layout(spec, "ShardTensor.from_local")  # each rank's word: checked later
         return _from_callers_local(local, spec)
+
+    @staticmethod
+    def from_spec(local: torch.Tensor, spec: ShardSpec) -> "ShardTensor":
+        """``local`` as this rank's chunk of the tensor laid out by ``spec`` (its mesh, placements, global
+        shape and every rank's sizes), whose local shape ``local.shape`` must be: no communication and
+        nothing recorded or re-derived, so it costs what wrapping costs. The way for op handlers (a layout
+        derived and cached, or an operand's ``.spec``) and readers (sizes from the store); user code that
+        knows only mesh and placements calls :meth:`from_local`. Differentiable: gradients flow back to
+        ``local`` (a chunk that needs them, wrapped under no_grad, becomes a constant)."""
+        if isinstance(local, ShardTensor):
+            raise TypeError("from_spec got a ShardTensor; pass its .to_local() or call .redistribute()")
+        if local.shape != spec.local_shape:
+            raise ShardingShapeError(f"rank {_rank()} local tensor has shape {tuple(local.shape)} but the layout "
+                                     f"{spec} gives it {spec.local_shape}")
+        return _from_local(local, spec)
 
     def to_local(self, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's chunk. Differentiable; ``grad_placements`` says how the local gradients combine
@@ -268,36 +292,6 @@ def keep_leaf_layout(leaf: ShardTensor) -> None:
 
     leaf.register_hook(hook)
     _layout_hooked.add(leaf)
-
-
-def derived_from_local(local: torch.Tensor, mesh: DeviceMesh, placements, sharding_shapes) -> ShardTensor:
-    """``from_local`` for the engine's own outputs, whose sizes it derived from checked layouts: not recorded
-    for the cross-rank layout check (that would cost a collective per op). With a mapping of sizes the
-    layout is derived once per (mesh, placements, local shape, sizes) and kept in the plan cache."""
-    if isinstance(sharding_shapes, Mapping):
-        key = (_derived_specs, mesh, tuple(placements), tuple(local.shape),
-               tuple((k, tuple(v)) for k, v in sharding_shapes.items()))
-        try:
-            spec = PLANS.get(key)
-        except TypeError:  # sizes given as lists of lists: derived each time
-            key = None
-        if key is not None:
-            if spec is None:
-                spec = PLANS.put(key, _spec_for_local(local, mesh, normalize_placements(placements, local.ndim, mesh.ndim),
-                                                      sharding_shapes, None))
-            return _from_local(local, spec)
-    spec = _spec_for_local(local, mesh, normalize_placements(placements, local.ndim, mesh.ndim), sharding_shapes,
-                           None)
-    return _from_local(local, spec)
-
-
-_derived_specs = "derived specs"  # first part of their keys in domainflow.memo.PLANS
-
-
-def wrapped_as(local: torch.Tensor, spec: ShardSpec) -> ShardTensor:
-    """``local`` as this rank's chunk of a tensor laid out by ``spec``, a layout the caller derived and cached
-    (its local shape is ``local.shape``); differentiable, nothing re-derived or recorded."""
-    return _from_local(local, spec)
 
 
 _redistribute_targets = "redistribute targets"  # first parts of their keys in domainflow.memo.PLANS

@@ -418,7 +418,7 @@ def _row_scale_sharded(func, args, kwargs):
     spec = x.spec
     off = spec.offsets[0]
     idx = torch.arange(x.to_local().shape[0], dtype=x.dtype) + 1 + off
-    return ShardTensor(x.to_local() * s * idx.view(-1, *([1] * (x.ndim - 1))), spec)
+    return ShardTensor.from_spec(x.to_local() * s * idx.view(-1, *([1] * (x.ndim - 1))), spec)
 
 
 def _custom_op():
@@ -441,7 +441,7 @@ def rms(x):
 @df.register_function(rms)
 def _rms_sharded(func, args, kwargs):
     x = args[0]
-    return ShardTensor(func(x.to_local()), x.spec.with_(shape=tuple(x.shape[:-1]) + (1,)))
+    return ShardTensor.from_spec(func(x.to_local()), x.spec.with_(shape=tuple(x.shape[:-1]) + (1,)))
 
 
 def _function_handler():

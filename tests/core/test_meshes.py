@@ -219,8 +219,8 @@ def _submesh_two_lookups():
 def test_submesh_tensors_from_two_lookups_combine(dist):
     # Regression test (bug found in review, now fixed): DeviceMesh.__getitem__ returns a new (equal) DeviceMesh object on every lookup, and
     # ShardSpec equality/hash use mesh identity (`is`, id(mesh)). x on mesh["domain"] plus y on a
-    # second mesh["domain"] lookup, same layout, raises AssertionError("redistribute planned
-    # ShardSpec(...) instead of ShardSpec(...)") from plan_redistribute (the two printed specs are
+    # second mesh["domain"] lookup, same layout, raised AssertionError("redistribute planned
+    # ShardSpec(...) instead of ShardSpec(...)") from plan_redistribute, now redistribute_steps (the two printed specs are
     # identical). Same for init_mesh called twice or a deepcopy'd ShardTensor (next test).
     _no_problems(dist.run(4, _submesh_two_lookups))
 
@@ -244,7 +244,7 @@ def _deepcopy_combine():
 
 def test_deepcopy_of_shard_tensor_combines_with_original(dist):
     # Regression test (bug found in review, now fixed): copy.deepcopy(x) deep-copies the DeviceMesh inside the spec; the copy's spec then differs
-    # from x's (mesh identity), and x + deepcopy(x) raises AssertionError in plan_redistribute.
+    # from x's (mesh identity), and x + deepcopy(x) raised AssertionError in plan_redistribute (now redistribute_steps).
     # Same root cause as test_submesh_tensors_from_two_lookups_combine (ShardSpec.__eq__/__hash__).
     _no_problems(dist.run(3, _deepcopy_combine))
 

@@ -185,7 +185,7 @@ def test_any_engine_module_can_be_imported_first(module):
 
 # The core's rooms, bottom to top: a module may import its own room and the rooms below, never above
 # (docs/architecture.md). The package root wires the engine to the tensor layer (load_engine) and is above all.
-_CORE_LAYERS = ["errors", "locks", "cli_values", "store", "layout", "launch", "comm", "tensor", "dispatch", "ops", "__init__", "app"]
+_CORE_LAYERS = ["errors", "locks", "cli_values", "store", "vtk", "layout", "launch", "comm", "tensor", "dispatch", "ops", "__init__", "app"]
 
 
 def _room(module: str) -> str | None:
@@ -391,3 +391,55 @@ def test_the_data_commands_never_import_torch(tmp_path):
             "assert 'torch' not in sys.modules, 'torch was imported'")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def _name_room(module: str) -> str:
+    """A module's room: the first two dotted components (``domainflow.dispatch``, ``domainflow.readers``,
+    ``domainflow.memo``); the package root is a room of its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_underscore_name_is_imported_from_another_room():
+    """A name with a leading underscore is private to its room: no module imports one from another room
+    (``from domainflow.tensor.shard_tensor import _x`` in ops/) or reaches one through a module it imported
+    (``toolkit._x``); what another room needs is public, or lives where it is used. A violation names the
+    file, the line and the name."""
+    import ast
+
+    files = {m: p for folder, prefix in (("domainflow", "domainflow"), ("readers", "domainflow.readers"),
+                                         ("preprocess", "domainflow.preprocess"), ("train", "domainflow.train"))
+             for p, m in _module_files(folder, prefix)}
+    wrong = []
+    for module, path in sorted(files.items()):
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        aliases = {}  # local name -> one of our modules it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == "domainflow":
+                        aliases[a.asname or "domainflow"] = a.name if a.asname else "domainflow"
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    pkg = package.split(".")
+                    base = ".".join(pkg[:len(pkg) - node.level + 1] + ([base] if base else []))
+                if base.split(".")[0] != "domainflow":
+                    continue
+                for a in node.names:
+                    if f"{base}.{a.name}" in files:
+                        aliases[a.asname or a.name] = f"{base}.{a.name}"
+                    if a.name.startswith("_") and not a.name.startswith("__") \
+                            and _name_room(base) != _name_room(module):
+                        wrong.append(f"{path.relative_to(REPO)}:{node.lineno} imports {a.name} from {base}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                chain, value = [], node.value
+                while isinstance(value, ast.Attribute):
+                    chain.append(value.attr)
+                    value = value.value
+                if isinstance(value, ast.Name) and value.id in aliases:
+                    target = ".".join([aliases[value.id], *reversed(chain)])
+                    if _name_room(target) != _name_room(module):
+                        wrong.append(f"{path.relative_to(REPO)}:{node.lineno} uses {target}.{node.attr}")
+    assert not wrong, "\n".join(wrong)

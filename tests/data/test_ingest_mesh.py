@@ -25,13 +25,13 @@ from domainflow.preprocess import (
 )
 from domainflow.preprocess.errors import IngestError  # noqa: E402
 from domainflow.preprocess.ingest_grid import ingest_climate  # noqa: E402
-from domainflow.preprocess.cfd_layout import load_layout  # noqa: E402
+from domainflow.preprocess.cfd_recipe import load_recipe  # noqa: E402
 from domainflow.preprocess.ingest_mesh import MeshOptions, ingest_drivaerml  # noqa: E402
 from domainflow.preprocess.inspect_store import describe  # noqa: E402
 from domainflow.preprocess.reference import DRIVAERML, Reference  # noqa: E402
 from domainflow.preprocess.store_writer import StoreWriter  # noqa: E402
 from domainflow.preprocess.synth_drivaerml import synth_drivaerml  # noqa: E402
-from domainflow.preprocess.vtk_io import read_cells  # noqa: E402
+from domainflow.vtk.pyvista_io import read_cells  # noqa: E402
 from store_compare import assert_same_store  # noqa: E402
 from test_ingest_grid import _grid_source  # noqa: E402  (one writer of small climate sources)
 
@@ -91,7 +91,7 @@ def test_every_cell_present_once_and_values_round_trip(raw, store):
             inv = np.argsort(order)
             centres = np.asarray(mesh.cell_centers().points)
             np.testing.assert_allclose(np.asarray(g["coords"][...])[inv], centres, rtol=0, atol=1e-5)
-            for spec in load_layout("drivaerml").fields[loc]:
+            for spec in load_recipe("drivaerml").fields[loc]:
                 scale, offset = spec.scale_offset(ref)
                 stored = np.asarray(g["fields"][spec.name][...], dtype=np.float64)[inv]
                 raw_vals = np.asarray(mesh.cell_data[spec.source], dtype=np.float64).reshape(n, -1)
@@ -414,7 +414,7 @@ def test_wrong_reference_speed_is_reported(raw, tmp_path):
 
 # -- a mesh nobody here wrote -------------------------------------------------------------------------
 def test_ingest_pyvista_airplane_laid_out_as_a_drivaerml_run(tmp_path):
-    """pyvista's shipped airplane surface with a pressure field added, in the DrivaerML layout."""
+    """pyvista's shipped airplane surface with a pressure field added, in DrivaerML's run folder and file names."""
     from pyvista import examples
 
     plane = examples.load_airplane()
@@ -490,7 +490,7 @@ def _set_cell_array(path: Path, name: str, fn):
 
 
 # =====================================================================================================
-# Mesh: layout and partition edge cases (behaviour that is right today; kept as regression tests)
+# Mesh: store and partition edge cases (behaviour that is right today; kept as regression tests)
 # =====================================================================================================
 @pytest.mark.parametrize("method", ["rcb", "morton", "slab"])
 def test_more_parts_than_cells_gives_empty_parts_with_nan_boxes(small_raw, tmp_path, method):

@@ -228,8 +228,8 @@ def test_a_column_task_that_wrote_nothing_is_never_published(raw, tmp_path, monk
     column missing and the run fails by name, or is skipped; it is never published without it."""
     real = ingest_mesh._column
 
-    def lost(plan, key, loc, opts):
-        return {"stats": {}, "warnings": []} if key == "field/Cf" else real(plan, key, loc, opts)
+    def lost(parted, key, loc, opts):
+        return {"stats": {}, "warnings": []} if key == "field/Cf" else real(parted, key, loc, opts)
 
     monkeypatch.setattr(ingest_mesh, "_column", lost)
     opts = {**OPTS, "on_error": on_error, "split": (1.0, 0.0, 0.0)}

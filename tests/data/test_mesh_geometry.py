@@ -10,7 +10,7 @@ import pytest
 pv = pytest.importorskip("pyvista")
 
 from domainflow.preprocess.mesh_geometry import cell_centres, polygon_normals_areas  # noqa: E402
-from test_vtk_xml import _mixed_grid, _surface  # noqa: E402
+from vtk_oracle import mixed_grid, surface  # noqa: E402
 
 
 def _with_pyramids_and_hexahedra():
@@ -19,7 +19,7 @@ def _with_pyramids_and_hexahedra():
     hexes = pv.ImageData(dimensions=(3, 3, 3), spacing=(0.3, 0.7, 1.1)).cast_to_unstructured_grid()
     hexes = pv.UnstructuredGrid({pv.CellType.HEXAHEDRON: hexes.cell_connectivity.reshape(-1, 8)[:, [0, 1, 3, 2, 4, 5, 7, 6]]},
                                 hexes.points + 0.123)
-    return _mixed_grid(5).merge([pyramids, hexes], merge_points=False)
+    return mixed_grid(5).merge([pyramids, hexes], merge_points=False)
 
 
 def test_volume_centres_are_vtks_bit_for_bit_except_polyhedra():
@@ -37,7 +37,7 @@ def test_volume_centres_are_vtks_bit_for_bit_except_polyhedra():
 
 
 def test_surface_centres_normals_and_areas_match_vtks_filters():
-    s = _surface(3)
+    s = surface(3)
     faces = s.faces
     sizes, conn, i = [], [], 0
     while i < len(faces):
@@ -58,7 +58,7 @@ def test_surface_centres_normals_and_areas_match_vtks_filters():
 
 def test_points_may_be_a_stretch_of_the_points_array():
     """A block of cells passes only the rows of the points array it refers to (``first`` = their start)."""
-    tri = _surface(4).triangulate()
+    tri = surface(4).triangulate()
     conn = tri.faces.reshape(-1, 4)[:, 1:]
     block = conn[len(conn) // 2:].ravel()  # the second half of the cells
     sizes = np.full(len(block) // 3, 3)

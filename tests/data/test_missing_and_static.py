@@ -158,6 +158,13 @@ def test_a_fill_killed_midway_is_not_resumed_with_other_values(cds, tmp_path, mo
     monkeypatch.undo()
     with pytest.raises(IngestError, match=r"was being filled with \{'0': 111.0\}.*asks \{'0': 222.0\}"):
         ingest_climate(str(cds), store, progress=False, variables=("sst",), time_block=20, fill="sst=222")
+    # a store begun before issue 36 names the marker fill-plan: still honoured
+    from domainflow.preprocess.store_writer import StoreWriter
+
+    marker = StoreWriter(store).block_marker("fill-values")
+    marker.rename(marker.with_name("fill-plan.json"))
+    with pytest.raises(IngestError, match=r"was being filled with \{'0': 111.0\}.*asks \{'0': 222.0\}"):
+        ingest_climate(str(cds), store, progress=False, variables=("sst",), time_block=20, fill="sst=222")
     ingest_climate(str(cds), store, progress=False, variables=("sst",), time_block=20, fill="sst=111")
     root = zarr.open_group(store, mode="r")
     data = np.asarray(root["data"][...])

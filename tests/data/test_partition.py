@@ -164,15 +164,16 @@ def _key_sorted(pts, parts, method, block, tmp_path):
     try:
         a["coords"].write(0, pts)
         a["rows"].write(0, np.arange(n))
-        plan = key_order_streaming(a["coords"], parts, method, block, a["keys"], a["group_of"], a["perm"],
-                                   a["grouped"], a["inner"])
-        group_rows(a["rows"], a["group_of"], a["perm"], plan.groups, a["out"], block)
+        key_order = key_order_streaming(a["coords"], parts, method, block, a["keys"], a["group_of"], a["perm"],
+                                        a["grouped"], a["inner"])
+        group_rows(a["rows"], a["group_of"], a["perm"], key_order.groups, a["out"], block)
         grouped, inner = a["out"].read(0, n), a["inner"].read(0, n)
-        order = np.concatenate([grouped[w0:w1][inner[w0:w1]] for w0, w1 in zip(plan.windows[:-1], plan.windows[1:])]
+        windows = zip(key_order.windows[:-1], key_order.windows[1:])
+        order = np.concatenate([grouped[w0:w1][inner[w0:w1]] for w0, w1 in windows]
                                or [np.zeros(0, np.int64)])
-        assert np.diff(plan.groups).max(initial=0) <= block  # buckets of about half a block: bounded memory
-        assert np.diff(plan.windows).max(initial=0) <= block
-        return order, plan
+        assert np.diff(key_order.groups).max(initial=0) <= block  # buckets of about half a block: bounded memory
+        assert np.diff(key_order.windows).max(initial=0) <= block
+        return order, key_order
     finally:
         for x in a.values():
             x.close()
@@ -186,6 +187,6 @@ def test_out_of_core_key_sort_equals_the_in_memory_partition(tmp_path, cloud, me
     parts, ties (equal keys split over buckets, or all rows equal) ordered by row as in memory."""
     pts = _CLOUDS[cloud](np.random.default_rng(7))
     ref = partition(pts, parts, method)
-    order, plan = _key_sorted(pts, parts, method, block, tmp_path)
-    assert np.array_equal(plan.offsets, ref.offsets)
+    order, key_order = _key_sorted(pts, parts, method, block, tmp_path)
+    assert np.array_equal(key_order.offsets, ref.offsets)
     assert np.array_equal(order, ref.order)

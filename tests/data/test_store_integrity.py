@@ -100,7 +100,7 @@ def test_a_second_ingest_a_moment_later_fails_at_once_and_the_first_completes(ra
         import sys, time
         from pathlib import Path
         from domainflow.app.cli import main
-        import domainflow.preprocess.cfd_layout, domainflow.preprocess.ingest_mesh  # what ingest imports on first use
+        import domainflow.preprocess.cfd_recipe, domainflow.preprocess.ingest_mesh  # what ingest imports on first use
         print("ready", flush=True)
         while not Path({str(path / "runs")!r}).exists():
             time.sleep(0.001)

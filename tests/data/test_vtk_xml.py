@@ -12,87 +12,14 @@ import pytest
 pv = pytest.importorskip("pyvista")
 vtk = pytest.importorskip("vtk")
 
-from domainflow.preprocess.errors import IngestError  # noqa: E402
-from domainflow.preprocess import vtk_xml  # noqa: E402
-from domainflow.preprocess.vtk_xml import VtkXmlFile  # noqa: E402
+from domainflow.vtk import xml_reader  # noqa: E402
+from domainflow.vtk.errors import VtkFileError  # noqa: E402
+from domainflow.vtk.xml_reader import VtkXmlFile  # noqa: E402
+from vtk_oracle import mixed_grid, surface, vtk_topology, write_with_vtk  # noqa: E402
 
 _MODES = ["ascii", "binary", "appended-raw", "appended-base64"]
 _COMPRESSORS = ["none", "zlib", "lz4", "lzma"]
 _CASES = [(m, c) for m in _MODES for c in _COMPRESSORS if m != "ascii" or c == "none"]
-
-
-def _mixed_grid(seed=0) -> "pv.UnstructuredGrid":
-    """Hexahedra, wedges, tetrahedra and a polyhedron, with cell and point arrays of several dtypes."""
-    rng = np.random.default_rng(seed)
-    grid = pv.ImageData(dimensions=(6, 5, 4)).cast_to_unstructured_grid()
-    tets = grid.triangulate().extract_cells(range(0, 40))
-    wpts = np.array([[0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 0, 1], [0, 1, 1]], float) - 5
-    wedges = pv.UnstructuredGrid(np.array([6, 0, 1, 2, 3, 4, 5]), np.array([pv.CellType.WEDGE], np.uint8), wpts)
-    pts = np.array([[0, 0, 0], [1, 0, 0], [1, 1, 0], [0, 1, 0], [0, 0, 1], [1, 0, 1], [1, 1, 1], [0, 1, 1]], float) + 10
-    faces = [6, 4, 0, 1, 2, 3, 4, 4, 5, 6, 7, 4, 0, 1, 5, 4, 4, 1, 2, 6, 5, 4, 2, 3, 7, 6, 4, 3, 0, 4, 7]
-    poly = pv.UnstructuredGrid(np.array([len(faces)] + faces), np.array([pv.CellType.POLYHEDRON], np.uint8), pts)
-    mesh = grid.merge([tets, wedges, poly], merge_points=False)
-    n, p = mesh.n_cells, mesh.n_points
-    mesh.clear_data()
-    mesh.cell_data["pressure"] = rng.standard_normal(n).astype(np.float32)
-    mesh.cell_data["wallShearStress"] = rng.standard_normal((n, 3)).astype(np.float64)
-    mesh.cell_data["region"] = rng.integers(-5, 200, n).astype(np.int32)
-    mesh.cell_data["flag"] = rng.integers(0, 255, n).astype(np.uint8)
-    mesh.point_data["T"] = rng.standard_normal(p).astype(np.float64) * 1e5
-    mesh.point_data["id64"] = rng.integers(-(2**40), 2**40, p).astype(np.int64)
-    return mesh
-
-
-def _surface(seed=0) -> "pv.PolyData":
-    rng = np.random.default_rng(seed)
-    s = pv.Sphere(theta_resolution=30, phi_resolution=20)
-    quads = pv.Plane(i_resolution=4, j_resolution=3).translate((3, 0, 0))
-    s = s.merge(quads)
-    s.clear_data()
-    s.cell_data["CpMeanTrim"] = rng.standard_normal(s.n_cells).astype(np.float32)
-    s.cell_data["wallShearStressMeanTrim"] = rng.standard_normal((s.n_cells, 3)).astype(np.float32)
-    s.point_data["pt"] = rng.standard_normal(s.n_points)
-    return s
-
-
-def _write(mesh, path, mode, compressor, header="UInt32", ids="Int64", big_endian=False, block=512, pieces=1):
-    writer = (vtk.vtkXMLUnstructuredGridWriter() if isinstance(mesh, pv.UnstructuredGrid)
-              else vtk.vtkXMLPolyDataWriter())
-    writer.SetInputData(mesh)
-    writer.SetFileName(str(path))
-    {"ascii": writer.SetDataModeToAscii, "binary": writer.SetDataModeToBinary}.get(
-        mode, writer.SetDataModeToAppended)()
-    if mode.startswith("appended"):
-        writer.SetEncodeAppendedData(mode == "appended-base64")
-    {"none": writer.SetCompressorTypeToNone, "zlib": writer.SetCompressorTypeToZLib,
-     "lz4": writer.SetCompressorTypeToLZ4, "lzma": writer.SetCompressorTypeToLZMA}[compressor]()
-    (writer.SetHeaderTypeToUInt64 if header == "UInt64" else writer.SetHeaderTypeToUInt32)()
-    (writer.SetIdTypeToInt64 if ids == "Int64" else writer.SetIdTypeToInt32)()
-    (writer.SetByteOrderToBigEndian if big_endian else writer.SetByteOrderToLittleEndian)()
-    writer.SetBlockSize(block)  # small blocks: compressed arrays span several
-    writer.SetNumberOfPieces(pieces)
-    assert writer.Write() == 1
-    return path
-
-
-def _vtk_topology(ref):
-    """{name: values} of the topology arrays as VTK's reader holds them (offsets without the leading 0)."""
-    conv = pv.convert_array
-    if isinstance(ref, pv.UnstructuredGrid):
-        out = {"connectivity": ref.cell_connectivity, "offsets": ref.cell_offsets[1:], "types": ref.celltypes}
-        if (ref.celltypes == pv.CellType.POLYHEDRON).any():
-            out["face_connectivity"] = ref.polyhedron_face_connectivity
-            out["face_offsets"] = ref.polyhedron_face_offsets[1:]
-            out["polyhedron_to_faces"] = ref.polyhedron_face_location_connectivity
-            out["polyhedron_offsets"] = ref.polyhedron_face_location_offsets[1:]
-        return {("Cells", k): v for k, v in out.items()}
-    out = {}
-    for section, cells in (("Polys", ref.GetPolys()), ("Lines", ref.GetLines()), ("Verts", ref.GetVerts()),
-                           ("Strips", ref.GetStrips())):
-        if cells.GetNumberOfCells():
-            out[(section, "connectivity")] = conv(cells.GetConnectivityArray())
-            out[(section, "offsets")] = conv(cells.GetOffsetsArray())[1:]
-    return out
 
 
 def _check_equal(path):
@@ -108,7 +35,7 @@ def _check_equal(path):
                 assert got.shape == want.shape and np.array_equal(got, want), (assoc, name)
         pts = f.points()
         assert pts.dtype == ref.points.dtype and np.array_equal(pts, ref.points)
-        for (section, name), want in _vtk_topology(ref).items():
+        for (section, name), want in vtk_topology(ref).items():
             got = f.topology(name, section)
             assert np.array_equal(got, np.asarray(want)), (section, name)
         return f.kind
@@ -117,25 +44,25 @@ def _check_equal(path):
 @pytest.mark.parametrize("mode,compressor", _CASES)
 @pytest.mark.parametrize("header,ids", [("UInt32", "Int32"), ("UInt64", "Int64")])
 def test_every_encoding_of_a_volume_reads_like_vtk(tmp_path, mode, compressor, header, ids):
-    path = _write(_mixed_grid(), tmp_path / "volume.vtu", mode, compressor, header, ids)
+    path = write_with_vtk(mixed_grid(), tmp_path / "volume.vtu", mode, compressor, header, ids)
     assert _check_equal(path) == "UnstructuredGrid"
 
 
 @pytest.mark.parametrize("mode,compressor", _CASES)
 def test_every_encoding_of_a_surface_reads_like_vtk(tmp_path, mode, compressor):
-    path = _write(_surface(), tmp_path / "boundary.vtp", mode, compressor, "UInt64")
+    path = write_with_vtk(surface(), tmp_path / "boundary.vtp", mode, compressor, "UInt64")
     assert _check_equal(path) == "PolyData"
 
 
 @pytest.mark.parametrize("mode,compressor", [("appended-raw", "none"), ("binary", "zlib"), ("ascii", "none")])
 def test_big_endian_files_read_like_vtk(tmp_path, mode, compressor):
-    _check_equal(_write(_mixed_grid(1), tmp_path / "be.vtu", mode, compressor, big_endian=True))
+    _check_equal(write_with_vtk(mixed_grid(1), tmp_path / "be.vtu", mode, compressor, big_endian=True))
 
 
 @pytest.mark.parametrize("mode,compressor", [("appended-raw", "none"), ("appended-base64", "zlib"), ("binary", "lz4"),
                                              ("ascii", "none")])
 def test_several_pieces_in_one_file_join_like_vtk(tmp_path, mode, compressor):
-    path = _write(_surface(2), tmp_path / "pieces.vtp", mode, compressor, pieces=3)
+    path = write_with_vtk(surface(2), tmp_path / "pieces.vtp", mode, compressor, pieces=3)
     with VtkXmlFile(path) as f:
         assert len(f.pieces) == 3
     _check_equal(path)
@@ -146,11 +73,11 @@ def test_several_pieces_in_one_file_join_like_vtk(tmp_path, mode, compressor):
                                              ("appended-base64", "zlib"), ("binary", "zlib"), ("ascii", "none")])
 def test_row_ranges_equal_slices_of_the_whole(tmp_path, mode, compressor, monkeypatch):
     """Also the compressed block header read in slices: every 4th block's offset kept, 8 entries a read."""
-    monkeypatch.setattr(vtk_xml, "SCAN_BLOCK", 97)  # ascii text and the scan cross many block boundaries
-    monkeypatch.setattr(vtk_xml._BlockTable, "STRIDE", 4)
-    monkeypatch.setattr(vtk_xml._BlockTable, "CHUNK", 8)
-    mesh = _mixed_grid(3)
-    path = _write(mesh, tmp_path / "rows.vtu", mode, compressor, block=64, pieces=2)
+    monkeypatch.setattr(xml_reader, "SCAN_BLOCK", 97)  # ascii text and the scan cross many block boundaries
+    monkeypatch.setattr(xml_reader._BlockTable, "STRIDE", 4)
+    monkeypatch.setattr(xml_reader._BlockTable, "CHUNK", 8)
+    mesh = mixed_grid(3)
+    path = write_with_vtk(mesh, tmp_path / "rows.vtu", mode, compressor, block=64, pieces=2)
     ref = pv.read(path)
     with VtkXmlFile(path) as f:
         n = f.n_cells
@@ -159,12 +86,12 @@ def test_row_ranges_equal_slices_of_the_whole(tmp_path, mode, compressor, monkey
             for lo, hi in [(0, 1), (3, 17), (n // 2 - 5, n // 2 + 5), (n - 1, n), (0, n), (7, 7)]:
                 assert np.array_equal(f.read("cell", name, lo, hi), whole[lo:hi]), (name, lo, hi)
         assert np.array_equal(f.points(5, 40), ref.points[5:40])
-        with pytest.raises(IngestError, match=r"rows \[0, .*outside"):
+        with pytest.raises(VtkFileError, match=r"rows \[0, .*outside"):
             f.read("cell", "pressure", 0, n + 1)
 
 
 def test_part_pieces_read_as_one_stream_without_joining(tmp_path):
-    path = _write(_mixed_grid(4), tmp_path / "whole.vtu", "appended-raw", "zlib")
+    path = write_with_vtk(mixed_grid(4), tmp_path / "whole.vtu", "appended-raw", "zlib")
     data = path.read_bytes()
     split = tmp_path / "split" / "volume_1.vtu"
     split.parent.mkdir()
@@ -180,23 +107,23 @@ def test_part_pieces_read_as_one_stream_without_joining(tmp_path):
 
 
 def test_a_missing_part_piece_is_named(tmp_path):
-    path = _write(_surface(), tmp_path / "b.vtp", "appended-raw", "none")
+    path = write_with_vtk(surface(), tmp_path / "b.vtp", "appended-raw", "none")
     data = path.read_bytes()
     (tmp_path / "s.vtp.00.part").write_bytes(data[:300])
     (tmp_path / "s.vtp.02.part").write_bytes(data[600:])
-    with pytest.raises(IngestError, match=r"piece\(s\) \[1\] are missing"):
+    with pytest.raises(VtkFileError, match=r"piece\(s\) \[1\] are missing"):
         VtkXmlFile(tmp_path / "s.vtp")
 
 
 @pytest.mark.parametrize("mode,compressor", [("appended-raw", "none"), ("appended-raw", "zlib"), ("binary", "none"),
                                              ("ascii", "none")])
 def test_a_truncated_file_is_a_named_error(tmp_path, mode, compressor):
-    path = _write(_mixed_grid(), tmp_path / "t.vtu", mode, compressor)
+    path = write_with_vtk(mixed_grid(), tmp_path / "t.vtu", mode, compressor)
     data = path.read_bytes()
     cut = tmp_path / "cut.vtu"
     # cut inside the data: an appended file loses its data (the header still parses), an inline one its end tags
     cut.write_bytes(data[: int(len(data) * 0.7)])
-    with pytest.raises(IngestError, match="cut.vtu"):
+    with pytest.raises(VtkFileError, match="cut.vtu"):
         with VtkXmlFile(cut) as f:
             for name in f.array_names("cell"):
                 f.read("cell", name)
@@ -205,7 +132,7 @@ def test_a_truncated_file_is_a_named_error(tmp_path, mode, compressor):
 
 
 def test_corrupt_compressed_block_is_a_named_error(tmp_path):
-    path = _write(_mixed_grid(), tmp_path / "c.vtu", "appended-raw", "zlib")
+    path = write_with_vtk(mixed_grid(), tmp_path / "c.vtu", "appended-raw", "zlib")
     with VtkXmlFile(path) as f:
         a = f.info("cell", "wallShearStress")
     data = bytearray(path.read_bytes())
@@ -214,15 +141,15 @@ def test_corrupt_compressed_block_is_a_named_error(tmp_path):
     data[body + 2:body + 22] = b"\x00" * 20  # inside its first compressed block
     bad = tmp_path / "bad.vtu"
     bad.write_bytes(bytes(data))
-    with VtkXmlFile(bad) as f, pytest.raises(IngestError, match="bad.vtu: DataArray 'wallShearStress' cannot be decoded"):
+    with VtkXmlFile(bad) as f, pytest.raises(VtkFileError, match="bad.vtu: DataArray 'wallShearStress' cannot be decoded"):
         f.read("cell", "wallShearStress")
 
 
 def test_not_a_mesh_and_unknown_arrays_are_named(tmp_path):
     img = tmp_path / "img.vti"
     pv.ImageData(dimensions=(3, 3, 3)).save(img)
-    with pytest.raises(IngestError, match="ImageData.*UnstructuredGrid .vtu or PolyData .vtp"):
+    with pytest.raises(VtkFileError, match="ImageData.*UnstructuredGrid .vtu or PolyData .vtp"):
         VtkXmlFile(img)
-    path = _write(_surface(), tmp_path / "s.vtp", "appended-raw", "none")
-    with VtkXmlFile(path) as f, pytest.raises(IngestError, match=r"no cell array 'Cp'.*CpMeanTrim"):
+    path = write_with_vtk(surface(), tmp_path / "s.vtp", "appended-raw", "none")
+    with VtkXmlFile(path) as f, pytest.raises(VtkFileError, match=r"no cell array 'Cp'.*CpMeanTrim"):
         f.read("cell", "Cp")

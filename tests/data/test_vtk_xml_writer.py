@@ -8,8 +8,8 @@ import pytest
 
 pv = pytest.importorskip("pyvista")
 
-from domainflow.preprocess.vtk_xml import VtkXmlFile  # noqa: E402
-from domainflow.preprocess.vtk_xml_writer import BLOCK_BYTES, VtkXmlWriter  # noqa: E402
+from domainflow.vtk.xml_reader import VtkXmlFile  # noqa: E402
+from domainflow.vtk.xml_writer import BLOCK_BYTES, VtkXmlWriter  # noqa: E402
 
 
 def _grid():

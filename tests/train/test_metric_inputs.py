@@ -1,5 +1,5 @@
 """A metric whose inputs a store lacks is named in the table and in result.json, never silently left out: force
-CSVs without a ``cl`` column (a real layout's CSV rewritten the way such files come) score drag, and say why
+CSVs without a ``cl`` column (a real data set's CSV rewritten the way such files come) score drag, and say why
 lift is not scored."""
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""CFD layouts beyond DrivaerML (``ingest cfd --layout``): the same synthetic runs re-written by VTK (pyvista)
-in the AhmedML, WindsorML and an OpenFOAM-style layout of one's own (other file and array names, a surface
+"""CFD recipes beyond DrivaerML (``ingest cfd --recipe``): the same synthetic runs re-written by VTK (pyvista)
+in the AhmedML, WindsorML and an OpenFOAM-style recipe of one's own (other file and array names, a surface
 given as a .vtu of polygons, point data, scalar components, absolute pressure, runs from 0, a missing optional
-CSV) ingest into the stores the DrivaerML layout gives after their own non-dimensionalisation; point data is
+CSV) ingest into the stores the DrivaerML recipe gives after their own non-dimensionalisation; point data is
 averaged to cells exactly as VTK's vtkPointDataToCellData does (the streaming reader against the VTK oracle);
-layout mistakes are one line naming the key."""
+recipe mistakes are one line naming the key; the names before the rename (``--layout``, ``--show-layout``, a
+store's ``layout`` attrs) still work."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ pv = pytest.importorskip("pyvista")
 zarr = pytest.importorskip("zarr")
 
 from cli_runner import run_cli  # noqa: E402
-from domainflow.preprocess.cfd_layout import load_layout  # noqa: E402
+from domainflow.preprocess.cfd_recipe import load_recipe  # noqa: E402
 from domainflow.preprocess.errors import IngestError  # noqa: E402
 from domainflow.preprocess.ingest_mesh import MeshOptions, ingest_cfd  # noqa: E402
 from domainflow.preprocess.reference import DRIVAERML  # noqa: E402
@@ -36,7 +37,7 @@ def drivaer(tmp_path_factory):
     """Three synthetic DrivaerML runs (0, 1, 2) and their store."""
     from domainflow.preprocess.synth_drivaerml import synth_drivaerml
 
-    root = tmp_path_factory.mktemp("layouts")
+    root = tmp_path_factory.mktemp("recipes")
     synth_drivaerml(root / "raw", runs=3, cells=500, seed=4, volume_cells=300, volume_pieces=1, first_run=0)
     ingest_cfd(root / "raw", root / "drivaer.zarr", MeshOptions(parts=4, progress=False, split=(0.67, 0.33, 0.0)))
     return root
@@ -112,13 +113,13 @@ def _fields(store: Path, run: str, loc: str) -> dict:
     return out
 
 
-def test_ahmedml_layout_gives_the_drivaerml_store(drivaer, tmp_path):
+def test_ahmedml_recipe_gives_the_drivaerml_store(drivaer, tmp_path):
     raw = _ahmedml(drivaer)
-    report = ingest_cfd(raw, tmp_path / "ahmed.zarr", MeshOptions(layout="ahmedml", parts=4, progress=False,
+    report = ingest_cfd(raw, tmp_path / "ahmed.zarr", MeshOptions(recipe="ahmedml", parts=4, progress=False,
                                                                   split=(0.67, 0.33, 0.0)))
     assert not report.warnings, report.warnings  # our Cp agrees with the file's static(p)_coeffMean
     root = zarr.open_group(str(tmp_path / "ahmed.zarr"), mode="r")
-    assert root.attrs["layout"] == "ahmedml" and root.attrs["reference"]["U_inf"] == 1.0
+    assert root.attrs["recipe"] == "ahmedml" and root.attrs["reference"]["U_inf"] == 1.0
     assert root.attrs["fields"]["surface/Cp"]["source"] == "pMean"
     run2 = root["runs/run_2"].attrs
     assert "geometry" not in run2 and "cd" in run2["forces_constref"]  # the optional CSV it lacks
@@ -141,7 +142,7 @@ def test_windsorml_point_data_on_a_vtu_surface(drivaer, tmp_path, reader):
     if not raw.exists():
         _windsorml(drivaer)
     store = tmp_path / f"windsor-{reader}.zarr"
-    ingest_cfd(raw, store, MeshOptions(layout="windsorml", parts=4, progress=False, split=(0.67, 0.33, 0.0),
+    ingest_cfd(raw, store, MeshOptions(recipe="windsorml", parts=4, progress=False, split=(0.67, 0.33, 0.0),
                                        reader=reader))
     root = zarr.open_group(str(store), mode="r")
     assert root.attrs["fields"]["surface/Cf"]["association"] == "point"
@@ -163,7 +164,7 @@ def test_windsorml_point_data_on_a_vtu_surface(drivaer, tmp_path, reader):
         assert np.corrcoef(got["Cp"][:, 0], want["Cp"][:, 0])[0, 1] > 0.9  # smoothed, still the same field
 
 
-OWN_LAYOUT = """
+OWN_RECIPE = """
 name: openfoam-cases
 runs: case{i}
 files: {surface: "wall_{i}.vtp"}
@@ -190,7 +191,7 @@ def _own(drivaer: Path) -> Path:
         cells.cell_data["wallShearStress"] = s.cell_data["wallShearStressMeanTrim"]
         cells.cell_data_to_point_data(pass_cell_data=False).save(str(dst / f"wall_{i}.vtp"))
         _copy_csvs(src, dst, i, {"geo_parameters_{i}.csv": "params_{i}.csv"})
-    (drivaer / "own.yaml").write_text(OWN_LAYOUT)
+    (drivaer / "own.yaml").write_text(OWN_RECIPE)
     return raw
 
 
@@ -199,14 +200,14 @@ def _cli(*args):
                           text=True, timeout=600)
 
 
-def test_a_layout_file_of_ones_own_through_the_cli_and_training(drivaer, tmp_path):
+def test_a_recipe_file_of_ones_own_through_the_cli_and_training(drivaer, tmp_path):
     raw = _own(drivaer)
-    r = run_cli("ingest", "cfd", raw, tmp_path / "own.zarr", "--layout", drivaer / "own.yaml", "--parts", "4",
+    r = run_cli("ingest", "cfd", raw, tmp_path / "own.zarr", "--recipe", drivaer / "own.yaml", "--parts", "4",
                 "--split", "0.67,0.33,0", "--quiet")
     assert r.returncode == 0, r.stderr[-3000:]
     root = zarr.open_group(str(tmp_path / "own.zarr"), mode="r")
     assert sorted(root["runs"].group_keys()) == ["run_0", "run_1", "run_2"]
-    assert root["runs/run_1"].attrs["folder"] == "case1" and root.attrs["layout"] == "openfoam-cases"
+    assert root["runs/run_1"].attrs["folder"] == "case1" and root.attrs["recipe"] == "openfoam-cases"
     surface = pv.read(str(raw / "case1" / "wall_1.vtp")).point_data_to_cell_data(pass_point_data=False)
     order = root["runs/run_1/surface/order"][...]
     np.testing.assert_allclose(root["runs/run_1/surface/fields/Cp"][...][:, 0],
@@ -215,7 +216,7 @@ def test_a_layout_file_of_ones_own_through_the_cli_and_training(drivaer, tmp_pat
              "model.dim=8", "model.layers=1", "model.heads=2", "model.slices=4", "output.plots=false",
              "output.progress=false", "data.prefetch=0", "--domain", "2")
     assert r.returncode == 0, r.stderr[-3000:]
-    # the force coefficients integrate along the layout's axes over its area (here drag z, lift x, 0.5 m^2)
+    # the force coefficients integrate along the recipe's axes over its area (here drag z, lift x, 0.5 m^2)
     assert root.attrs["forces"] == {"drag_axis": 2, "lift_axis": 0, "reference_area": 0.5}
     row = json.loads((tmp_path / "train" / "result.json").read_text())["eval"]["runs"][0]
     g = root[f"runs/{row['run']}/surface"]
@@ -224,15 +225,15 @@ def test_a_layout_file_of_ones_own_through_the_cli_and_training(drivaer, tmp_pat
     assert abs(force[0]) > 0.1 and abs(force[2]) > 0.1 and abs(force[0] - force[2]) > 0.1
     assert row["model"]["cd_true"] == pytest.approx(force[2], rel=1e-4)
     assert row["model"]["cl_true"] == pytest.approx(force[0], rel=1e-4)
-    # predict finds the raw surface through the layout (case1/wall_1.vtp) and writes onto its polygons
+    # predict finds the raw surface through the recipe (case1/wall_1.vtp) and writes onto its polygons
     r = _cli("predict", tmp_path / "train" / "checkpoints", tmp_path / "own.zarr", tmp_path / "p.vtp", "--run", "run_1",
              "--domain", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     out, raw_surface = pv.read(str(tmp_path / "p.vtp")), pv.read(str(raw / "case1" / "wall_1.vtp"))
     assert out.n_cells == raw_surface.n_cells and out.n_verts == 0 and "Cp_pred" in out.cell_data
     np.testing.assert_array_equal(out.faces, raw_surface.faces)
-    # a reference value given on the command line replaces the layout's
-    r = run_cli("ingest", "cfd", raw, tmp_path / "own2.zarr", "--layout", drivaer / "own.yaml", "--parts", "4",
+    # a reference value given on the command line replaces the recipe's
+    r = run_cli("ingest", "cfd", raw, tmp_path / "own2.zarr", "--recipe", drivaer / "own.yaml", "--parts", "4",
                 "--split", "0.67,0.33,0", "--quiet", "--u-inf", str(2 * U))
     assert r.returncode == 0, r.stderr[-3000:]
     cp2 = zarr.open_group(str(tmp_path / "own2.zarr"), mode="r")["runs/run_1/surface/fields/Cp"][...]
@@ -265,7 +266,7 @@ def test_zero_padded_run_folders_keep_their_digits_in_file_names(drivaer, tmp_pa
      "quantity: velocity}]}", "fields.surface is missing"),
     ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\nfeilds: {}", r"unknown key\(s\) \['feilds'\]"),
     ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\nfields: {surface: [{name: Cp, source: p, quantity: pressure}], "
-     "volume: [{name: U, source: U, quantity: velocity}]}", r"fields names \['volume'\], which the layout's files"),
+     "volume: [{name: U, source: U, quantity: velocity}]}", r"fields names \['volume'\], which the recipe's files"),
     ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\ndata: {surfaces: point}\nfields: {surface: [{name: Cp, "
      "source: p, quantity: pressure}]}", r"data names \['surfaces'\]"),
     ("runs: run_{i}\nfiles: {surface: 'b_{i}_{case}.vtp'}\nfields: {surface: []}", "no other {...} field"),
@@ -279,16 +280,16 @@ def test_zero_padded_run_folders_keep_their_digits_in_file_names(drivaer, tmp_pa
     ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\ndata: points\nfields: {surface: [{name: Cp, source: p, quantity: "
      "pressure}]}", "data.surface='points' is not one of"),
 ])
-def test_layout_mistakes_are_named(tmp_path, text, message):
-    path = tmp_path / "layout.yaml"
+def test_recipe_mistakes_are_named(tmp_path, text, message):
+    path = tmp_path / "recipe.yaml"
     path.write_text(text)
     with pytest.raises(IngestError, match=message):
-        load_layout(path)
+        load_recipe(path)
 
 
 def test_arrays_of_the_wrong_kind_are_named_before_anything_is_written(drivaer, tmp_path):
-    """The AhmedML files read with the WindsorML layout: missing arrays named, cell/point hint given, as the
-    run's one-line error, for both readers; an unknown layout name is one line through the CLI."""
+    """The AhmedML files read with the WindsorML recipe: missing arrays named, cell/point hint given, as the
+    run's one-line error, for both readers; an unknown recipe name is one line through the CLI."""
     raw = drivaer / "ahmed" if (drivaer / "ahmed").exists() else _ahmedml(drivaer)
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text("runs: run_{i}\nfiles: {surface: 'boundary_{i}.vtp'}\ndata: point\n"
@@ -296,8 +297,45 @@ def test_arrays_of_the_wrong_kind_are_named_before_anything_is_written(drivaer, 
     for reader in ("stream", "vtk"):
         with pytest.raises(IngestError, match=r"boundary_0\.vtp: missing point array\(s\) \['pMean'\] \(\['pMean'\] "
                                               r"exist as CELL data"):
-            ingest_cfd(raw, tmp_path / f"w-{reader}.zarr", MeshOptions(layout=wrong, parts=4, progress=False,
+            ingest_cfd(raw, tmp_path / f"w-{reader}.zarr", MeshOptions(recipe=wrong, parts=4, progress=False,
                                                                       reader=reader))
-    r = run_cli("ingest", "cfd", raw, tmp_path / "x.zarr", "--layout", "starccm")
+    r = run_cli("ingest", "cfd", raw, tmp_path / "x.zarr", "--recipe", "starccm")
     lines = [x for x in r.stderr.splitlines() if x.strip()]
-    assert r.returncode != 0 and len(lines) == 1 and "neither a built-in layout" in lines[0], r.stderr
+    assert r.returncode != 0 and len(lines) == 1 and "neither a built-in recipe" in lines[0], r.stderr
+
+
+def test_the_names_before_the_rename_still_work_on_the_command_line(drivaer):
+    """``--layout`` and ``--show-layout`` (the names before issue 36) are hidden aliases of ``--recipe`` and
+    ``--show-recipe``: the same destination, not in the help."""
+    shown = run_cli("ingest", "cfd", "--show-recipe", "ahmedml")
+    old = run_cli("ingest", "cfd", "--show-layout", "ahmedml")
+    assert shown.returncode == old.returncode == 0 and "runs: run_{i}" in shown.stdout and old.stdout == shown.stdout
+    r = run_cli("ingest", "cfd", drivaer / "raw", drivaer / "x.zarr", "--layout", "starccm")
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode != 0 and len(lines) == 1 and "--recipe starccm: neither a built-in recipe" in lines[0], r.stderr
+    r = run_cli("ingest", "cfd", drivaer / "raw", drivaer / "x.zarr", "--layout", "drivaerml", "--recipe", "starccm")
+    assert r.returncode != 0 and "--recipe starccm" in r.stderr  # one destination: the last one given wins
+    usage = run_cli("ingest", "cfd", "--help").stdout
+    assert "--recipe" in usage and "--show-recipe" in usage and "layout" not in usage
+
+
+def test_stores_written_before_the_rename_still_resume_and_predict(drivaer, tmp_path):
+    """A store an older domainflow wrote records its recipe as ``layout`` (in its ingest config and its root
+    attrs): ingest still finds it complete (the same options), predict still finds its raw surface."""
+    from domainflow.readers.store import open_store
+    from domainflow.train.predict import raw_surface_path
+
+    raw = drivaer / "ahmed" if (drivaer / "ahmed").exists() else _ahmedml(drivaer)
+    store = tmp_path / "old.zarr"
+    opts = dict(recipe="ahmedml", parts=4, progress=False, split=(0.67, 0.33, 0.0), locations=("surface",))
+    ingest_cfd(raw, store, MeshOptions(**opts))
+    root = zarr.open_group(str(store), mode="r+")
+    config = dict(root.attrs["ingest"]["config"])
+    assert config["recipe"]["name"] == "ahmedml" and root.attrs["recipe"] == "ahmedml"
+    config["layout"] = config.pop("recipe")  # as written before the rename
+    root.attrs["ingest"] = {**root.attrs["ingest"], "config": config}
+    root.attrs["layout"] = root.attrs.pop("recipe")
+    assert ingest_cfd(raw, store, MeshOptions(**opts)).state == "complete"
+    assert raw_surface_path(open_store(store), "run_1") == raw / "run_1" / "boundary_1.vtp"
+    with pytest.raises(IngestError, match="different options"):  # still compared: another recipe is refused
+        ingest_cfd(raw, store, MeshOptions(**{**opts, "recipe": "windsorml"}))

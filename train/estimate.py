@@ -1,4 +1,4 @@
-"""How many ranks a sample needs: ``domainflow plan``.
+"""How many ranks a sample needs: ``domainflow estimate`` (``domainflow plan`` before issue 36).
 
 One training step of the config (its model, loss, optimizer, dtype, autocast and activation checkpointing: the
 real ``Trainer``) and the evaluation forward after it (no grad, the whole sample; with the config's
@@ -17,7 +17,7 @@ of whatever the heap kept; on a GPU it is the CUDA caching allocator's peak allo
 context and the allocator's cache come on top). A real run's allocator keeps some freed memory on top of
 the live peak (glibc's heap on CPU, the caching allocator's reserve on a GPU), so whether a domain size fits
 is decided with ``headroom`` (default 20%) on top of the prediction (``benchmarks/train_scale.py`` measures
-how far real runs are from the plan).
+how far real runs are from the estimate).
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from dataclasses import dataclass, field
 
 from .config import Config, ConfigError, from_dict
 
-PLAN_SIZES = (16384, 32768)       # points of the two measured samples
-PLAN_STEPS = 2                    # steps per size; the last one (optimizer state in place) is measured
+MEASURE_SIZES = (16384, 32768)       # points of the two measured samples
+MEASURE_STEPS = 2                    # steps per size; the last one (optimizer state in place) is measured
 MEASURE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(64 << 10)}  # freed blocks >= 64 KiB go back to the OS at once
 DOMAINS = (1, 2, 4, 8, 16, 32, 64)
 HEADROOM = 0.20                   # the allocator's share on top of the live peak when deciding what fits
 
 
-class PlanError(ConfigError):
-    """A plan that cannot be made (a grid config, a store too small to measure on); says what to change."""
+class EstimateError(ConfigError):
+    """An estimate that cannot be made (a grid config, a store too small to measure on); says what to change."""
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Line:
         mx, my = sum(sizes) / n, sum(peaks) / n
         slope = sum((x - mx) * (y - my) for x, y in zip(sizes, peaks)) / sum((x - mx) ** 2 for x in sizes)
         if slope <= 0:
-            raise PlanError(f"the peak memory of {what} did not grow from {sizes[0]} to {sizes[-1]} points "
+            raise EstimateError(f"the peak memory of {what} did not grow from {sizes[0]} to {sizes[-1]} points "
                             f"({list(peaks)}); measure larger samples with --sizes")
         return cls(my - slope * mx, slope)
 
@@ -103,13 +103,13 @@ def parts_for(domain: int, parts: int) -> int:
     return max(64, 1 << (8 * domain - 1).bit_length())
 
 
-def check_plannable(cfg: Config) -> tuple[int, int, int]:
+def check_measurable(cfg: Config) -> tuple[int, int, int]:
     """(points of the smallest and of the largest training run, parts per run) of the config's mesh store; a
     grid config or a store without a train split is refused with what to do instead."""
     from domainflow.readers import open_store
 
     if cfg.data.kind != "mesh":
-        raise PlanError("domainflow plan measures memory per point of a mesh sample; a grid config splits rows of "
+        raise EstimateError("domainflow estimate measures memory per point of a mesh sample; a grid config splits rows of "
                         "a fixed grid (measure a step with domainflow train --domain 1 instead)")
     if not cfg.data.store:
         raise ConfigError("data.store is not set; give the path of an ingested store (domainflow ingest ...)")
@@ -118,7 +118,7 @@ def check_plannable(cfg: Config) -> tuple[int, int, int]:
         store.require_kind("mesh")
         runs = store.runs("train")
         if not runs:
-            raise PlanError(f"{store.path} has no runs in its train split; the plan measures a training step on one")
+            raise EstimateError(f"{store.path} has no runs in its train split; the estimate measures a training step on one")
         sizes = [int(store.run(r)[cfg.data.location]["parts"][-1]) for r in runs]
         parts = int(store.parts)
     finally:
@@ -126,21 +126,21 @@ def check_plannable(cfg: Config) -> tuple[int, int, int]:
     return min(sizes), max(sizes), parts
 
 
-def measure(cfg: Config, sizes=PLAN_SIZES, steps: int = PLAN_STEPS) -> MemoryModel:
+def measure(cfg: Config, sizes=MEASURE_SIZES, steps: int = MEASURE_STEPS) -> MemoryModel:
     """Fit a rank's peak memory per training step and per evaluation to the points of the sample, from one
     child process at domain 1."""
     from domainflow.launch import launch_local
 
-    smallest, _, parts = check_plannable(cfg)
+    smallest, _, parts = check_measurable(cfg)
     sizes = tuple(sorted(int(s) for s in sizes))
     if len(sizes) < 2 or sizes[0] < 1 or len(set(sizes)) != len(sizes):
-        raise PlanError(f"the plan needs two or more different sample sizes to measure, got {list(sizes)}")
+        raise EstimateError(f"the estimate needs two or more different sample sizes to measure, got {list(sizes)}")
     if sizes[-1] > smallest:
-        raise PlanError(f"the plan measures samples of {sizes[-1]} points, but the smallest training run of "
+        raise EstimateError(f"the estimate measures samples of {sizes[-1]} points, but the smallest training run of "
                         f"{cfg.data.store} has {smallest}; pass smaller --sizes (e.g. {smallest // 4},{smallest // 2})")
     if steps < 2:
-        raise PlanError("the plan measures the second step or later (the first creates the optimizer state)")
-    with tempfile.TemporaryDirectory(prefix="domainflow-plan-") as out:
+        raise EstimateError("the estimate measures the second step or later (the first creates the optimizer state)")
+    with tempfile.TemporaryDirectory(prefix="domainflow-estimate-") as out:
         result = launch_local(_measure_rank, 1, cfg.to_dict(), sizes, steps, out, env=MEASURE_MALLOC)[0]
     train_peaks = tuple(r["train"] for r in result["sizes"])
     eval_peaks = tuple(r["eval"] for r in result["sizes"])
@@ -236,7 +236,7 @@ def _peak(device) -> int:
 
 @dataclass
 class Row:
-    """One domain size of a plan: points and predicted bytes per rank (the largest rank)."""
+    """One domain size of an estimate: points and predicted bytes per rank (the largest rank)."""
 
     domain: int
     parts: int                 # parts per run the shares assume (more than the store's: a re-ingest)
@@ -244,7 +244,7 @@ class Row:
     eval_points: int           # evaluation of a whole sample
     train_bytes: float
     eval_bytes: float
-    largest: int | None = None  # the largest sample within the plan's memory (None: no memory given)
+    largest: int | None = None  # the largest sample within the estimate's memory (None: no memory given)
 
     @property
     def bytes(self) -> float:
@@ -252,7 +252,7 @@ class Row:
 
 
 @dataclass
-class Plan:
+class Estimate:
     model: MemoryModel
     points: int                    # points of a sample
     step_points: int               # points a training step takes of it (data.sample_points, or all)
@@ -315,16 +315,16 @@ def _largest(ok, lo: int, hi: int) -> int:
     return lo
 
 
-def make_plan(model: MemoryModel, points: int, sample_points: int = 0, memory: int | None = None,
-              max_domain: int = 64, headroom: float = HEADROOM) -> Plan:
+def make_estimate(model: MemoryModel, points: int, sample_points: int = 0, memory: int | None = None,
+              max_domain: int = 64, headroom: float = HEADROOM) -> Estimate:
     """Memory per rank at domain sizes 1..``max_domain`` for a sample of ``points`` (training steps on
     ``sample_points`` of them, 0: all), and the smallest domain size whose prediction, with ``headroom`` for
     the allocator, fits ``memory`` bytes per rank."""
     if points < 1 or max_domain < 1 or sample_points < 0:
-        raise PlanError(f"a plan needs points >= 1, max_domain >= 1 and sample_points >= 0; got {points}, "
+        raise EstimateError(f"an estimate needs points >= 1, max_domain >= 1 and sample_points >= 0; got {points}, "
                         f"{max_domain}, {sample_points}")
     if not (headroom >= 0 and math.isfinite(headroom)):
-        raise PlanError(f"the headroom is a fraction >= 0 (e.g. 0.2), got {headroom}")
+        raise EstimateError(f"the headroom is a fraction >= 0 (e.g. 0.2), got {headroom}")
     step = min(points, sample_points) if sample_points else points
     shown = sorted({w for w in DOMAINS if w <= max_domain} | {max_domain})
     smallest = None
@@ -337,18 +337,18 @@ def make_plan(model: MemoryModel, points: int, sample_points: int = 0, memory: i
     if memory is not None:
         for r in rows:
             r.largest = largest_points(model, memory, r.domain, sample_points, headroom)
-    return Plan(model, points, step, rows, memory, smallest, headroom)
+    return Estimate(model, points, step, rows, memory, smallest, headroom)
 
 
-def format_plan(plan: Plan, cfg: Config) -> str:
-    """The plan as a short table with what it assumes."""
-    m = plan.model
+def format_estimate(estimate: Estimate, cfg: Config) -> str:
+    """The estimate as a short table with what it assumes."""
+    m = estimate.model
     unit = "GPU memory (allocated)" if m.device == "cuda" else "peak resident memory"
-    sampled = plan.step_points != plan.points
+    sampled = estimate.step_points != estimate.points
     lines = [f"{cfg.model.name} (dim {cfg.model.dim}, {cfg.model.layers} layers), {cfg.train.dtype}"
              f"{', bf16 autocast' if cfg.train.autocast == 'bf16' else ''}"
              f"{', activation checkpointing' if cfg.train.checkpoint_activations else ''}; samples of "
-             f"{plan.points:,} points" + (f", {plan.step_points:,} per training step (data.sample_points = "
+             f"{estimate.points:,} points" + (f", {estimate.step_points:,} per training step (data.sample_points = "
                                           f"{cfg.data.sample_points})" if sampled else ""),
              f"measured at domain 1 on {', '.join(f'{s:,}' for s in m.sizes)} points of {cfg.data.store} "
              f"({unit}): training step {_size(m.train.fixed)} + {m.train.per_point / 1024:.2f} KiB per point, "
@@ -357,34 +357,34 @@ def format_plan(plan: Plan, cfg: Config) -> str:
                 f"{m.eval_resident / 1024:.2f} KiB stay for every point of the rank"
                 if m.block_points and m.eval_resident is not None else "")]
     cols = f"{'domain':>6}  {'points/rank':>12}  {'train step':>10}  {'evaluation':>10}  {'memory/rank':>11}"
-    lines.append(cols + (f"  {'largest sample':>14}" if plan.memory is not None else ""))
-    for r in plan.rows:
+    lines.append(cols + (f"  {'largest sample':>14}" if estimate.memory is not None else ""))
+    for r in estimate.rows:
         note = "" if r.parts == m.parts else f"  (re-ingest with --parts {r.parts}: the store has {m.parts})"
-        mark = "  <- smallest within the budget" if r.domain == plan.smallest else ""
-        most = f"  {r.largest:>14,}" if plan.memory is not None else ""
+        mark = "  <- smallest within the budget" if r.domain == estimate.smallest else ""
+        most = f"  {r.largest:>14,}" if estimate.memory is not None else ""
         share = f"{r.eval_points:,}"
         lines.append(f"{r.domain:>6}  {share:>12}  {_size(r.train_bytes):>10}  {_size(r.eval_bytes):>10}  "
                      f"{_size(r.bytes):>11}{most}{mark}{note}")
-    if plan.memory is not None:
-        within = f"{_size(plan.memory)} per rank with {100 * plan.headroom:.0f}% headroom for the allocator"
-        if plan.smallest is None:
+    if estimate.memory is not None:
+        within = f"{_size(estimate.memory)} per rank with {100 * estimate.headroom:.0f}% headroom for the allocator"
+        if estimate.smallest is None:
             floor = max(m.train.fixed, m.eval.fixed)
-            why = (f" (the fixed part alone, {_size(floor)}, exceeds it)" if floor * (1 + plan.headroom) >= plan.memory
+            why = (f" (the fixed part alone, {_size(floor)}, exceeds it)" if floor * (1 + estimate.headroom) >= estimate.memory
                    else "")
-            lines.append(f"no domain size up to {plan.rows[-1].domain} fits {within}{why}; set data.sample_points, "
+            lines.append(f"no domain size up to {estimate.rows[-1].domain} fits {within}{why}; set data.sample_points, "
                          f"train.checkpoint_activations=true, eval.block_points or a smaller model")
         else:
-            lines.append(f"smallest domain size within {within}: {plan.smallest}")
+            lines.append(f"smallest domain size within {within}: {estimate.smallest}")
     return "\n".join(lines)
 
 
-def plan_json(plan: Plan) -> dict:
-    """The plan as plain data (``domainflow plan --json``)."""
+def estimate_json(estimate: Estimate) -> dict:
+    """The estimate as plain data (``domainflow estimate --json``)."""
     from dataclasses import asdict
 
-    return {"points": plan.points, "step_points": plan.step_points, "memory": plan.memory,
-            "smallest_domain": plan.smallest, "headroom": plan.headroom, "model": asdict(plan.model),
-            "rows": [{**asdict(r), "bytes": r.bytes} for r in plan.rows]}
+    return {"points": estimate.points, "step_points": estimate.step_points, "memory": estimate.memory,
+            "smallest_domain": estimate.smallest, "headroom": estimate.headroom, "model": asdict(estimate.model),
+            "rows": [{**asdict(r), "bytes": r.bytes} for r in estimate.rows]}
 
 
 def _size(b: float) -> str:

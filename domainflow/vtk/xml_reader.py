@@ -10,14 +10,13 @@ shipped as ``name.00.part``, ``name.01.part``, ... is read as one virtual byte s
 disk. Memory is bounded by the block size plus what the caller asks for.
 
 VTK's reader stays the reference: the tests compare every encoding, written by VTK itself, with
-``pyvista.read`` value for value.
+``pyvista.read`` value for value. A file that cannot be read is a :class:`VtkFileError` naming it.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from . import zlib_codec
-from .errors import IngestError
-from .vtk_io import _XML_TAIL, check_pieces_complete, pieces_of
+from .errors import VtkFileError
+from .pieces import ByteSource, byte_source
 
 SCAN_BLOCK = 4 << 20  # bytes read at a time while scanning the XML structure
 POINT_GAP = 4096      # point ids further apart than this are read as separate stretches
@@ -35,56 +34,6 @@ _TYPES = {"Int8": "i1", "UInt8": "u1", "Int16": "i2", "UInt16": "u2", "Int32": "
           "Int64": "i8", "UInt64": "u8", "Float32": "f4", "Float64": "f8"}
 _ASSOCIATIONS = {"cell": "CellData", "point": "PointData"}
 _TOPOLOGY = {"UnstructuredGrid": ("Cells",), "PolyData": ("Verts", "Lines", "Strips", "Polys")}
-
-
-# ------------------------------------------------------------------------------------------------
-# bytes: one file, or the .NN.part pieces of one file as one stream
-# ------------------------------------------------------------------------------------------------
-class ByteSource:
-    """Random access to the bytes of ``path`` or, when it ships split, of its ``.NN.part`` pieces in order."""
-
-    def __init__(self, path: Path, pieces: list[Path] | None = None):
-        self.path = Path(path)
-        self.files = [self.path] if pieces is None else list(pieces)
-        self.sizes = [os.path.getsize(f) for f in self.files]
-        self.starts = np.concatenate([[0], np.cumsum(self.sizes)]).tolist()
-        self.size = self.starts[-1]
-        self._fds: list[int | None] = [None] * len(self.files)
-
-    def read(self, offset: int, n: int) -> bytes:
-        """``n`` bytes from ``offset`` (fewer only at the end of the stream)."""
-        out, pos, end = [], offset, min(offset + n, self.size)
-        while pos < end:
-            k = int(np.searchsorted(self.starts, pos, side="right")) - 1
-            if self._fds[k] is None:
-                self._fds[k] = os.open(self.files[k], os.O_RDONLY)
-            take = min(end, self.starts[k + 1]) - pos
-            chunk = os.pread(self._fds[k], take, pos - self.starts[k])
-            if not chunk:
-                raise IngestError(f"{self.path}: {self.files[k].name} changed size while being read")
-            out.append(chunk)
-            pos += len(chunk)
-        return b"".join(out)
-
-    def close(self) -> None:
-        for k, fd in enumerate(self._fds):
-            if fd is not None:
-                os.close(fd)
-                self._fds[k] = None
-
-
-def byte_source(path: Path) -> ByteSource:
-    """``path`` itself, or its ``.NN.part`` pieces (all of them, none missing, ending like a whole VTK XML
-    file) as one stream."""
-    path = Path(path)
-    if path.exists():
-        return ByteSource(path)
-    pieces = pieces_of(path)
-    if not pieces:
-        raise IngestError(f"{path} is missing (neither the file nor {path.name}.00.part pieces exist)")
-    src = ByteSource(path, pieces)
-    check_pieces_complete(path, src.read(0, 64), src.read(max(0, src.size - _XML_TAIL), _XML_TAIL), pieces)
-    return src
 
 
 # ------------------------------------------------------------------------------------------------
@@ -141,7 +90,7 @@ def _scan(src: ByteSource) -> tuple[Element, int | None, str | None]:
         if tag.startswith(b"/"):
             name = tag[1:].strip().decode()
             if stack[-1].name != name:
-                raise IngestError(f"{src.path}: corrupt VTK XML: </{name}> closes <{stack[-1].name}>")
+                raise VtkFileError(f"{src.path}: corrupt VTK XML: </{name}> closes <{stack[-1].name}>")
             stack.pop()
             continue
         selfclosing = tag.endswith(b"/")
@@ -153,13 +102,13 @@ def _scan(src: ByteSource) -> tuple[Element, int | None, str | None]:
             fill(pos + 4096)
             under = buf.find(b"_", pos - buf_at)
             if under < 0:
-                raise IngestError(f"{src.path}: corrupt VTK XML: <AppendedData> without its '_' marker")
+                raise VtkFileError(f"{src.path}: corrupt VTK XML: <AppendedData> without its '_' marker")
             return root, buf_at + under + 1, el.attrs.get("encoding", "raw")
         if not selfclosing:
             stack.append(el)
     if len(stack) > 1:
-        raise IngestError(f"{src.path}: corrupt or truncated VTK file: it ends inside <{stack[-1].name}> (a missing "
-                          f".part piece or a cut download?)")
+        raise VtkFileError(f"{src.path}: corrupt or truncated VTK file: it ends inside <{stack[-1].name}> (a missing "
+                           f".part piece or a cut download?)")
     return root, None, None
 
 
@@ -173,7 +122,7 @@ def _find(src, fill, get_buf, get_at, pos, what: bytes) -> tuple[int, int]:
         if k >= 0:
             return at + k, len(what)
         if at + len(buf) >= src.size:
-            raise IngestError(f"{src.path}: corrupt or truncated VTK file: it ends inside a tag")
+            raise VtkFileError(f"{src.path}: corrupt or truncated VTK file: it ends inside a tag")
         upto += SCAN_BLOCK
 
 
@@ -222,11 +171,11 @@ class VtkXmlFile:
             raise
         vtk = root.find("VTKFile")
         if vtk is None:
-            raise IngestError(f"{self.path}: corrupt or truncated VTK file, or not VTK XML (no <VTKFile> element)")
+            raise VtkFileError(f"{self.path}: corrupt or truncated VTK file, or not VTK XML (no <VTKFile> element)")
         self.kind = vtk.attrs.get("type", "")
         if self.kind not in _TOPOLOGY:
-            raise IngestError(f"{self.path}: VTK XML type {self.kind!r} is not a mesh this reader handles "
-                              f"(UnstructuredGrid .vtu or PolyData .vtp)")
+            raise VtkFileError(f"{self.path}: VTK XML type {self.kind!r} is not a mesh this reader handles "
+                               f"(UnstructuredGrid .vtu or PolyData .vtp)")
         self.big_endian = vtk.attrs.get("byte_order", "LittleEndian") == "BigEndian"
         self.header = np.dtype((">" if self.big_endian else "<") + ("u8" if vtk.attrs.get("header_type") == "UInt64"
                                                                        else "u4"))
@@ -236,7 +185,7 @@ class VtkXmlFile:
         body = vtk.find(self.kind)
         pieces = [p for p in (body.children if body else []) if p.name == "Piece"]
         if not pieces:
-            raise IngestError(f"{self.path}: corrupt or truncated VTK file: it holds no <Piece>")
+            raise VtkFileError(f"{self.path}: corrupt or truncated VTK file: it holds no <Piece>")
         self.pieces = []
         for p in pieces:
             n_points = int(p.attrs.get("NumberOfPoints", 0))
@@ -284,8 +233,8 @@ class VtkXmlFile:
         try:
             return self.pieces[0]["arrays"][association][name]
         except KeyError:
-            raise IngestError(f"{self.path}: no {association} array {name!r}; {association} arrays present: "
-                              f"{self.array_names(association)}") from None
+            raise VtkFileError(f"{self.path}: no {association} array {name!r}; {association} arrays present: "
+                               f"{self.array_names(association)}") from None
 
     # -- reading --------------------------------------------------------------------------------
     def read(self, association: str, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -308,14 +257,14 @@ class VtkXmlFile:
         ``connectivity`` offset by the earlier pieces' points, ``offsets`` continued across pieces."""
         section = section or _TOPOLOGY[self.kind][0]
         if len(self.pieces) > 1 and name not in ("connectivity", "offsets", "types"):
-            raise IngestError(f"{self.path}: {name!r} of a file with {len(self.pieces)} pieces: only connectivity, "
-                              f"offsets and types can be joined across pieces")
+            raise VtkFileError(f"{self.path}: {name!r} of a file with {len(self.pieces)} pieces: only connectivity, "
+                               f"offsets and types can be joined across pieces")
         parts, point_base, conn_base = [], 0, 0
         for p in self.pieces:
             a = p["arrays"]["topology"].get(section, {}).get(name)
             if a is None:
                 if p["counts"].get(section, 0):
-                    raise IngestError(f"{self.path}: <{section}> has no {name!r} array")
+                    raise VtkFileError(f"{self.path}: <{section}> has no {name!r} array")
             else:
                 v = self._decode(a, 0, None)
                 if name == "connectivity" and point_base:
@@ -339,12 +288,12 @@ class VtkXmlFile:
             if a < b:
                 arrays = p["arrays"]["topology"].get(section, {})
                 if "offsets" not in arrays or "connectivity" not in arrays:
-                    raise IngestError(f"{self.path}: <{section}> lacks its offsets or connectivity array")
+                    raise VtkFileError(f"{self.path}: <{section}> lacks its offsets or connectivity array")
                 ends = self._decode(arrays["offsets"], max(a - 1, 0), b).astype(np.int64, copy=False)
                 start = int(ends[0]) if a > 0 else 0
                 ends = ends[1:] if a > 0 else ends
                 if len(ends) != b - a or (np.diff(ends, prepend=start) < 0).any():
-                    raise IngestError(f"{self.path}: <{section}> offsets are not ascending: a corrupt file")
+                    raise VtkFileError(f"{self.path}: <{section}> offsets are not ascending: a corrupt file")
                 ids = self._decode(arrays["connectivity"], start, int(ends[-1])).astype(np.int64, copy=False)
                 sizes.append(np.diff(ends, prepend=start))
                 conn.append(ids + point_base if point_base else ids)
@@ -366,8 +315,8 @@ class VtkXmlFile:
         that a non-empty connectivity refers to, as :meth:`points_of`; returns (rows, connectivity re-indexed
         into them)."""
         if conn.min() < 0 or conn.max() >= self.n_points:
-            raise IngestError(f"{self.path}: the connectivity refers to point {int(conn.max())} of {self.n_points} "
-                              f"(or a negative id): a corrupt file")
+            raise VtkFileError(f"{self.path}: the connectivity refers to point {int(conn.max())} of {self.n_points} "
+                               f"(or a negative id): a corrupt file")
         first, span = int(conn.min()), int(conn.max()) - int(conn.min()) + 1
         if span <= 8 * len(conn):  # ids in a compact range (the usual numbering): a mask, no sort
             mask = np.zeros(span, dtype=bool)
@@ -422,7 +371,7 @@ class VtkXmlFile:
         total = sum(count(p) for p in self.pieces)
         stop = total if stop is None else stop
         if not 0 <= start <= stop <= total:
-            raise IngestError(f"{self.path}: rows [{start}, {stop}) of {what} are outside its {total} rows")
+            raise VtkFileError(f"{self.path}: rows [{start}, {stop}) of {what} are outside its {total} rows")
         out, base = [], 0
         for p in self.pieces:
             n = count(p)
@@ -430,7 +379,7 @@ class VtkXmlFile:
             if lo < hi:
                 a = pick(p)
                 if a is None:
-                    raise IngestError(f"{self.path}: a piece lacks {what}")
+                    raise VtkFileError(f"{self.path}: a piece lacks {what}")
                 out.append(self._decode(a, lo, hi))
             base += n
         if len(out) == 1:
@@ -444,18 +393,18 @@ class VtkXmlFile:
         name = el.attrs.get("Name", "")
         t = el.attrs.get("type")
         if t not in _TYPES:
-            raise IngestError(f"{self.path}: DataArray {name!r} has type {t!r}; numeric types only "
-                              f"({', '.join(_TYPES)})")
+            raise VtkFileError(f"{self.path}: DataArray {name!r} has type {t!r}; numeric types only "
+                               f"({', '.join(_TYPES)})")
         dtype = np.dtype((">" if self.big_endian else "<") + _TYPES[t])
         comps = int(el.attrs.get("NumberOfComponents", 1))
         fmt = el.attrs.get("format", "ascii")
         if fmt == "appended":
             if self._appended is None:
-                raise IngestError(f"{self.path}: DataArray {name!r} is appended but the file has no <AppendedData>")
+                raise VtkFileError(f"{self.path}: DataArray {name!r} is appended but the file has no <AppendedData>")
             return ArrayInfo(name, dtype, comps, rows, fmt, self._appended + int(el.attrs.get("offset", 0)), None,
                              self._app_encoding)
         if fmt not in ("ascii", "binary"):
-            raise IngestError(f"{self.path}: DataArray {name!r} has format {fmt!r} (ascii, binary or appended)")
+            raise VtkFileError(f"{self.path}: DataArray {name!r} has format {fmt!r} (ascii, binary or appended)")
         if not el.text:
             start = end = 0
         else:
@@ -469,11 +418,11 @@ class VtkXmlFile:
                 flat = self._ascii(a, lo, hi)
             else:
                 flat = self._binary(a, lo, hi)
-        except IngestError:
+        except VtkFileError:
             raise
         except (ValueError, *zlib_codec.errors, binascii.Error, EOFError, OSError) as exc:
-            raise IngestError(f"{self.path}: DataArray {a.name!r} cannot be decoded ({type(exc).__name__}: "
-                              f"{str(exc)[:160]}): a corrupt or truncated file") from None
+            raise VtkFileError(f"{self.path}: DataArray {a.name!r} cannot be decoded ({type(exc).__name__}: "
+                               f"{str(exc)[:160]}): a corrupt or truncated file") from None
         flat = flat.astype(a.dtype.newbyteorder("="), copy=False)
         return flat if a.components == 1 else flat.reshape(-1, a.components)
 
@@ -503,8 +452,8 @@ class VtkXmlFile:
         got = sum(len(o) for o in out)
         want = (last if last is not None else seen) - first
         if got != want or (a.rows is not None and hi is None and seen != a.rows * a.components):
-            raise IngestError(f"{self.path}: ascii DataArray {a.name!r} holds {seen} values, expected "
-                              f"{a.rows * a.components if a.rows is not None else want}: a corrupt or truncated file")
+            raise VtkFileError(f"{self.path}: ascii DataArray {a.name!r} holds {seen} values, expected "
+                               f"{a.rows * a.components if a.rows is not None else want}: a corrupt or truncated file")
         return np.concatenate(out) if out else np.zeros(0, a.dtype)
 
     # binary data: [header][data] where header is (nbytes) uncompressed, or (nblocks, blocksize, lastsize,
@@ -545,15 +494,15 @@ class VtkXmlFile:
                 want = table.usize(k)
                 block = decomp(raw, want)
                 if len(block) != want:
-                    raise IngestError(f"{self.path}: DataArray {a.name!r}: block {k} decompresses to {len(block)} "
-                                      f"bytes, its header says {want}: a corrupt file")
+                    raise VtkFileError(f"{self.path}: DataArray {a.name!r}: block {k} decompresses to {len(block)} "
+                                       f"bytes, its header says {want}: a corrupt file")
                 s = b0 - k * bsize if k == k0 else 0
                 e = b1 - k * bsize if k == k1 else len(block)
                 parts.append(block[s:e])
             data = b"".join(parts)
         if len(data) != (hi - lo) * row:
-            raise IngestError(f"{self.path}: DataArray {a.name!r} ends early ({len(data)} of {(hi - lo) * row} bytes): "
-                              f"a corrupt or truncated file")
+            raise VtkFileError(f"{self.path}: DataArray {a.name!r} ends early ({len(data)} of {(hi - lo) * row} "
+                               f"bytes): a corrupt or truncated file")
         return np.frombuffer(bytearray(data), a.dtype)  # writable, like VTK's arrays
 
     def _block_table(self, a: ArrayInfo, stream) -> "_BlockTable":
@@ -564,10 +513,10 @@ class VtkXmlFile:
 
     def _check_rows(self, a: ArrayInfo, total_rows: int, hi: int) -> None:
         if a.rows is not None and total_rows != a.rows:
-            raise IngestError(f"{self.path}: DataArray {a.name!r} holds {total_rows} rows, the piece says {a.rows}: "
-                              f"a corrupt file")
+            raise VtkFileError(f"{self.path}: DataArray {a.name!r} holds {total_rows} rows, the piece says {a.rows}: "
+                               f"a corrupt file")
         if hi > total_rows:
-            raise IngestError(f"{self.path}: DataArray {a.name!r} has {total_rows} rows, {hi} asked for")
+            raise VtkFileError(f"{self.path}: DataArray {a.name!r} has {total_rows} rows, {hi} asked for")
 
 
 class _BlockTable:
@@ -583,7 +532,7 @@ class _BlockTable:
         self.hs, self.header = header.itemsize, header
         nblocks, bsize, last = (int(v) for v in np.frombuffer(stream.head(3 * self.hs), header))
         if nblocks and bsize <= 0:
-            raise IngestError(f"{path}: a compressed DataArray with block size {bsize}: a corrupt file")
+            raise VtkFileError(f"{path}: a compressed DataArray with block size {bsize}: a corrupt file")
         self.nblocks, self.bsize, self.last = nblocks, bsize, last
         self.header_bytes = self.hs * (3 + nblocks)
         self.nbytes = bsize * nblocks - (bsize - last if nblocks and last else 0)
@@ -620,14 +569,14 @@ class _Raw:
     def head(self, n: int) -> bytes:
         b = self.src.read(self.start, n)
         if len(b) < n:
-            raise IngestError(f"{self.src.path}: corrupt or truncated VTK file: it ends inside a DataArray header")
+            raise VtkFileError(f"{self.src.path}: corrupt or truncated VTK file: it ends inside a DataArray header")
         return b
 
     def header(self, at: int, n: int) -> bytes:
         """Bytes [at, at + n) of the array's header."""
         b = self.src.read(self.start + at, n)
         if len(b) < n:
-            raise IngestError(f"{self.src.path}: corrupt or truncated VTK file: it ends inside a DataArray header")
+            raise VtkFileError(f"{self.src.path}: corrupt or truncated VTK file: it ends inside a DataArray header")
         return b
 
     def body(self, header_bytes: int, offset: int, n: int, together: bool) -> bytes:
@@ -646,8 +595,8 @@ class _Base64:
         stop = at + n if self.end is None else min(at + n, self.end)
         got = self.src.read(at, max(stop - at, 0))
         if bytes(got).translate(None, b"\r\n\t ") != got:
-            raise IngestError(f"{self.path}: base64 data with line breaks inside is not supported by the "
-                              f"streaming reader; re-save the file (e.g. pyvista .save) or use binary appended data")
+            raise VtkFileError(f"{self.path}: base64 data with line breaks inside is not supported by the "
+                               f"streaming reader; re-save the file (e.g. pyvista .save) or use binary appended data")
         return got
 
     def head(self, n: int) -> bytes:
@@ -659,7 +608,7 @@ class _Base64:
         g0, g1 = at // 3, (at + n + 2) // 3
         dec = base64.b64decode(self._chars(self.start + 4 * g0, 4 * (g1 - g0)))
         if len(dec) < at - 3 * g0 + n:
-            raise IngestError(f"{self.path}: corrupt or truncated VTK file: it ends inside a DataArray header")
+            raise VtkFileError(f"{self.path}: corrupt or truncated VTK file: it ends inside a DataArray header")
         return dec[at - 3 * g0:at - 3 * g0 + n]
 
     def body(self, header_bytes: int, offset: int, n: int, together: bool) -> bytes:
@@ -697,8 +646,8 @@ def _decompressor(name: str, path: Path):
         try:
             import lz4.block
         except ImportError:
-            raise IngestError(f"{path}: is LZ4-compressed; install the lz4 package (pip install "
-                              f"'domainflow[lz4]') or re-save it with zlib compression") from None
+            raise VtkFileError(f"{path}: is LZ4-compressed; install the lz4 package (pip install "
+                               f"'domainflow[lz4]') or re-save it with zlib compression") from None
         return lambda raw, n: lz4.block.decompress(raw, uncompressed_size=n)
-    raise IngestError(f"{path}: unknown VTK compressor {name!r} (vtkZLibDataCompressor, vtkLZ4DataCompressor "
-                      f"or vtkLZMADataCompressor)")
+    raise VtkFileError(f"{path}: unknown VTK compressor {name!r} (vtkZLibDataCompressor, vtkLZ4DataCompressor "
+                       f"or vtkLZMADataCompressor)")

@@ -1,7 +1,7 @@
-"""Raw CFD run-folder layouts: where a run's files are, which arrays become which stored fields, and how
-they are made dimensionless. ``domainflow ingest cfd RAW STORE --layout NAME|layout.yaml``.
+"""Raw CFD run-folder recipes: where a run's files are, which arrays become which stored fields, and how
+they are made dimensionless. ``domainflow ingest cfd RAW STORE --recipe NAME|recipe.yaml``.
 
-A layout is a YAML mapping (the built-ins below have the same form; ``domainflow ingest cfd --show-layout
+A recipe is a YAML mapping (the built-ins below have the same form; ``domainflow ingest cfd --show-recipe
 NAME`` prints one as a template)::
 
     name: my-openfoam-cases
@@ -30,7 +30,7 @@ Quantities and their scaling (stored = (raw - offset) / scale, recorded per fiel
 
 Point data: each stored row is a cell (the store's rows are cells, with centres, normals and areas), so
 a field given on points is averaged to cells: a cell's value is the mean of its vertices' values, as
-VTK's ``vtkPointDataToCellData`` computes it (the in-memory oracle uses that filter).
+VTK's ``vtkPointDataToCellData`` computes it (the whole-file path, ``reader="vtk"``, uses that filter).
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ class FieldSpec:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """A raw data set's run-folder layout (see the module docstring)."""
+class Recipe:
+    """A raw data set's run-folder recipe (see the module docstring)."""
 
     name: str
     runs: str
@@ -107,13 +107,13 @@ class Layout:
                 i = int(m.group(1))
                 if f"run_{i}" in found:
                     raise IngestError(f"{raw}: folders {found[f'run_{i}'].name} and {p.name} are both run {i} "
-                                      f"of layout {self.name!r} ({self.runs})")
+                                      f"of recipe {self.name!r} ({self.runs})")
                 found[f"run_{i}"] = p
         if not found:
             example = " ".join(sorted(p.name for p in raw.iterdir())[:5])
-            raise IngestError(f"{raw} holds no run folders named {self.runs!r} (layout {self.name!r}); it holds: "
-                              f"{example or 'nothing'}. Pass the layout of this data set (--layout drivaerml, "
-                              f"ahmedml, windsorml or a layout.yaml)")
+            raise IngestError(f"{raw} holds no run folders named {self.runs!r} (recipe {self.name!r}); it holds: "
+                              f"{example or 'nothing'}. Pass the recipe of this data set (--recipe drivaerml, "
+                              f"ahmedml, windsorml or a recipe.yaml)")
         return dict(sorted(found.items(), key=lambda kv: int(kv[0][4:])))
 
     def files_of(self, run_dir: Path, run_id: str) -> dict[str, Path]:
@@ -133,69 +133,69 @@ class Layout:
                            for loc, specs in self.fields.items()}}
 
 
-# -- reading a layout ---------------------------------------------------------------------------
-def parse_layout(data: dict, where: str) -> Layout:
-    """A Layout from its mapping form; every mistake is one IngestError naming ``where`` and the key."""
+# -- reading a recipe ---------------------------------------------------------------------------
+def parse_recipe(data: dict, where: str) -> Recipe:
+    """A Recipe from its mapping form; every mistake is one IngestError naming ``where`` and the key."""
     if not isinstance(data, dict):
-        raise IngestError(f"layout {where}: expected a mapping with keys runs, files, fields; got {type(data).__name__}")
+        raise IngestError(f"recipe {where}: expected a mapping with keys runs, files, fields; got {type(data).__name__}")
     known = {"name", "runs", "files", "csv", "optional_csv", "data", "reference", "fields", "cp_check", "forces"}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise IngestError(f"layout {where}: unknown key(s) {unknown}; the keys are {sorted(known)}")
+        raise IngestError(f"recipe {where}: unknown key(s) {unknown}; the keys are {sorted(known)}")
     for key in ("runs", "files", "fields"):
         if key not in data:
-            raise IngestError(f"layout {where}: '{key}' is missing (see `domainflow ingest cfd --show-layout drivaerml`)")
+            raise IngestError(f"recipe {where}: '{key}' is missing (see `domainflow ingest cfd --show-recipe drivaerml`)")
     runs = str(data["runs"])
     if runs.count("{i}") != 1 or "/" in runs:
-        raise IngestError(f"layout {where}: runs={runs!r} must name a folder with one '{{i}}' for the run number, "
+        raise IngestError(f"recipe {where}: runs={runs!r} must name a folder with one '{{i}}' for the run number, "
                           f"e.g. run_{{i}}")
-    _check_template(runs, f"layout {where}: runs")
+    _check_template(runs, f"recipe {where}: runs")
     files = _mapping(data, "files", where)
     bad = sorted(set(files) - set(LOCATIONS))
     if bad or not files:
-        raise IngestError(f"layout {where}: files has location(s) {bad or 'none'}; use surface and/or volume")
+        raise IngestError(f"recipe {where}: files has location(s) {bad or 'none'}; use surface and/or volume")
     csv = {str(k): str(v) for k, v in _mapping(data, "csv", where).items()}
     clash = sorted(set(csv) & RESERVED_ATTRS)
     if clash:
-        raise IngestError(f"layout {where}: csv key(s) {clash} are names a run's attrs already use; rename them")
+        raise IngestError(f"recipe {where}: csv key(s) {clash} are names a run's attrs already use; rename them")
     for key, template in [*files.items(), *csv.items()]:
-        _check_template(str(template), f"layout {where}: {key} file")
+        _check_template(str(template), f"recipe {where}: {key} file")
     optional = tuple(str(x) for x in data.get("optional_csv", []) or [])
     if set(optional) - set(csv):
-        raise IngestError(f"layout {where}: optional_csv {sorted(set(optional) - set(csv))} are not csv keys {sorted(csv)}")
+        raise IngestError(f"recipe {where}: optional_csv {sorted(set(optional) - set(csv))} are not csv keys {sorted(csv)}")
     assoc = data.get("data", "cell")
     if not isinstance(assoc, (str, dict)):
-        raise IngestError(f"layout {where}: data must be cell, point or a mapping per location, got {assoc!r}")
+        raise IngestError(f"recipe {where}: data must be cell, point or a mapping per location, got {assoc!r}")
     if isinstance(assoc, dict):
-        _only_locations(assoc, files, f"layout {where}: data")
+        _only_locations(assoc, files, f"recipe {where}: data")
     assoc = {loc: assoc for loc in files} if isinstance(assoc, str) else {**{loc: "cell" for loc in files}, **assoc}
     for loc, a in assoc.items():
         if a not in ASSOCIATIONS:
-            raise IngestError(f"layout {where}: data.{loc}={a!r} is not one of {list(ASSOCIATIONS)}")
+            raise IngestError(f"recipe {where}: data.{loc}={a!r} is not one of {list(ASSOCIATIONS)}")
     fields_in = _mapping(data, "fields", where)
-    _only_locations(fields_in, files, f"layout {where}: fields")
+    _only_locations(fields_in, files, f"recipe {where}: fields")
     fields = {}
     for loc in files:
         specs = fields_in.get(loc)
         if specs is not None and not isinstance(specs, list):
-            raise IngestError(f"layout {where}: fields.{loc} must be a list of fields, got {specs!r}")
+            raise IngestError(f"recipe {where}: fields.{loc} must be a list of fields, got {specs!r}")
         if not specs:
-            raise IngestError(f"layout {where}: fields.{loc} is missing: list the fields to store for the {loc}")
+            raise IngestError(f"recipe {where}: fields.{loc} is missing: list the fields to store for the {loc}")
         fields[loc] = tuple(_field(s, loc, assoc[loc], f"{where} fields.{loc}[{k}]") for k, s in enumerate(specs))
         names = [s.name for s in fields[loc]]
         if len(set(names)) != len(names):
-            raise IngestError(f"layout {where}: fields.{loc} names a field twice: {names}")
+            raise IngestError(f"recipe {where}: fields.{loc} names a field twice: {names}")
     ref_in = _mapping(data, "reference", where)
     bad = sorted(set(ref_in) - {"u_inf", "rho_inf", "p_inf", "l_ref"})
     if bad:
-        raise IngestError(f"layout {where}: reference has unknown key(s) {bad}; use u_inf, rho_inf, p_inf, l_ref")
+        raise IngestError(f"recipe {where}: reference has unknown key(s) {bad}; use u_inf, rho_inf, p_inf, l_ref")
     try:
         reference = Reference(**{k: float(v) for k, v in ref_in.items()})
     except (TypeError, ValueError) as exc:
-        raise IngestError(f"layout {where}: reference: {exc}") from None
+        raise IngestError(f"recipe {where}: reference: {exc}") from None
     cp_check = {str(k): str(v) for k, v in _mapping(data, "cp_check", where).items()}
-    _only_locations(cp_check, files, f"layout {where}: cp_check")
-    return Layout(name=str(data.get("name", Path(where).stem)), runs=runs, files={k: str(v) for k, v in files.items()},
+    _only_locations(cp_check, files, f"recipe {where}: cp_check")
+    return Recipe(name=str(data.get("name", Path(where).stem)), runs=runs, files={k: str(v) for k, v in files.items()},
                   fields=fields, csv=csv, optional_csv=optional, reference=reference, cp_check=cp_check,
                   forces=_forces(_mapping(data, "forces", where), where), source=where)
 
@@ -207,13 +207,13 @@ def _forces(spec: dict, where: str) -> dict:
     """The force coefficients' drag and lift axes (x, y or z) and reference area (m^2; None: the train config's)."""
     bad = sorted(set(spec) - set(DEFAULT_FORCES))
     if bad:
-        raise IngestError(f"layout {where}: forces has unknown key(s) {bad}; use drag, lift, reference_area")
+        raise IngestError(f"recipe {where}: forces has unknown key(s) {bad}; use drag, lift, reference_area")
     out = {**DEFAULT_FORCES, **spec}
     for k in ("drag", "lift"):
         if out[k] not in ("x", "y", "z"):
-            raise IngestError(f"layout {where}: forces.{k} must be x, y or z, got {out[k]!r}")
+            raise IngestError(f"recipe {where}: forces.{k} must be x, y or z, got {out[k]!r}")
     if out["drag"] == out["lift"]:
-        raise IngestError(f"layout {where}: forces.drag and forces.lift are both {out['drag']!r}")
+        raise IngestError(f"recipe {where}: forces.drag and forces.lift are both {out['drag']!r}")
     area = out["reference_area"]
     if area is not None:
         try:
@@ -221,7 +221,7 @@ def _forces(spec: dict, where: str) -> dict:
         except (TypeError, ValueError):
             area = -1.0
         if not area > 0:
-            raise IngestError(f"layout {where}: forces.reference_area must be a positive area in m^2, got "
+            raise IngestError(f"recipe {where}: forces.reference_area must be a positive area in m^2, got "
                               f"{out['reference_area']!r}")
     out["reference_area"] = area
     return out
@@ -248,72 +248,72 @@ def _check_template(template: str, what: str) -> None:
 def _only_locations(mapping: dict, files: dict, what: str) -> None:
     bad = sorted(str(k) for k in mapping if k not in files)
     if bad:
-        raise IngestError(f"{what} names {bad}, which the layout's files do not have (it has {sorted(files)})")
+        raise IngestError(f"{what} names {bad}, which the recipe's files do not have (it has {sorted(files)})")
 
 
 def _mapping(data: dict, key: str, where: str) -> dict:
     value = data.get(key) or {}
     if not isinstance(value, dict):
-        raise IngestError(f"layout {where}: '{key}' must be a mapping, got {value!r}")
+        raise IngestError(f"recipe {where}: '{key}' must be a mapping, got {value!r}")
     return value
 
 
 def _field(spec, loc: str, association: str, where: str) -> FieldSpec:
     if not isinstance(spec, dict) or "name" not in spec or "source" not in spec or "quantity" not in spec:
-        raise IngestError(f"layout {where}: a field needs name, source and quantity, got {spec!r}")
+        raise IngestError(f"recipe {where}: a field needs name, source and quantity, got {spec!r}")
     unknown = sorted(set(spec) - {"name", "source", "components", "quantity", "data"})
     if unknown:
-        raise IngestError(f"layout {where}: unknown key(s) {unknown} (name, source, components, quantity, data)")
+        raise IngestError(f"recipe {where}: unknown key(s) {unknown} (name, source, components, quantity, data)")
     sources = tuple(spec["source"]) if isinstance(spec["source"], (list, tuple)) else (str(spec["source"]),)
     if not sources or not all(isinstance(s, str) and s for s in sources):
-        raise IngestError(f"layout {where}: source must be an array name or a list of scalar array names")
+        raise IngestError(f"recipe {where}: source must be an array name or a list of scalar array names")
     try:
         components = int(spec.get("components", len(sources)))
     except (TypeError, ValueError):
-        raise IngestError(f"layout {where}: components must be a whole number, got {spec.get('components')!r}") from None
+        raise IngestError(f"recipe {where}: components must be a whole number, got {spec.get('components')!r}") from None
     if len(sources) > 1 and components != len(sources):
-        raise IngestError(f"layout {where}: {len(sources)} scalar sources make {len(sources)} components, not {components}")
+        raise IngestError(f"recipe {where}: {len(sources)} scalar sources make {len(sources)} components, not {components}")
     if components < 1:
-        raise IngestError(f"layout {where}: components must be >= 1, got {components}")
+        raise IngestError(f"recipe {where}: components must be >= 1, got {components}")
     if spec["quantity"] not in QUANTITIES:
-        raise IngestError(f"layout {where}: quantity {spec['quantity']!r} is not one of {list(QUANTITIES)}")
+        raise IngestError(f"recipe {where}: quantity {spec['quantity']!r} is not one of {list(QUANTITIES)}")
     association = spec.get("data", association)
     if association not in ASSOCIATIONS:
-        raise IngestError(f"layout {where}: data={association!r} is not one of {list(ASSOCIATIONS)}")
+        raise IngestError(f"recipe {where}: data={association!r} is not one of {list(ASSOCIATIONS)}")
     return FieldSpec(str(spec["name"]), sources, components, spec["quantity"], association)
 
 
-def load_layout(name_or_path, reference: Reference | None = None) -> Layout:
-    """A built-in layout by name, or one read from a YAML file; ``reference`` (given on the command line)
-    replaces the layout's reference values."""
-    if isinstance(name_or_path, Layout):
-        layout = name_or_path
+def load_recipe(name_or_path, reference: Reference | None = None) -> Recipe:
+    """A built-in recipe by name, or one read from a YAML file; ``reference`` (given on the command line)
+    replaces the recipe's reference values."""
+    if isinstance(name_or_path, Recipe):
+        recipe = name_or_path
     elif str(name_or_path) in BUILTIN:
-        layout = parse_layout(BUILTIN[str(name_or_path)], str(name_or_path))
+        recipe = parse_recipe(BUILTIN[str(name_or_path)], str(name_or_path))
     else:
         path = Path(name_or_path)
         if not path.is_file():
-            raise IngestError(f"--layout {name_or_path}: neither a built-in layout ({sorted(BUILTIN)}) nor a file")
+            raise IngestError(f"--recipe {name_or_path}: neither a built-in recipe ({sorted(BUILTIN)}) nor a file")
         import yaml
 
         try:
             data = yaml.safe_load(path.read_text())
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-            raise IngestError(f"--layout {path}: not a readable YAML file ({str(exc).splitlines()[0]})") from None
-        layout = parse_layout(data, str(path))
+            raise IngestError(f"--recipe {path}: not a readable YAML file ({str(exc).splitlines()[0]})") from None
+        recipe = parse_recipe(data, str(path))
     if reference is not None:
         from dataclasses import replace
 
-        layout = replace(layout, reference=reference)
-    return layout
+        recipe = replace(recipe, reference=reference)
+    return recipe
 
 
-def show_layout(name: str) -> str:
-    """A built-in layout as YAML (a template for a layout file of one's own)."""
+def show_recipe(name: str) -> str:
+    """A built-in recipe as YAML (a template for a recipe file of one's own)."""
     import yaml
 
     if name not in BUILTIN:
-        raise IngestError(f"--show-layout {name}: not a built-in layout; the built-ins are {sorted(BUILTIN)}")
+        raise IngestError(f"--show-recipe {name}: not a built-in recipe; the built-ins are {sorted(BUILTIN)}")
     notes = {"drivaerml": "DrivAerML (Ashton et al. 2024, arXiv:2408.11969; huggingface.co/datasets/neashton/drivaerml)",
              "ahmedml": "AhmedML (Ashton et al. 2024, arXiv:2407.20801; huggingface.co/datasets/neashton/ahmedml)",
              "windsorml": "WindsorML (Ashton et al. 2024, arXiv:2407.19320; huggingface.co/datasets/neashton/windsorml)"}

@@ -1,6 +1,7 @@
-"""`domainflow plan`: one measured training step at two small sizes, fitted and turned into the memory per rank
-at every domain size and the smallest domain size within a budget; what it cannot plan is refused in one line.
-(How close the plan comes to real runs is measured in benchmarks/train_scale.py, not here.)"""
+"""`domainflow estimate`: one measured training step at two small sizes, fitted and turned into the memory per
+rank at every domain size and the smallest domain size within a budget; what it cannot estimate is refused in one
+line; `domainflow estimate`, its name before issue 36, still runs it. (How close the estimate comes to real runs is
+measured in benchmarks/train_scale.py, not here.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import sys
 
 import pytest
 
-from domainflow.train.plan import Line, MemoryModel, fits, format_plan, largest_points, make_plan, parts_for, rank_points, row
+from domainflow.train.estimate import (Line, MemoryModel, fits, format_estimate, largest_points, make_estimate, parts_for,
+                                      rank_points, row)
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 MODEL = ["model.dim=8", "model.layers=1", "model.heads=2", "model.slices=4"]
@@ -22,41 +24,41 @@ def store(tmp_path_factory):
     from domainflow.preprocess.ingest_mesh import ingest_drivaerml
     from domainflow.preprocess.synth_drivaerml import synth_drivaerml
 
-    root = tmp_path_factory.mktemp("plan")
+    root = tmp_path_factory.mktemp("estimate")
     synth_drivaerml(root / "raw", runs=3, cells=3000, seed=1, volume_cells=200, volume_pieces=1, progress=False)
     ingest_drivaerml(root / "raw", root / "s.zarr", parts=8, progress=False, split=(0.67, 0.33, 0.0),
                      locations=("surface",))
     return root / "s.zarr"
 
 
-def _plan(*args):
-    cmd = [sys.executable, "-m", "domainflow.app.cli", "plan", *args]
+def _estimate(*args):
+    cmd = [sys.executable, "-m", "domainflow.app.cli", "estimate", *args]
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
 
 
-def _plan_here(*args):
+def _estimate_here(*args, command="estimate"):
     from cli_runner import run_cli
 
-    return run_cli("plan", *args)
+    return run_cli(command, *args)
 
 
-def test_plan_prints_memory_per_rank_at_every_domain_size_and_the_smallest_that_fits(store, tmp_path):
-    out = tmp_path / "plan.json"
-    r = _plan(f"data.store={store}", *MODEL, "--points", "100000", "--memory", "600MiB", "--sizes", "512,1024,2048",
-              "--json", str(out))
+def test_estimate_prints_memory_per_rank_at_every_domain_size_and_the_smallest_that_fits(store, tmp_path):
+    out = tmp_path / "estimate.json"
+    r = _estimate(f"data.store={store}", *MODEL, "--points", "100000", "--memory", "600MiB", "--sizes", "512,1024,2048",
+                  "--json", str(out))
     assert r.returncode == 0, r.stderr
-    plan = json.loads(out.read_text())
-    m = plan["model"]
+    estimate = json.loads(out.read_text())
+    m = estimate["model"]
     model = MemoryModel(train=Line(**m["train"]), eval=Line(**m["eval"]), parts=m["parts"])
     assert m["sizes"] == [512, 1024, 2048] and model.parts == 8
     assert model.train.per_point > 0 and model.eval.per_point > 0
     # the measured peaks lie on the fitted lines (each grows with the points), within 10%
     for n, tp, ep in zip(m["sizes"], m["train_peaks"], m["eval_peaks"]):
         assert abs(model.train.bytes_at(n) / tp - 1) < 0.1 and abs(model.eval.bytes_at(n) / ep - 1) < 0.1
-    rows = {row_["domain"]: row_ for row_ in plan["rows"]}
+    rows = {row_["domain"]: row_ for row_ in estimate["rows"]}
     assert {1, 2, 4, 8, 16, 32, 64} <= set(rows)
     for w, row_ in rows.items():
-        # beyond the store's 8 parts the plan assumes the re-ingest it asks for: 8 parts per rank
+        # beyond the store's 8 parts the estimate assumes the re-ingest it asks for: 8 parts per rank
         parts = 8 if w <= 8 else max(64, 8 * w)
         assert row_["parts"] == parts and row_["eval_points"] == row_["train_points"] == rank_points(100000, w, parts)
         assert row_["bytes"] == pytest.approx(max(model.train.bytes_at(row_["train_points"]),
@@ -64,32 +66,32 @@ def test_plan_prints_memory_per_rank_at_every_domain_size_and_the_smallest_that_
     # 5, 6 or 7 ranks over 8 parts leave some rank 2 parts, as many points as at 4 ranks
     assert rank_points(100000, 5, 8) == rank_points(100000, 7, 8) == rank_points(100000, 4, 8) == 25000
     smallest = next((w for w in range(1, 65) if fits(row(model, 100000, 100000, w), 600 * 2**20)), None)
-    assert plan["smallest_domain"] == smallest
+    assert estimate["smallest_domain"] == smallest
     text = r.stdout
     assert "per point" in text and "smallest domain size within 600 MiB per rank" in text
     assert "re-ingest with --parts 128: the store has 8" in text  # domain sizes beyond the store's parts
     # data.sample_points caps the points a training step takes; evaluation still sees the whole sample
-    r = _plan(f"data.store={store}", *MODEL, "data.sample_points=5000", "--points", "100000", "--sizes", "512,1024",
-              "--json", str(out))
+    r = _estimate(f"data.store={store}", *MODEL, "data.sample_points=5000", "--points", "100000", "--sizes", "512,1024",
+                  "--json", str(out))
     assert r.returncode == 0, r.stderr
-    plan = json.loads(out.read_text())
-    assert plan["points"] == 100000 and plan["step_points"] == 5000 and "5,000 per training step" in r.stdout
-    assert plan["rows"][0]["train_points"] == 5000 and plan["rows"][0]["eval_points"] == 100000
-    # block inference: measured once more in blocks; the rows plan each rank's share of the block
-    r = _plan(f"data.store={store}", *MODEL, "eval.block_points=20000", "--points", "100000", "--sizes", "512,1024",
-              "--json", str(out))
+    estimate = json.loads(out.read_text())
+    assert estimate["points"] == 100000 and estimate["step_points"] == 5000 and "5,000 per training step" in r.stdout
+    assert estimate["rows"][0]["train_points"] == 5000 and estimate["rows"][0]["eval_points"] == 100000
+    # block inference: measured once more in blocks; the rows estimate each rank's share of the block
+    r = _estimate(f"data.store={store}", *MODEL, "eval.block_points=20000", "--points", "100000", "--sizes", "512,1024",
+                  "--json", str(out))
     assert r.returncode == 0, r.stderr
-    plan = json.loads(out.read_text())
-    m = plan["model"]
+    estimate = json.loads(out.read_text())
+    m = estimate["model"]
     assert m["block_points"] == 20000 and m["blocked_peak"] > 0 and 0 <= m["eval_resident"] <= m["eval"]["per_point"]
     model = MemoryModel(train=Line(**m["train"]), eval=Line(**m["eval"]), parts=m["parts"], block_points=20000,
                         eval_resident=m["eval_resident"])
-    for row_ in plan["rows"]:
+    for row_ in estimate["rows"]:
         assert row_["eval_bytes"] == pytest.approx(model.eval_bytes(row_["eval_points"], 100000))
     assert "over the domain) of which" in r.stdout
 
 
-def test_block_inference_plans_the_resident_points_and_one_block_of_the_ranks_share():
+def test_block_inference_estimates_the_resident_points_and_one_block_of_the_ranks_share():
     m = MemoryModel(train=Line(1e8, 1000.0), eval=Line(1e8, 500.0), parts=64, block_points=1_000_000,
                     eval_resident=100.0)
     # 4M points at domain 1: 4 blocks of 1M; 100 B stay for all 4M points, the other 400 B for one block
@@ -122,23 +124,37 @@ def test_the_largest_sample_with_block_inference_looks_past_the_step_where_a_blo
     assert fits(row(m, n, n, 1), memory, 0.0) and not fits(row(m, n + 1, n + 1, 1), memory, 0.0)
 
 
-def test_what_cannot_be_planned_is_one_line(store, tmp_path):
+def test_what_cannot_be_estimated_is_one_line(store, tmp_path):
     """Each refused before anything is measured: in this process."""
-    r = _plan_here(f"data.store={store}", *MODEL, "--sizes", "4000,8000")
+    r = _estimate_here(f"data.store={store}", *MODEL, "--sizes", "4000,8000")
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 1 and len(lines) == 1, r.stderr
     assert "the smallest training run" in lines[0] and "pass smaller --sizes" in lines[0]
-    r = _plan_here(f"data.store={store}", "data.kind=grid", "model.name=unet")
+    r = _estimate_here(f"data.store={store}", "data.kind=grid", "model.name=unet")
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 1 and len(lines) == 1 and "mesh sample" in lines[0], r.stderr
-    r = _plan_here(f"data.store={tmp_path / 'none.zarr'}", *MODEL)
+    r = _estimate_here(f"data.store={tmp_path / 'none.zarr'}", *MODEL)
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 1 and len(lines) == 1 and "none.zarr" in lines[0], r.stderr
     for bad, msg in ((["--headroom", "-1"], "--headroom is a fraction"), (["--max-domain", "0"], "--max-domain must"),
                      (["--points", "0"], "--points must")):
-        r = _plan_here(f"data.store={store}", *MODEL, *bad)
+        r = _estimate_here(f"data.store={store}", *MODEL, *bad)
         lines = [x for x in r.stderr.splitlines() if x.strip()]
         assert r.returncode == 1 and len(lines) == 1 and msg in lines[0], r.stderr
+
+
+def test_plan_is_a_hidden_alias_of_estimate(store):
+    """``domainflow plan`` (the name before issue 36) runs the same command, and the help lists only estimate."""
+    from cli_runner import run_cli
+
+    for command in ("estimate", "plan"):
+        r = _estimate_here(f"data.store={store}", *MODEL, "--sizes", "4000,8000", command=command)
+        lines = [x for x in r.stderr.splitlines() if x.strip()]
+        assert r.returncode == 1 and len(lines) == 1 and "the estimate measures samples of 8000 points" in lines[0], \
+            r.stderr
+    usage = run_cli("--help").stdout
+    assert "estimate" in usage and "plan" not in usage, usage
+    assert "--memory" in run_cli("plan", "--help").stdout
 
 
 def test_rank_points_is_the_largest_share_of_the_parts_a_rank_reads():
@@ -151,21 +167,21 @@ def test_rank_points_is_the_largest_share_of_the_parts_a_rank_reads():
 
 def test_smallest_domain_and_largest_sample_follow_the_headroom_and_the_evaluation():
     m = MemoryModel(train=Line(100 * 2**20, 1000.0), eval=Line(100 * 2**20, 100.0), parts=64)
-    plan = make_plan(m, 1_000_000, memory=600 * 2**20, max_domain=64, headroom=0.1)
+    estimate = make_estimate(m, 1_000_000, memory=600 * 2**20, max_domain=64, headroom=0.1)
     # 1M points: W=2 holds 500k points = 100 MiB + 477 MiB = 577 MiB, over 600 MiB / 1.1; W=3 holds 22 of
     # the 64 parts, 343,750 points = 428 MiB, which fits
-    assert plan.smallest == 3
-    assert make_plan(m, 1_000_000, memory=600 * 2**20, headroom=0.0).smallest == 2
-    for r in plan.rows:
+    assert estimate.smallest == 3
+    assert make_estimate(m, 1_000_000, memory=600 * 2**20, headroom=0.0).smallest == 2
+    for r in estimate.rows:
         n = r.largest
         assert fits(row(m, n, n, r.domain), 600 * 2**20, 0.1) and not fits(row(m, n + 1, n + 1, r.domain), 600 * 2**20, 0.1)
     # training on 10k points per step: the evaluation of the whole sample decides, at 100 B per point
-    sampled = make_plan(m, 10_000_000, sample_points=10_000, memory=600 * 2**20, headroom=0.1)
+    sampled = make_estimate(m, 10_000_000, sample_points=10_000, memory=600 * 2**20, headroom=0.1)
     assert sampled.rows[0].train_points == 10_000 and sampled.rows[0].eval_points == 10_000_000
     assert sampled.rows[0].bytes == sampled.rows[0].eval_bytes and sampled.smallest == 3
     assert largest_points(m, 600 * 2**20, 1, 10_000, 0.1) > largest_points(m, 600 * 2**20, 1, 0, 0.1)
     assert largest_points(m, 100 * 2**20, 4) == 0  # the fixed part alone does not fit
-    text = format_plan(make_plan(m, 1_000_000, memory=2**20), _cfg())
+    text = format_estimate(make_estimate(m, 1_000_000, memory=2**20), _cfg())
     assert "no domain size up to 64 fits 1 MiB per rank" in text and "the fixed part alone" in text
 
 

@@ -1,0 +1,158 @@
+"""What goes through pyvista/VTK itself: reading a data set file of any format VTK reads (VTK XML, legacy
+``.vtk``, ...) with only the arrays asked for (:func:`read_dataset`), cell arrays with point data averaged to
+the cells (:func:`read_cells`), and the geometry VTK's filters give: a surface's cell centres, normals and
+areas (:func:`surface_geometry`, :func:`as_polydata`), cell centres (:func:`cell_centres`).
+
+Used by ingest's in-memory path (``reader="vtk"``), ``read_vtk`` of a monolithic file and predict's raw
+surface; bounded-memory reads of VTK XML go through :mod:`domainflow.vtk.xml_reader` instead. Every read runs
+with VTK's printing off under pyvista's error catcher (:mod:`domainflow.vtk.errors`): a corrupt or truncated
+file is a :class:`VtkFileError` naming it. pyvista is imported on first use, never with this module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .errors import MissingArraysError, VtkFileError, first_line, quiet_vtk, raise_caught
+
+
+def read_dataset(path, arrays: dict | None = None, association: str | None = None, optional=(),
+                 shown_as=None, fix: str | None = None):
+    """Read one data set file; returns (dataset, {name: "cell" | "point"} of the arrays asked for and found).
+
+    ``arrays``: {name: "cell" | "point"} to read; where the file's reader can select arrays, only those and
+    those of ``optional`` that exist (as cell data, else as point data) are read. A missing one is a
+    :class:`MissingArraysError` (``fix``: what its hint tells the user to do). None: every array (every one of
+    ``association`` only, where given and the reader can select). ``shown_as``: the name used in errors (the
+    original file when ``path`` is a joined temporary)."""
+    import pyvista as pv
+
+    quiet_vtk()
+    name = shown_as or path
+    wanted = dict(arrays or {})
+    with pv.VtkErrorCatcher(raise_errors=False, send_to_logging=False) as caught:
+        try:
+            reader = pv.get_reader(str(path))
+        except Exception as exc:  # unknown extension, unreadable file
+            raise VtkFileError(f"{name}: cannot be read as VTK ({first_line(exc)})") from None
+        raise_caught(caught, name)
+        selects = hasattr(reader, "disable_all_cell_arrays")  # XML readers do; the legacy .vtk reader does not
+        if selects:
+            try:
+                present = {"cell": list(reader.cell_array_names), "point": list(reader.point_array_names)}
+            except Exception as exc:
+                raise VtkFileError(f"{name}: cannot be read as VTK ({first_line(exc)})") from None
+            raise_caught(caught, name)
+            if arrays is not None:
+                wanted = _resolve(name, wanted, optional, present, fix)
+            if arrays is not None or association is not None:
+                reader.disable_all_cell_arrays()
+                reader.disable_all_point_arrays()
+                chosen = wanted if arrays is not None else dict.fromkeys(present[association], association)
+                for a, kind in chosen.items():
+                    (reader.enable_cell_array if kind == "cell" else reader.enable_point_array)(a)
+        try:
+            mesh = reader.read()
+        except Exception as exc:
+            raise VtkFileError(f"{name}: corrupt or truncated VTK file ({first_line(exc)})") from None
+        raise_caught(caught, name)
+    if mesh is None:
+        raise VtkFileError(f"{name}: VTK read no cells; the file is empty, truncated or not a mesh")
+    if not hasattr(mesh, "n_cells") or not hasattr(mesh, "points"):
+        raise VtkFileError(f"{name}: did not give one dataset (got {type(mesh).__name__}); multi-block data "
+                           f"belongs in a .vtm index")
+    if arrays is not None and not selects:
+        wanted = _resolve(name, wanted, optional, {"cell": list(mesh.cell_data.keys()),
+                                                   "point": list(mesh.point_data.keys())}, fix)
+    return mesh, wanted
+
+
+def _resolve(name, wanted: dict, optional, present: dict, fix) -> dict:
+    """``wanted`` checked against the arrays ``present``, plus the ``optional`` ones found (cell data first)."""
+    absent = {a: kind for a, kind in wanted.items() if a not in present[kind]}
+    if absent:
+        raise MissingArraysError(name, absent, present, fix)
+    for a in optional:
+        if a not in wanted:
+            if a in present["cell"]:
+                wanted[a] = "cell"
+            elif a in present["point"]:
+                wanted[a] = "point"
+    return wanted
+
+
+def read_cells(path: Path, arrays, shown_as: Path | None = None, optional: tuple[str, ...] = (),
+               fix: str | None = None):
+    """Read a mesh keeping only the arrays ``arrays`` (names of CELL arrays, or {name: "cell" | "point"}; point
+    arrays are averaged to cells by VTK's vtkPointDataToCellData) and those of ``optional`` that exist (cell
+    data, or point data averaged); returns (mesh, {name: ndarray per cell}).
+
+    ``shown_as`` is the name used in errors (the original file when ``path`` is a joined temporary); ``fix``
+    ends the hint of a missing array's error (what the caller's user changes)."""
+    name = shown_as or path
+    wanted = dict(arrays) if isinstance(arrays, dict) else {a: "cell" for a in arrays}
+    mesh, wanted = read_dataset(path, wanted, optional=optional, shown_as=name, fix=fix)
+    if mesh.n_cells == 0:
+        raise VtkFileError(f"{name}: VTK read no cells; the file is empty, truncated or not a mesh")
+    if any(kind == "point" for kind in wanted.values()):
+        averaged = mesh.point_data_to_cell_data(pass_point_data=False)
+        for a, kind in wanted.items():
+            if kind == "point":
+                mesh.cell_data[a] = averaged.cell_data[a]
+    out = {}
+    for a in wanted:
+        if a not in mesh.cell_data:
+            raise VtkFileError(f"{name}: array {a!r} listed in the header but could not be read; the file is "
+                               f"corrupt")
+        values = np.asarray(mesh.cell_data[a])
+        if len(values) != mesh.n_cells:
+            raise VtkFileError(f"{name}: array {a!r} has {len(values)} values for {mesh.n_cells} cells")
+        out[a] = values
+    return mesh, out
+
+
+def as_polydata(mesh, name):
+    """A surface as PolyData: itself, or an UnstructuredGrid of polygons with its cells in their order (its
+    data arrays are not carried over)."""
+    import pyvista as pv
+
+    if isinstance(mesh, pv.PolyData):
+        return mesh
+    types = np.asarray(mesh.celltypes)
+    bad = np.flatnonzero(~np.isin(types, (5, 7, 9)))
+    if len(bad):
+        raise VtkFileError(f"{name}: a surface must consist of polygons only; cell {int(bad[0])} has VTK cell "
+                           f"type {int(types[bad[0]])} (triangles 5, polygons 7 and quads 9 are surface cells)")
+    offsets = np.asarray(mesh.cell_offsets if hasattr(type(mesh), "cell_offsets") else mesh.offset)
+    faces = np.insert(np.asarray(mesh.cell_connectivity), offsets[:-1], np.diff(offsets))
+    return pv.PolyData(np.asarray(mesh.points), faces=faces)
+
+
+def surface_geometry(mesh, name) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cell centres, unit normals (from each polygon's own winding) and areas of a surface mesh (PolyData, or
+    an UnstructuredGrid of polygons, taken as PolyData with its cells in their order)."""
+    mesh = as_polydata(mesh, name)
+    others = {"line": mesh.n_lines, "vertex": mesh.n_verts}
+    if any(others.values()) or not mesh.n_cells:
+        found = ", ".join(f"{n} {k} cells" for k, n in others.items() if n)
+        raise VtkFileError(f"{name}: a surface must consist of polygons only, found {found or 'no cells'}")
+    centres = cell_centres(mesh)
+    with_normals = mesh.compute_normals(cell_normals=True, point_normals=False, split_vertices=False,
+                                        consistent_normals=False, auto_orient_normals=False)
+    if with_normals.n_cells != mesh.n_cells:
+        raise VtkFileError(f"{name}: the surface holds non-polygon cells (normals changed the cell count "
+                           f"{mesh.n_cells} -> {with_normals.n_cells}); the surface must be polygons only")
+    normals = np.asarray(with_normals.cell_data["Normals"], dtype=np.float64)
+    areas = np.asarray(mesh.compute_cell_sizes(length=False, area=True, volume=False).cell_data["Area"],
+                       dtype=np.float64)
+    if (areas <= 0).any():
+        n = int((areas <= 0).sum())
+        raise VtkFileError(f"{name}: {n} surface cells have zero or negative area; the mesh is degenerate")
+    return centres, normals, areas
+
+
+def cell_centres(mesh, dtype=np.float64) -> np.ndarray:
+    """VTK's cell centres (its ``cell_centers`` filter) as an (N, 3) array of ``dtype``."""
+    return np.asarray(mesh.cell_centers().points).astype(dtype, copy=False)
