@@ -65,7 +65,7 @@ def plain(size: int, calls: int) -> dict:
     """Plain torch in a fresh process started like the ranks (same allocator settings, one thread)."""
     from domainflow.launch import launch_local
 
-    return launch_local(_plain_rank, 1, size, calls, threads_per_rank=1, env=TUNED_MALLOC)[0]
+    return launch_local(_plain_rank, 1, size, calls, threads_per_rank=1, env=TUNED_MALLOC, start_method="spawn")[0]
 
 
 def _plain_rank(size: int, calls: int) -> dict:
@@ -131,7 +131,7 @@ def _sharded_rank(size: int, calls: int, library: str) -> dict:
 def sharded(size: int, calls: int, world: int, library: str = "domainflow") -> dict:
     from domainflow.launch import launch_local
 
-    per_rank = launch_local(_sharded_rank, world, size, calls, library, threads_per_rank=1, env=TUNED_MALLOC)
+    per_rank = launch_local(_sharded_rank, world, size, calls, library, threads_per_rank=1, env=TUNED_MALLOC, start_method="spawn")
     return {name: max(r[name] for r in per_rank.values()) for name in _ops()}
 
 

@@ -117,7 +117,7 @@ def _launch(fn, nproc: int, *args, malloc: dict | None = None) -> list[dict]:
     from domainflow.launch import launch_local
 
     env = {**{k: None for k in TUNED_MALLOC}, **(malloc or {})}  # glibc's defaults unless tuned
-    res = launch_local(fn, nproc, *args, threads_per_rank=1, env=env)
+    res = launch_local(fn, nproc, *args, threads_per_rank=1, env=env, start_method="spawn")
     return [res[r] for r in sorted(res)]
 
 

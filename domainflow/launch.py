@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
@@ -33,6 +34,12 @@ from domainflow.errors import DomainflowError
 
 _ERRORS_ENV = "DOMAINFLOW_LAUNCH_ERRORS"
 _RDZV_BACKEND = "domainflow-local"
+# what torch's elastic agent sets for each rank (besides TORCHELASTIC_*): the rank's own values win
+_SET_BY_AGENT = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
+                           "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                           "CUDA_VISIBLE_DEVICES", "TORCH_NCCL_ASYNC_ERROR_HANDLING"})
+# variables a process reads when it starts (the C library's), which a forked rank cannot take any more
+_READ_AT_START = ("MALLOC_", "LD_", "GLIBC_TUNABLES")
 
 
 class LaunchError(DomainflowError, RuntimeError):
@@ -45,12 +52,15 @@ def under_launcher() -> bool:
 
 
 def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None = None,
-                 env: dict[str, str | None] | None = None) -> dict[int, object]:
+                 env: dict[str, str | None] | None = None, start_method: str = "forkserver") -> dict[int, object]:
     """Run ``fn(*args)`` on ``nproc`` local ranks (a module-level function); return {rank: result}.
 
     Each rank gets the usual torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), so
-    ``domainflow.init_mesh`` finds it. CPU threads are split between ranks unless given. ``env``: variables
-    set (or, with None, removed) for the ranks only, e.g. glibc's allocator settings, read at their start.
+    ``domainflow.init_mesh`` finds it, and this process's environment and ``sys.path`` as they are at the
+    call. CPU threads are split between ranks unless given. ``env``: variables set (or, with None, removed) for
+    the ranks only. ``start_method``: ``"forkserver"`` (the ranks fork from one server process that imported
+    torch once, so N ranks start in about the time of one import) or ``"spawn"`` (a fresh interpreter per
+    rank: needed for variables read at a process's start, such as glibc's ``MALLOC_*``).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -58,6 +68,12 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
 
     from domainflow.layout.mesh import LOOPBACK_ENV
 
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"launch_local: start_method={start_method!r}; use 'forkserver' or 'spawn'")
+    at_start = sorted(k for k in (env or {}) if k.startswith(_READ_AT_START))
+    if at_start and start_method != "spawn":
+        raise ValueError(f"launch_local: {', '.join(at_start)} are read when a process starts, and forked ranks "
+                         "have started already; pass start_method='spawn'")
     if threads_per_rank is not None:
         threads = str(threads_per_rank)
     else:  # an OMP_NUM_THREADS the user set wins over the even split
@@ -66,8 +82,14 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"domainflow-{uuid.uuid4().hex[:8]}",
         rdzv_backend=_RDZV_BACKEND, rdzv_endpoint="", max_restarts=0, monitor_interval=0.1,
-        start_method="spawn",
+        start_method=start_method,
     )
+    if start_method == "forkserver":  # started (once) before the ranks' variables are set: the server imports
+        # torch once and keeps this process's own environment for whatever else forks from it later
+        from multiprocessing import forkserver
+
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])
+        forkserver.ensure_running()
     errors = tempfile.mkdtemp(prefix="domainflow-launch-")
     # the ranks' Gloo / NCCL sockets on loopback too, whatever interface a cluster profile names
     extra = {"OMP_NUM_THREADS": threads, _ERRORS_ENV: errors, **LOOPBACK_ENV, **(env or {})}
@@ -83,8 +105,10 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
     levels = [q.level for q in quiet]
     for q in quiet:
         q.setLevel(logging.CRITICAL)
+    setup = {"environ": dict(os.environ), "sys_path": list(sys.path), "threads": int(threads),
+             "stdio": _LauncherStdio()}
     try:
-        return elastic_launch(config, _rank_entry)(fn, *args)
+        return elastic_launch(config, _rank_entry)(setup, fn, *args)
     except ChildFailedError as exc:
         raise LaunchError(_first_failure(exc, Path(errors))) from None
     except SignalException as exc:
@@ -179,8 +203,9 @@ def _loopback_rendezvous_class():
     return LoopbackRendezvous
 
 
-def _rank_entry(fn: Callable, *args):
+def _rank_entry(setup: dict, fn: Callable, *args):
     """What each launched rank runs: ``fn(*args)``, with user-facing errors left as one line for the launcher."""
+    _take_launcher_state(setup)
     signal.signal(signal.SIGINT, _interrupt_once)
     try:
         return fn(*args)
@@ -209,6 +234,41 @@ def _rank_entry(fn: Callable, *args):
         # a bug, not a user error: its traceback is what "its output above says why" points at
         _print_traceback()
         raise
+
+
+class _LauncherStdio:
+    """This process's stdout and stderr as they are at the launch, for the ranks to print to: a forked rank's
+    are the fork server's, fixed when it started. Sent with the ranks' arguments as duplicated descriptors
+    (multiprocessing's ``DupFd``); unpickling it in a rank points the rank's descriptors 1 and 2 at them."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _attach_stdio, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _attach_stdio(out, err) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, dup in ((1, out), (2, err)):
+        got = dup.detach()
+        if got != fd:  # a spawned rank is handed the same descriptor numbers
+            os.dup2(got, fd)
+            os.close(got)
+
+
+def _take_launcher_state(setup: dict) -> None:
+    """The launching process's environment, ``sys.path`` and thread count in this rank: a forked rank starts
+    from the fork server's, fixed when the server started (an earlier launch in the same process, say); the
+    variables the elastic agent sets for this rank (RANK, MASTER_PORT, ...) stay."""
+    import torch
+
+    agent = {k: v for k, v in os.environ.items() if k in _SET_BY_AGENT or k.startswith("TORCHELASTIC_")}
+    os.environ.clear()
+    os.environ.update(setup["environ"])
+    os.environ.update(agent)
+    sys.path[:] = setup["sys_path"]
+    torch.set_num_threads(setup["threads"])  # a forked rank's torch loaded before its OMP_NUM_THREADS was set
 
 
 def _print_traceback() -> None:

@@ -141,7 +141,8 @@ def measure(cfg: Config, sizes=MEASURE_SIZES, steps: int = MEASURE_STEPS) -> Mem
     if steps < 2:
         raise EstimateError("the estimate measures the second step or later (the first creates the optimizer state)")
     with tempfile.TemporaryDirectory(prefix="domainflow-estimate-") as out:
-        result = launch_local(_measure_rank, 1, cfg.to_dict(), sizes, steps, out, env=MEASURE_MALLOC)[0]
+        result = launch_local(_measure_rank, 1, cfg.to_dict(), sizes, steps, out, env=MEASURE_MALLOC,
+                              start_method="spawn")[0]
     train_peaks = tuple(r["train"] for r in result["sizes"])
     eval_peaks = tuple(r["eval"] for r in result["sizes"])
     whole = Line.fit(sizes, eval_peaks, "an evaluation")

@@ -9,10 +9,7 @@ store's ``layout`` attrs) still work."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +26,6 @@ from domainflow.preprocess.reference import DRIVAERML  # noqa: E402
 
 U, L = DRIVAERML.u_inf, DRIVAERML.l_ref
 Q = 0.5 * U * U
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -196,8 +192,7 @@ def _own(drivaer: Path) -> Path:
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "domainflow.app.cli", *map(str, args)], env=ENV, capture_output=True,
-                          text=True, timeout=600)
+    return run_cli(*args, env={"OMP_NUM_THREADS": "1"})
 
 
 def test_a_recipe_file_of_ones_own_through_the_cli_and_training(drivaer, tmp_path):

@@ -10,8 +10,6 @@ import functools
 import http.server
 import json
 import os
-import subprocess
-import sys
 import threading
 
 import numpy as np
@@ -65,8 +63,9 @@ def raw(s3):
 
 
 def _cli(env, *args):
-    return subprocess.run([sys.executable, "-m", "domainflow.app.cli", *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    """``domainflow ARGS`` in this process (its ranks forked) with the environment ``env``."""
+    return run_cli(*args, env={**{k: None for k in os.environ if k not in env},
+                               **{k: v for k, v in env.items() if os.environ.get(k) != v}})
 
 
 INGEST = ["--parts", "4", "--locations", "surface", "--split", "0.67,0.33,0", "--quiet"]

@@ -7,9 +7,6 @@ ingest, bits flipped in the chunk files on disk."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -225,12 +222,10 @@ def test_training_on_two_ranks_stops_on_one_line_when_one_rank_reads_a_flipped_b
     rows = zarr.open_group(store, mode="r")[f"runs/{run}/surface/fields/Cp"].chunks[0]
     assert (len(_chunk_files(store, f"runs/{run}/surface/fields/Cp")) - 1) * rows >= offsets[PARTS // 2]  # rank 1's
     _flip_bit(victim)
-    cmd = [sys.executable, "-m", "domainflow.app.cli", "train", f"data.store={store}", f"output.dir={tmp_path / 'out'}",
-           "train.steps=6", "model.dim=8", "model.layers=1", "model.heads=2", "model.slices=4",
-           "output.progress=false", "output.plots=false", "train.eval_every=0", "--domain", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("DOMAINFLOW_TRACEBACK", None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = run_cli("train", f"data.store={store}", f"output.dir={tmp_path / 'out'}",
+                   "train.steps=6", "model.dim=8", "model.layers=1", "model.heads=2", "model.slices=4",
+                   "output.progress=false", "output.plots=false", "train.eval_every=0", "--domain", "2",
+                   env={"OMP_NUM_THREADS": "1", "DOMAINFLOW_TRACEBACK": None})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]

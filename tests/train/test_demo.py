@@ -47,6 +47,40 @@ def test_launch_local_returns_rank_results():
         assert res[r]["sizes"] == [1, 2]
 
 
+def _what_a_rank_sees(name):
+    import sys
+
+    print(f"printed by rank {os.environ.get('RANK')}", flush=True)
+    return {"value": os.environ.get(name), "gone": os.environ.get("DOMAINFLOW_TEST_GONE"), "path": sys.path[0],
+            "threads": torch.get_num_threads(), "rank": os.environ.get("RANK")}
+
+
+def test_a_forked_rank_sees_the_environment_and_path_of_its_own_launch(monkeypatch, tmp_path, capfd):
+    """The fork server outlives a launch; the next launch's ranks still get that launch's environment, sys.path,
+    thread count and stdout (not the server's, fixed at its start), and the agent's own RANK."""
+    from domainflow.launch import launch_local
+
+    monkeypatch.setenv("DOMAINFLOW_TEST_GONE", "old")
+    launch_local(_what_a_rank_sees, 1, "DOMAINFLOW_TEST_MARK")  # starts the server (if none runs yet)
+    monkeypatch.setenv("DOMAINFLOW_TEST_MARK", "second launch")
+    monkeypatch.delenv("DOMAINFLOW_TEST_GONE")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    capfd.readouterr()
+    res = launch_local(_what_a_rank_sees, 2, "DOMAINFLOW_TEST_MARK", threads_per_rank=1)
+    printed = capfd.readouterr().out
+    assert "printed by rank 0" in printed and "printed by rank 1" in printed, printed
+    for r in (0, 1):
+        assert res[r] == {"value": "second launch", "gone": None, "path": str(tmp_path), "threads": 1,
+                          "rank": str(r)}
+
+
+def test_variables_read_at_a_process_start_need_spawned_ranks():
+    from domainflow.launch import launch_local
+
+    with pytest.raises(ValueError, match=r"MALLOC_ARENA_MAX are read when a process starts.*start_method='spawn'"):
+        launch_local(_what_a_rank_sees, 1, "X", env={"MALLOC_ARENA_MAX": "2"})
+
+
 def _demo_in_pool(tmp):
     from domainflow.app.selfcheck import rank_main
 

@@ -4,9 +4,6 @@ the model applied by hand to the store's data; errors known before ranks start i
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,7 +11,6 @@ import pytest
 xr = pytest.importorskip("xarray")
 zarr = pytest.importorskip("zarr")
 
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "DOMAINFLOW_COLLECTIVE_TIMEOUT": "60"}
 INITS = "2020-01-05T00,2020-01-06T12"
 
 
@@ -35,13 +31,10 @@ def trained(tmp_path_factory):
 
 def _predict(trained, out, *args, here=False):
     """``domainflow predict``; ``here``: in this process (for errors raised before any rank starts)."""
-    if here:
-        from cli_runner import run_cli
+    from cli_runner import run_cli
 
-        return run_cli("predict", trained["ckpt"], trained["store"], out, *args)
-    cmd = [sys.executable, "-m", "domainflow.app.cli", "predict", str(trained["ckpt"]), str(trained["store"]), str(out),
-           *args]
-    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    return run_cli("predict", trained["ckpt"], trained["store"], out, *args,
+                   env=None if here else {"OMP_NUM_THREADS": "1", "DOMAINFLOW_COLLECTIVE_TIMEOUT": "60"})
 
 
 def _by_hand(store, ckpt_dir, steps):

@@ -134,19 +134,15 @@ def test_fsdp_through_the_cli_and_predict_from_its_checkpoint(dist, stores, tmp_
     """``domainflow train --dp 2 --domain 2 mesh.dp_strategy=fsdp``, then ``predict`` rebuilds the model
     unsharded from the DCP checkpoint on two ranks."""
     import json
-    import os
-    import subprocess
-    import sys
 
+    from cli_runner import run_cli
     from test_train import MESH_OVERRIDES
 
     extra = ["train.steps=2", "train.batch=2"]
     _, ref_losses, _ = dist.run(1, _fit, "mesh", stores["mesh"], str(tmp_path / "one"), 1, 1, extra)[0]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DOMAINFLOW_COLLECTIVE_TIMEOUT": "60"}
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "domainflow.app.cli", *map(str, args)], env=env,
-                              capture_output=True, text=True, timeout=600)
+        return run_cli(*args, env={"OMP_NUM_THREADS": "1", "DOMAINFLOW_COLLECTIVE_TIMEOUT": "60"})
 
     out = tmp_path / "cli"
     r = cli("train", "--out", out, "--dp", "2", "--domain", "2", f"data.store={stores['mesh']}", *MESH_OVERRIDES,
@@ -157,8 +153,6 @@ def test_fsdp_through_the_cli_and_predict_from_its_checkpoint(dist, stores, tmp_
     r = cli("predict", out / "checkpoints", stores["mesh"], tmp_path / "run.vtp", "--run", res["eval"]["runs"][0]["run"],
             "--domain", "2")
     assert r.returncode == 0 and (tmp_path / "run.vtp").exists(), r.stderr[-3000:]
-    from cli_runner import run_cli
-
     r = run_cli("train", "--out", tmp_path / "bad", f"data.store={stores['mesh']}", "mesh.dp_strategy=zero3")
     assert r.returncode != 0 and "mesh.dp_strategy='zero3' is not one of ['allreduce', 'fsdp']" in r.stderr, r.stderr
 

@@ -5,8 +5,6 @@ without duplicate steps; a logger whose package is missing is one line naming th
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
@@ -16,14 +14,14 @@ mlflow = pytest.importorskip("mlflow")
 
 from domainflow.train.config import ConfigError  # noqa: E402
 
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+from cli_runner import run_cli  # noqa: E402
 
 
 def _train(store, out, steps, *extra):
-    cmd = [sys.executable, "-m", "domainflow.app.cli", "train", "--out", str(out), f"data.store={store}",
-           "data.kind=grid", "model.name=unet", "model.base=4", f"train.steps={steps}", "train.checkpoint_every=2",
-           "output.progress=false", "output.loggers=jsonl,tensorboard,mlflow", "--domain", "2", *extra]
-    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    r = run_cli("train", "--out", out, f"data.store={store}",
+                "data.kind=grid", "model.name=unet", "model.base=4", f"train.steps={steps}", "train.checkpoint_every=2",
+                "output.progress=false", "output.loggers=jsonl,tensorboard,mlflow", "--domain", "2", *extra,
+                env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 

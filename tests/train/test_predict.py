@@ -16,7 +16,10 @@ import pytest
 
 pv = pytest.importorskip("pyvista")
 
+from cli_runner import run_cli  # noqa: E402
+
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "DOMAINFLOW_COLLECTIVE_TIMEOUT": "60"}
+RUN_ENV = {"OMP_NUM_THREADS": "1", "DOMAINFLOW_COLLECTIVE_TIMEOUT": "60"}
 TRAIN = ["model.dim=8", "model.layers=2", "model.heads=2", "model.slices=4", "output.progress=false",
          "output.plots=false", "train.eval_every=0", "data.prefetch=0", "train.steps=2"]
 
@@ -36,9 +39,9 @@ def trained(tmp_path_factory):
     return {"root": root, "store": root / "s.zarr", "ckpt": root / "train" / "checkpoints"}
 
 
-def _predict(trained, *args, timeout=300):
-    cmd = [sys.executable, "-m", "domainflow.app.cli", "predict", str(trained["ckpt"]), str(trained["store"]), *args]
-    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+def _predict(trained, *args):
+    """``domainflow predict`` in this process (its ranks forked); the command's own process: the .pvd test."""
+    return run_cli("predict", trained["ckpt"], trained["store"], *args, env=RUN_ENV)
 
 
 def _raw(trained, run):
@@ -154,7 +157,6 @@ def test_output_names_are_checked_before_ranks_start_and_a_rank_that_cannot_writ
                       (["--run", "run_1", str(tmp_path / "a.vtk")], "must end in .vtp (one file), .pvtp"),
                       (["--run", "run_1", "--pieces", str(tmp_path / "a.vtp")], "name the output a.pvtp"),
                       (["--run", "run_9", str(tmp_path / "a.vtp")], "no run 'run_9'")]:
-        from cli_runner import run_cli  # refused before any rank starts: in this process
 
         r = run_cli("predict", trained["ckpt"], trained["store"], *args, "--domain", "2")
         lines = [x for x in r.stderr.splitlines() if x.strip()]

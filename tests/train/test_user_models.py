@@ -6,9 +6,6 @@ it; a wrong target is one line before any rank starts, a constructor that raises
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +14,9 @@ import pytest
 xr = pytest.importorskip("xarray")
 zarr = pytest.importorskip("zarr")
 
-from cli_runner import run_cli  # noqa: E402  (errors raised before ranks start: in this process)
+from cli_runner import run_cli  # noqa: E402  (the command in this process, its ranks forked)
 from test_forecast import INITS, _by_hand  # noqa: E402
 
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "DOMAINFLOW_COLLECTIVE_TIMEOUT": "60"}
 FNO = f"{Path(__file__).resolve().parent / 'user_models.py'}:FNO"
 GRID = ["data.kind=grid", "train.steps=2", "train.dtype=float64", "output.plots=false", "output.progress=false",
         "data.prefetch=0"]
@@ -38,8 +34,7 @@ def store(tmp_path_factory):
 
 
 def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "domainflow.app.cli", *map(str, args)], env=ENV, capture_output=True,
-                          text=True, timeout=600, cwd=cwd)
+    return run_cli(*args, cwd=cwd, env={"OMP_NUM_THREADS": "1", "DOMAINFLOW_COLLECTIVE_TIMEOUT": "60"})
 
 
 def _train(store, out, *extra):
@@ -138,14 +133,11 @@ def test_a_constructor_that_raises_is_one_line_naming_target_kwargs_and_exceptio
     one = run_cli(*args)  # one rank, in this process
     lines = [x for x in one.stderr.splitlines() if x.strip()]
     assert one.returncode == 1 and lines == [f"error: {want}"], one.stderr[-2000:]
-    env = {k: v for k, v in ENV.items() if k != "DOMAINFLOW_TRACEBACK"}
-    two = subprocess.run([sys.executable, "-m", "domainflow.app.cli", *map(str, args), "--domain", "2"], env=env,
-                         capture_output=True, text=True, timeout=300)
+    two = run_cli(*args, "--domain", "2", env={"DOMAINFLOW_TRACEBACK": None})
     lines = [x for x in two.stderr.splitlines() if x.strip()]
     assert two.returncode == 1 and len(lines) == 1, two.stderr[-3000:]
     assert lines[0].startswith("error: rank ") and want in lines[0], lines
-    shown = subprocess.run([sys.executable, "-m", "domainflow.app.cli", *map(str, args), "--domain", "2"],
-                           env={**env, "DOMAINFLOW_TRACEBACK": "1"}, capture_output=True, text=True, timeout=300)
+    shown = run_cli(*args, "--domain", "2", env={"DOMAINFLOW_TRACEBACK": "1"})
     assert shown.returncode == 1 and "Traceback (most recent call last)" in shown.stderr, shown.stderr[-3000:]
     assert 'raise ValueError(f"width must be a multiple of 3' in shown.stderr and want in shown.stderr, \
         shown.stderr[-3000:]
