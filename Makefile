@@ -6,6 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PYTEST_ARGS ?=
+# test files run on this many pytest workers (pytest-xdist; a file's tests stay on one worker, sharing its fixtures)
+TEST_WORKERS ?= 2
 
 .PHONY: venv test demo bench peers clean distclean
 
@@ -27,11 +29,12 @@ $(VENV)/.stamp: pyproject.toml Makefile | $(PY)
 	$(PIP) install torch==2.13.0
 	@# setuptools/wheel: build backend for --no-build-isolation and for the wheel test.
 	$(PIP) install 'setuptools>=68' wheel
-	$(PIP) install --no-build-isolation -e '.[test]'
+	@# --no-compile: a module is compiled when first imported, not the thousands no test imports
+	$(PIP) install --no-compile --no-build-isolation -e '.[test]'
 	touch $@
 
 test: venv
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo: venv
 	$(VENV)/bin/domainflow demo

@@ -58,10 +58,11 @@ def _finish(procs) -> list[tuple[int, str]]:
 
 
 def _cli(store, out, extra=()) -> tuple[int, str]:
-    """``domainflow train ... --domain 2``: two local ranks started by the CLI itself."""
-    proc = subprocess.Popen([sys.executable, *_train_args(store, out, extra)], env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    return _finish([proc])[0]
+    """``domainflow train ... --domain 2``: two local ranks started by the command (run in this process)."""
+    from cli_runner import run_cli
+
+    r = run_cli(*_train_args(store, out, extra)[2:], env={"OMP_NUM_THREADS": "1", "DOMAINFLOW_COLLECTIVE_TIMEOUT": "60"})
+    return r.returncode, r.stdout + r.stderr
 
 
 def _two_nodes(store, outs, extra=()) -> list[tuple[int, str]]:
