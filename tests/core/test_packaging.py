@@ -169,18 +169,54 @@ def test_editable_install_maps_folders(tmp_path: Path) -> None:
     assert Path(domainflow.readers.__file__).resolve() == (REPO / "readers" / "__init__.py").resolve()
 
 
-@pytest.mark.parametrize("module", ["domainflow.dispatch.engine", "domainflow.ops", "domainflow.comm", "domainflow.ops.neighbours", "domainflow.tensor.shard_tensor", "domainflow.layout.spec",
-                                    "domainflow.tensor.partials", "domainflow.dispatch.registry", "domainflow.train"])
-def test_any_engine_module_can_be_imported_first(module):
-    """No import cycle bites whichever module a user (or a worker) imports first."""
+_FIRST_IMPORTS = ["domainflow.dispatch.engine", "domainflow.ops", "domainflow.comm", "domainflow.ops.neighbours",
+                  "domainflow.tensor.shard_tensor", "domainflow.layout.spec", "domainflow.tensor.partials",
+                  "domainflow.dispatch.registry", "domainflow.train"]
+
+
+@pytest.fixture(scope="module")
+def first_imports():
+    """Each of ``_FIRST_IMPORTS`` imported first, then used, in a fresh process of its own: one interpreter imports
+    torch (not ours) once and forks a child per module, which reports its exit code and error."""
     import subprocess
     import sys
 
-    code = (f"import {module}; import torch, domainflow as df; "
-            "x = df.distribute_tensor(torch.rand(4, 3), df.init_mesh((1,), ('d',)), [df.Shard(0)]); "
-            "assert df.knn(x, 2)[0].shape == (4, 2)")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    code = (
+        "import json, os, sys, traceback\n"
+        "import torch, torch.distributed\n"
+        "results = {}\n"
+        f"for module in {_FIRST_IMPORTS!r}:\n"
+        "    r, w = os.pipe()\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        os.close(r)\n"
+        "        try:\n"
+        "            __import__(module)\n"
+        "            import domainflow as df\n"
+        "            x = df.distribute_tensor(torch.rand(4, 3), df.init_mesh((1,), ('d',)), [df.Shard(0)])\n"
+        "            assert df.knn(x, 2)[0].shape == (4, 2)\n"
+        "            os.write(w, b'ok')\n"
+        "            os._exit(0)\n"
+        "        except BaseException:\n"
+        "            os.write(w, traceback.format_exc()[-2000:].encode())\n"
+        "            os._exit(1)\n"
+        "    os.close(w)\n"
+        "    with os.fdopen(r, 'rb') as f:\n"
+        "        said = f.read().decode()\n"
+        "    _, status = os.waitpid(pid, 0)\n"
+        "    results[module] = [os.waitstatus_to_exitcode(status), said]\n"
+        "print(json.dumps(results))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("module", _FIRST_IMPORTS)
+def test_any_engine_module_can_be_imported_first(module, first_imports):
+    """No import cycle bites whichever module a user (or a worker) imports first."""
+    code, said = first_imports[module]
+    assert code == 0 and said == "ok", said
 
 
 # The core's rooms, bottom to top: a module may import its own room and the rooms below, never above
