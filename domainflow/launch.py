@@ -37,7 +37,7 @@ _RDZV_BACKEND = "domainflow-local"
 # what torch's elastic agent sets for each rank (besides TORCHELASTIC_*): the rank's own values win
 _SET_BY_AGENT = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
                            "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                           "CUDA_VISIBLE_DEVICES", "TORCH_NCCL_ASYNC_ERROR_HANDLING"})
+                           "TORCH_NCCL_ASYNC_ERROR_HANDLING"})
 # variables a process reads when it starts (the C library's), which a forked rank cannot take any more
 _READ_AT_START = ("MALLOC_", "LD_", "GLIBC_TUNABLES")
 
@@ -88,7 +88,9 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
         # torch once and keeps this process's own environment for whatever else forks from it later
         from multiprocessing import forkserver
 
-        multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])
+        if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:  # a caller's own preload list stays, bar __main__
+            ours = [m for m in forkserver._forkserver._preload_modules if m != "__main__"]
+            multiprocessing.set_forkserver_preload([*ours, *(m for m in ("torch", "torch.distributed") if m not in ours)])
         forkserver.ensure_running()
     errors = tempfile.mkdtemp(prefix="domainflow-launch-")
     # the ranks' Gloo / NCCL sockets on loopback too, whatever interface a cluster profile names
@@ -105,8 +107,11 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
     levels = [q.level for q in quiet]
     for q in quiet:
         q.setLevel(logging.CRITICAL)
-    setup = {"environ": dict(os.environ), "sys_path": list(sys.path), "threads": int(threads),
-             "stdio": _LauncherStdio()}
+    # a forked rank's parent is the fork server, not this process: the end of this pipe's write side (this
+    # process exiting, killed or not) is how the ranks learn that their launcher is gone
+    lifeline_r, lifeline_w = os.pipe()
+    setup = {"environ": dict(os.environ), "sys_path": list(sys.path), "stdio": _LauncherStdio(),
+             "lifeline": _Lifeline(lifeline_r)}
     try:
         return elastic_launch(config, _rank_entry)(setup, fn, *args)
     except ChildFailedError as exc:
@@ -114,6 +119,8 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
     except SignalException as exc:
         raise KeyboardInterrupt(str(exc)) from None
     finally:
+        os.close(lifeline_r)
+        os.close(lifeline_w)
         for q, level in zip(quiet, levels):
             q.setLevel(level)
         shutil.rmtree(errors, ignore_errors=True)
@@ -244,17 +251,60 @@ class _LauncherStdio:
     def __reduce__(self):
         from multiprocessing import reduction
 
-        return _attach_stdio, (reduction.DupFd(1), reduction.DupFd(2))
+        return _attach_stdio, tuple(reduction.DupFd(fd) if _is_open(fd) else None for fd in (1, 2))
+
+
+class _Lifeline:
+    """The read end of a pipe whose write end only the launching process holds: sent to each rank as a
+    duplicated descriptor."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _watch_lifeline, (reduction.DupFd(self.fd),)
+
+
+def _watch_lifeline(dup) -> None:
+    """In a rank: when the launcher is gone (its end of the pipe closed: it exited, or was killed), stop as
+    Ctrl-C would, and for good after 10 s (a rank blocked in a collective does not see the interrupt)."""
+    import threading
+
+    fd = dup.detach()
+
+    def watch():
+        while os.read(fd, 1):
+            pass
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(10)
+        os._exit(130)
+
+    threading.Thread(target=watch, name="domainflow-lifeline", daemon=True).start()
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:  # e.g. a daemon that closed its stdout: the ranks keep the server's
+        return False
+    return True
 
 
 def _attach_stdio(out, err) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    for fd, dup in ((1, out), (2, err)):
+    for fd, dup, name in ((1, out, "stdout"), (2, err, "stderr")):
+        if dup is None:
+            continue
+        stream = getattr(sys, name)
+        if stream is not None:
+            stream.flush()
         got = dup.detach()
         if got != fd:  # a spawned rank is handed the same descriptor numbers
             os.dup2(got, fd)
             os.close(got)
+        if stream is None:  # the server started without this stream
+            setattr(sys, name, open(fd, "w", buffering=1, closefd=False))
 
 
 def _take_launcher_state(setup: dict) -> None:
@@ -268,7 +318,9 @@ def _take_launcher_state(setup: dict) -> None:
     os.environ.update(setup["environ"])
     os.environ.update(agent)
     sys.path[:] = setup["sys_path"]
-    torch.set_num_threads(setup["threads"])  # a forked rank's torch loaded before its OMP_NUM_THREADS was set
+    threads = os.environ.get("OMP_NUM_THREADS", "").split(",")[0]
+    if threads.isdigit() and int(threads) > 0:  # a forked rank's torch loaded before its OMP_NUM_THREADS was set
+        torch.set_num_threads(int(threads))
 
 
 def _print_traceback() -> None:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -125,3 +126,57 @@ def test_a_bug_in_a_rank_shows_its_traceback(tmp_path):
     out = res.stdout + res.stderr
     assert "LAUNCH ERROR: rank 1 died" in out, out[-3000:]
     assert "ZeroDivisionError: a bug in rank one's code" in out and "line 5, in buggy" in out, out[-3000:]
+
+
+_SLEEPING_RANKS = """
+import os, sys, time
+sys.path[:0] = {path!r}
+
+
+def sleeper(folder):
+    open(os.path.join(folder, os.environ["RANK"]), "w").write(str(os.getpid()))
+    time.sleep(300)
+
+
+if __name__ == "__main__":
+    from domainflow.launch import launch_local
+
+    launch_local(sleeper, 2, sys.argv[1])
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has stopped (this container's init may never reap it)
+
+
+def test_a_killed_launcher_leaves_no_rank_behind(tmp_path):
+    """SIGKILL of the launching process (the OOM killer, a scheduler): its ranks, forked from the fork server and
+    so not its children, notice it through the lifeline pipe and stop, instead of running on or hanging."""
+    script = tmp_path / "launcher.py"
+    script.write_text(_SLEEPING_RANKS.format(path=sys.path))
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script), str(folder)], env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(list(folder.iterdir())) < 2 and proc.poll() is None:
+            time.sleep(0.1)
+        pids = [int(p.read_text()) for p in folder.iterdir() if p.read_text()]
+        assert len(pids) == 2, f"ranks did not start: {proc.poll()}"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+        assert not [p for p in pids if _alive(p)], "ranks still running after their launcher was killed"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in [int(p.read_text()) for p in folder.iterdir() if p.read_text()]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
