@@ -92,17 +92,3 @@ def cars_raw_large(tmp_path_factory):
     synth_drivaerml(path, runs=8, cells=3000, seed=5, volume_cells=200, volume_pieces=1, progress=False)
     return path
 
-
-# -- order: the folders whose files take longest first, so that the xdist workers (make test) finish together
-# instead of one running the training tests alone at the end
-_LONGEST_FIRST = ("train", "data", "core", "ops", "harness")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    tests = os.path.dirname(os.path.abspath(__file__))
-
-    def folder_rank(item):
-        folder = os.path.relpath(str(item.fspath), tests).split(os.sep)[0]
-        return _LONGEST_FIRST.index(folder) if folder in _LONGEST_FIRST else len(_LONGEST_FIRST)
-
-    items.sort(key=folder_rank)  # stable: each file's own order stays
