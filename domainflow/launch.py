@@ -27,7 +27,7 @@ import tempfile
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from domainflow.errors import DomainflowError
@@ -52,7 +52,8 @@ def under_launcher() -> bool:
 
 
 def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None = None,
-                 env: dict[str, str | None] | None = None, start_method: str = "forkserver") -> dict[int, object]:
+                 env: dict[str, str | None] | None = None, start_method: str = "forkserver",
+                 preload: Sequence[str] = ()) -> dict[int, object]:
     """Run ``fn(*args)`` on ``nproc`` local ranks (a module-level function); return {rank: result}.
 
     Each rank gets the usual torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), so
@@ -60,7 +61,8 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
     call. CPU threads are split between ranks unless given. ``env``: variables set (or, with None, removed) for
     the ranks only. ``start_method``: ``"forkserver"`` (the ranks fork from one server process that imported
     torch once, so N ranks start in about the time of one import) or ``"spawn"`` (a fresh interpreter per
-    rank: needed for variables read at a process's start, such as glibc's ``MALLOC_*``).
+    rank: needed for variables read at a process's start, such as glibc's ``MALLOC_*``). ``preload``: modules
+    the ranks will import, imported once in the fork server instead of in every rank (when this call starts it).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -84,14 +86,8 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
         rdzv_backend=_RDZV_BACKEND, rdzv_endpoint="", max_restarts=0, monitor_interval=0.1,
         start_method=start_method,
     )
-    if start_method == "forkserver":  # started (once) before the ranks' variables are set: the server imports
-        # torch once and keeps this process's own environment for whatever else forks from it later
-        from multiprocessing import forkserver
-
-        if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:  # a caller's own preload list stays, bar __main__
-            ours = [m for m in forkserver._forkserver._preload_modules if m != "__main__"]
-            multiprocessing.set_forkserver_preload([*ours, *(m for m in ("torch", "torch.distributed") if m not in ours)])
-        forkserver.ensure_running()
+    if start_method == "forkserver":  # started before the ranks' variables are set
+        _fork_server(preload)
     errors = tempfile.mkdtemp(prefix="domainflow-launch-")
     # the ranks' Gloo / NCCL sockets on loopback too, whatever interface a cluster profile names
     extra = {"OMP_NUM_THREADS": threads, _ERRORS_ENV: errors, **LOOPBACK_ENV, **(env or {})}
@@ -129,6 +125,24 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+_SERVER_MODULES = ("torch", "torch.distributed")
+
+
+def _fork_server(preload: Sequence[str]) -> None:
+    """Start multiprocessing's fork server, once, importing torch and ``preload``: the ranks fork from it with
+    those imports done, which would otherwise cost every rank seconds of CPU. A server already running is used
+    as it is (stopping one waits for every process that inherited its pipe, forked pool workers included). It
+    keeps this process's environment as it is now for whatever else forks from it later; a caller's own preload
+    list stays, bar ``__main__``."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is None:
+        listed = [m for m in server._preload_modules if m != "__main__"]
+        multiprocessing.set_forkserver_preload([*listed, *(m for m in (*_SERVER_MODULES, *preload) if m not in listed)])
+    forkserver.ensure_running()
 
 
 def _loopback_store(timeout_s: float = 300.0):
@@ -321,6 +335,21 @@ def _take_launcher_state(setup: dict) -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "").split(",")[0]
     if threads.isdigit() and int(threads) > 0:  # a forked rank's torch loaded before its OMP_NUM_THREADS was set
         torch.set_num_threads(int(threads))
+    _reread_import_time_settings()
+
+
+def _reread_import_time_settings() -> None:
+    """Settings that libraries the fork server imported read from the environment then (fsspec's ``FSSPEC_*``,
+    zarr's ``ZARR_*``), read again from this rank's: a remote store's endpoint set for this launch must count."""
+    fsspec_config = sys.modules.get("fsspec.config")
+    if fsspec_config is not None:
+        fsspec_config.conf.clear()
+        fsspec_config.conf_dir = os.environ.get("FSSPEC_CONFIG_DIR", fsspec_config.default_conf_dir)
+        fsspec_config.set_conf_files(fsspec_config.conf_dir, fsspec_config.conf)
+        fsspec_config.set_conf_env(fsspec_config.conf, os.environ)
+    zarr = sys.modules.get("zarr")
+    if zarr is not None:
+        zarr.config.refresh()
 
 
 def _print_traceback() -> None:

@@ -29,8 +29,16 @@ if sys.path[:1] != [_HERE]:
         sys.path.remove(_HERE)
     sys.path.insert(0, _HERE)
 
+import multiprocessing  # noqa: E402
+
 import pytest  # noqa: E402
 from dist_pool import WORLD_SIZES, PoolCache  # noqa: E402
+
+from domainflow.train.run import RANK_MODULES  # noqa: E402
+
+# whichever test starts this process's fork server first (launch_local or a pool), it imports what the ranks
+# import, once
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", *RANK_MODULES])
 
 
 @pytest.fixture(scope="session")

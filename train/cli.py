@@ -164,6 +164,7 @@ def _estimate(args) -> int:
 def _predict(args) -> int:
     from domainflow.launch import launch_local, under_launcher
     from .predict import checkpoint_kind, predict_config, predict_main
+    from .run import RANK_MODULES
 
     if checkpoint_kind(args.checkpoint) == "grid":
         from .forecast import forecast_config, forecast_main
@@ -176,7 +177,7 @@ def _predict(args) -> int:
         if args.domain * args.lon == 1 or under_launcher():
             return forecast_main(*call)
         forecast_config(*call)  # errors known before ranks start
-        launch_local(forecast_main, args.domain * args.lon, *call)
+        launch_local(forecast_main, args.domain * args.lon, *call, preload=RANK_MODULES)
         return 0
     if not args.run or args.init is not None:
         raise ValueError("a mesh checkpoint predicts runs: give --run run_<i> (--init is for grid checkpoints)")
@@ -187,5 +188,5 @@ def _predict(args) -> int:
         return predict_main(*call)
     predict_config(args.checkpoint, args.store, runs, args.domain, args.block_points, args.out, args.pieces,
                    args.trust_model_target)  # errors known before ranks start
-    launch_local(predict_main, args.domain, *call)
+    launch_local(predict_main, args.domain, *call, preload=RANK_MODULES)
     return 0

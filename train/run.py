@@ -7,6 +7,11 @@ from pathlib import Path
 
 from .config import Config, from_dict
 
+# what a training, prediction or forecast rank imports (torch._dynamo: torch.optim's optimizers do), imported once
+# in the launcher's fork server rather than in every rank
+RANK_MODULES = ("torch._dynamo", "zarr", "domainflow.dispatch.engine", "domainflow.ops", "domainflow.train.loop",
+                "domainflow.train.predict", "domainflow.train.forecast")
+
 
 def rank_main(cfg_dict: dict, resume: bool, init_from: str | None = None, overwrite: bool = False,
               claimed: bool = False) -> dict:
@@ -42,7 +47,8 @@ def run_training(cfg: Config, nproc: int | None = None, resume: bool = False, in
         preflight(cfg, resume, init_from)
         if need == 1:
             return rank_main(cfg.to_dict(), resume, init_from, overwrite, claimed=True)
-        return launch_local(rank_main, need, cfg.to_dict(), resume, init_from, overwrite, True)[0]
+        return launch_local(rank_main, need, cfg.to_dict(), resume, init_from, overwrite, True,
+                            preload=RANK_MODULES)[0]
     finally:
         if lock is not None:
             lock.release()

@@ -17,7 +17,7 @@ def _selfcheck(args) -> int:
     if under_launcher():
         res = rank_main(*call)
         return report(res, args.out) if res.get("rank") == 0 else 0
-    results = launch_local(rank_main, args.nproc, *call)
+    results = launch_local(rank_main, args.nproc, *call, preload=("domainflow.dispatch.engine", "domainflow.ops"))
     return report(results[0], args.out)
 
 

@@ -11,7 +11,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("DOMAINFLOW_COLLECTIVE_TIMEOUT", "300"))
+
+
+def default_timeout_s() -> float:
+    """Seconds before a collective times out: ``DOMAINFLOW_COLLECTIVE_TIMEOUT`` as it is now (read at each use:
+    a rank forked from a server that imported this module long before gets its own launch's value), else 300."""
+    return float(os.environ.get("DOMAINFLOW_COLLECTIVE_TIMEOUT", "300"))
+
+
 # the loopback interface for Gloo's pairs and NCCL's bootstrap: a 1-rank group, and the ranks of a local launch
 LOOPBACK_ENV = dict.fromkeys(("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"), "lo0" if sys.platform == "darwin" else "lo")
 
@@ -49,7 +56,7 @@ def init_mesh(shape: Sequence[int] | int, names: Sequence[str] | str | None = No
             backend = None  # let torch pick the accelerator's default backend
         if device_type != "cpu":
             getattr(torch, device_type).set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        t = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
+        t = datetime.timedelta(seconds=timeout_s or default_timeout_s())
         dist.init_process_group(backend=backend, timeout=t, **alone)
     world = dist.get_world_size()
     total = 1

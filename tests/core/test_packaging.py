@@ -177,13 +177,14 @@ _FIRST_IMPORTS = ["domainflow.dispatch.engine", "domainflow.ops", "domainflow.co
 @pytest.fixture(scope="module")
 def first_imports():
     """Each of ``_FIRST_IMPORTS`` imported first, then used, in a fresh process of its own: one interpreter imports
-    torch (not ours) once and forks a child per module, which reports its exit code and error."""
+    torch and its DTensor package (not ours: seconds each time) once and forks a child per module, which reports
+    its exit code and error."""
     import subprocess
     import sys
 
     code = (
         "import json, os, sys, traceback\n"
-        "import torch, torch.distributed\n"
+        "import torch, torch.distributed, torch.distributed.tensor\n"
         "results = {}\n"
         f"for module in {_FIRST_IMPORTS!r}:\n"
         "    r, w = os.pipe()\n"

@@ -527,7 +527,10 @@ def _get_context(method: str):
             from multiprocessing import forkserver
 
             if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:
-                preload = ["__main__", "torch", "torch.distributed", "faulthandler"]
+                from domainflow.train.run import RANK_MODULES
+
+                # what the workers and the ranks of launch_local (which uses this server too) import, once
+                preload = ["__main__", "torch", "torch.distributed", "faulthandler", *RANK_MODULES]
                 if __name__ != "__main__":
                     preload.append(__name__)
                 ctx.set_forkserver_preload(preload)

@@ -74,6 +74,28 @@ def test_a_forked_rank_sees_the_environment_and_path_of_its_own_launch(monkeypat
                           "rank": str(r)}
 
 
+def _library_settings():
+    import fsspec.config
+    import zarr
+
+    from domainflow.layout.mesh import default_timeout_s
+
+    return {"s3": fsspec.config.conf.get("s3", {}).get("endpoint_url"), "zarr": zarr.config.get("async.concurrency"),
+            "timeout": default_timeout_s()}
+
+
+def test_settings_libraries_read_at_import_come_from_the_ranks_own_launch():
+    """The fork server imported fsspec, zarr and domainflow when it started: their settings from the environment
+    (an S3 endpoint, zarr's config, the collective timeout) are this launch's, given for the ranks only."""
+    from domainflow.launch import launch_local
+
+    launch_local(_library_settings, 1, preload=("zarr", "domainflow.layout.mesh"))  # starts a server if none runs
+    res = launch_local(_library_settings, 2, env={"FSSPEC_S3_ENDPOINT_URL": "http://127.0.0.1:9",
+                                                  "ZARR_ASYNC__CONCURRENCY": "7", "DOMAINFLOW_COLLECTIVE_TIMEOUT": "12"})
+    for r in (0, 1):
+        assert res[r] == {"s3": "http://127.0.0.1:9", "zarr": 7, "timeout": 12.0}
+
+
 def test_variables_read_at_a_process_start_need_spawned_ranks():
     from domainflow.launch import launch_local
 
