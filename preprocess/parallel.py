@@ -150,7 +150,10 @@ def _worker_died(procs: list, workers: int):
     while any(getattr(p, "exitcode", 0) is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.02)
     codes = [p.exitcode for p in procs if getattr(p, "exitcode", None) not in (None, 0)]
-    code = next((c for c in codes if c != -signal.SIGTERM), codes[0] if codes else None)
+    # the cause before its consequences: a worker killed by a signal, not the pool's SIGTERM to the others nor
+    # another's exit code 1 (its queue to this process broke when the pool did)
+    code = next((c for c in codes if c < 0 and c != -signal.SIGTERM), next(
+        (c for c in codes if c != -signal.SIGTERM), codes[0] if codes else None))
     if code is None:
         how = "died"
     elif code == -signal.SIGKILL:

@@ -5,8 +5,9 @@ outside autograd), then routes registered Python-level functions (handlers that 
 node, e.g. reductions whose gradient must stay sharded). ``__torch_dispatch__`` (below autograd) applies
 these rules in order, chosen once per op and cached:
 1. a registered aten handler (``ops/`` registers the built-in ones);
-2. the pointwise rule (``ops/pointwise.py`` registers it) for ops tagged pointwise: arithmetic output
-   layouts, one plan cached per input layout;
+2. the pointwise rule (``ops/pointwise.py`` registers it) for elementwise ops (``elementwise.py``: tagged
+   pointwise by torch, or decomposed by torch into pointwise ops only): arithmetic output layouts, one plan
+   cached per input layout;
 3. an op torch composes of others, reaching us whole (``torch.inference_mode()``): its
    decomposition;
 4. local execution when every ShardTensor input is replicated;
@@ -25,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from domainflow.dispatch import fast_path as _fast
+from domainflow.dispatch.elementwise import is_elementwise_call, is_tagged_elementwise, may_be_elementwise
 from domainflow.dispatch.registry import REGISTRY
 from domainflow.dispatch.toolkit import hook_plain_grads, run_replicated, shard_tensors, tracing as _tracing
 from domainflow.dispatch.toolkit import into_plain, is_sharded, op_name, plain_destination_error
@@ -32,9 +34,6 @@ from domainflow.dispatch.toolkit import unsupported_or_fallback
 from domainflow.tensor import consistency as _consistency
 from domainflow.tensor.shard_tensor import ShardTensor
 
-_POINTWISE = torch.Tag.pointwise
-# elementwise ops torch does not tag pointwise: building complex numbers (e.g. for an FFT's input)
-_UNTAGGED_POINTWISE = frozenset({torch.ops.aten.complex.default, torch.ops.aten.polar.default})
 _INPLACE = torch.Tag.inplace
 _OUT = torch.Tag.out
 # runs ``func`` with __torch_function__ disabled for subclasses (the C implementation torch uses)
@@ -172,11 +171,12 @@ def _route(func):
     handler = REGISTRY.aten.get(func)
     if handler is not None:
         route = handler
-    elif _OUT not in func.tags and (_POINTWISE in func.tags or func in _UNTAGGED_POINTWISE
-                                    or _inplace_of_pointwise(func)):
+    elif _OUT not in func.tags and (is_tagged_elementwise(func) or _in_place_form(func, is_tagged_elementwise)):
         route = REGISTRY.pointwise or _generic
     elif torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
         route = _decomposed
+    elif _OUT not in func.tags and (may_be_elementwise(func) or _in_place_form(func, may_be_elementwise)):
+        route = _elementwise_if_it_says_so
     else:
         route = _generic
     if (_INPLACE in func.tags or _OUT in func.tags) and route is not REGISTRY.pointwise:
@@ -261,14 +261,28 @@ def _decomposed(func, args, kwargs):
     return _generic(func, args, kwargs) if out is NotImplemented else out
 
 
-def _inplace_of_pointwise(func) -> bool:
-    """``masked_fill_`` and friends: in-place ops whose out-of-place form is tagged pointwise."""
+def _out_of_place(func):
+    """``masked_fill`` for ``masked_fill_`` (same overload); None for an op that is not an in-place form."""
     name = func._schema.name.split("::")[-1]
     if not name.endswith("_") or _INPLACE not in func.tags and not func._schema.is_mutable:
-        return False
+        return None
     packet = getattr(torch.ops.aten, name[:-1], None)
-    base = getattr(packet, func._overloadname, None) if packet is not None else None
-    return base is not None and _POINTWISE in base.tags
+    return getattr(packet, func._overloadname, None) if packet is not None else None
+
+
+def _in_place_form(func, test) -> bool:
+    """``masked_fill_`` and friends: in-place ops whose out-of-place form passes ``test``."""
+    base = _out_of_place(func)
+    return base is not None and test(base)
+
+
+def _elementwise_if_it_says_so(func, args, kwargs):
+    """An op torch does not tag pointwise but decomposes (or builds on TensorIterator): the pointwise rule when
+    this call is elementwise (``elementwise.is_elementwise_call``, decided once per kind of arguments), else
+    the generic path."""
+    if is_elementwise_call(_out_of_place(func) or func, args, kwargs):
+        return REGISTRY.pointwise(func, args, kwargs)
+    return _generic(func, args, kwargs)
 
 
 def clear_routes() -> None:
