@@ -1,13 +1,14 @@
 """PyTorch's op database against domainflow, every op: how many run exactly, are refused by name, give a wrong
 result or crash, on 2 and 3 real ranks (Gloo). The cases are ``tests/harness/op_db_cases.py``'s: each op's
 first two float64 samples, the input sharded unevenly along its first dim of length >= 2 (one layout with every
-rank holding rows, one with an empty shard), forward and input gradient against one process.
+rank holding rows, one with an empty shard), forward and input gradient against one process; an op refused by
+name runs again under the opt-in ``fallback("gather")`` (``gather``: exact then; ``refused``: refused even then).
 
 Run: .venv/bin/python benchmarks/op_db_sweep.py [--worlds 2,3] [--ops NAME,...] [--update-refusals]
 (several minutes). Prints a table and writes benchmarks/results/op_db_sweep.json with every op's outcome;
-``--update-refusals`` rewrites ``tests/ops/op_db_refusals.json``: the refused ops (coverage may only grow) and
-the known wrong results and crashes (to be fixed), the lists the standing test of issue 37 is to hold us to (it
-is not in the suite yet: a sample run still leaves ranks out of step after some crashes).
+``--update-refusals`` rewrites ``tests/ops/op_db_refusals.json``: the refused ops, each ``gather`` or
+``refused`` (coverage may only grow) and the known wrong results and crashes (to be fixed), the lists
+``tests/ops/test_op_db.py`` holds a fixed sample of ops to.
 Needs the test extra (``expecttest`` for torch's op database).
 """
 
@@ -48,7 +49,7 @@ def main() -> int:
             results[world], seconds[world] = sweep(pools, world, names, args.chunk), time.perf_counter() - t0
     finally:
         pools.close()
-    kinds = ["exact", "refused", "wrong", "crash", "skip"]
+    kinds = ["exact", "gather", "refused", "wrong", "crash", "skip"]
     print(f"{'ranks':>5}  " + "  ".join(f"{k:>8}" for k in kinds) + "   seconds")
     for world, got in results.items():
         counts = Counter(v.split(":")[0] for v in got.values())
@@ -59,8 +60,8 @@ def main() -> int:
                 print(f"  {world} ranks  {name}: {v[:200]}")
     write_results("op_db_sweep", {"ops": len(names), "seconds": seconds, "outcomes": results})
     if args.update_refusals:
-        listed = {"refused": {str(w): sorted(n for n, v in got.items() if v.startswith("refused"))
-                              for w, got in results.items()},
+        listed = {"refused": {str(w): {n: v.split(":")[0] for n, v in sorted(got.items())
+                                       if v.startswith(("gather", "refused"))} for w, got in results.items()},
                   "wrong_or_crash": {str(w): {n: v for n, v in sorted(got.items()) if v.startswith(("wrong", "crash"))}
                                      for w, got in results.items()}}
         REFUSALS.write_text(json.dumps(listed, indent=1) + "\n")

@@ -21,6 +21,8 @@ _EXPORTS = {
     "fallback": "dispatch.fallback", "deferred_param_grads": "dispatch.param_grads",
     "checkpoint_activations": "dispatch.activation_checkpoint",
     "knn": "ops.neighbours", "radius": "ops.neighbours",
+    # numpy-style functions opt_einsum looks for in the module a ShardTensor's class comes from (not in __all__)
+    "tensordot": "tensor.array_backend", "transpose": "tensor.array_backend", "einsum": "tensor.array_backend",
 }
 # Folders and top-level modules reachable as attributes (``domainflow.comm``, ``domainflow.layout.shapes``).
 _SUBMODULES = ("errors", "locks", "store", "launch", "layout", "comm", "tensor", "dispatch", "ops", "app")

@@ -4,6 +4,7 @@ failed collective (and, after a timeout, which peers stalled), groups, devices a
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import weakref
 from collections import Counter
@@ -176,6 +177,32 @@ _GROUPS: dict = {}  # (id(mesh), mesh dim) -> (a weak reference to the mesh, its
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def plain_values(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in an ordinary dense tensor: a conjugate or negative view resolved and torch's zero tensor
+    (the zeros some gradient formulas return) made real, so that its bytes are its values."""
+    t = t.detach()
+    if t._is_zerotensor():
+        return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+    return t.resolve_conj().resolve_neg()
+
+
+def wire_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a flat uint8 tensor (a view when it can be): what moves between ranks whenever nothing
+    is computed on the way, so every dtype travels (int16, unsigned, complex, float8 and bool, which Gloo or
+    NCCL lack) and arrives exact. :func:`from_wire` turns the bytes back."""
+    return plain_values(t).contiguous().reshape(-1).view(torch.uint8)
+
+
+def wire_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A uint8 buffer to receive a ``shape``/``dtype`` tensor's :func:`wire_bytes` into."""
+    return torch.empty(math.prod(shape) * dtype.itemsize, dtype=torch.uint8, device=device)
+
+
+def from_wire(buf: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor whose :func:`wire_bytes` ``buf`` holds (a view of it)."""
+    return buf.view(dtype).view(tuple(shape))
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

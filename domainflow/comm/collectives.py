@@ -22,7 +22,8 @@ from domainflow.errors import CollectiveError
 from domainflow.layout.spec import mesh_coordinate
 from domainflow.comm import base as _base
 from domainflow.comm.base import (
-    _all_gather_single, _device, _dim_name, _dim_ranks, _group, group_size, _named, _nbytes, pending_checks,
+    _all_gather_single, _device, _dim_name, _dim_ranks, _group, from_wire, group_size, _named, _nbytes, pending_checks,
+    plain_values, wire_bytes,
     _REDUCE_OPS, stats)
 from domainflow.comm.p2p import _exchange_start, _exchange_wait, begin_exchange
 
@@ -123,7 +124,7 @@ def _pair(mesh: DeviceMesh, mesh_dim: int, header: Header, what: str, detail: st
     cap = inline_bytes(n)
     nb = -1
     if inline is not None and inline.numel() * inline.element_size() <= cap:
-        inline = inline.detach().resolve_conj().resolve_neg().reshape(-1)
+        inline = plain_values(inline).reshape(-1)
         if inline.stride(0) != 1:  # (a "contiguous" tensor of one element may have any stride)
             inline = inline.clone(memory_format=torch.contiguous_format)
         inline = inline.view(torch.uint8)
@@ -255,13 +256,14 @@ def all_reduce(t: torch.Tensor, reduce_op: str, mesh: DeviceMesh, mesh_dim: int,
     op, detail = what or (f"all_reduce({reduce_op}) of {t.numel()} values", "")
     header = Header("all_reduce", n, mesh_coordinate(mesh)[mesh_dim], t.dtype, (_REDUCE_CODES[reduce_op], t.numel()))
     small = nbytes <= inline_bytes(n)
-    out = t.detach()
+    out = plain_values(t)
     if bool_in:
         out = out.to(torch.uint8, memory_format=torch.contiguous_format)
     if small:  # every rank sends its part in the round (same sizes, agreed): reduce the n rows alike
         rnd = _pair(mesh, mesh_dim, header, op, detail, out)
         out = _FOLD_ROWS[reduce_op](rnd.rows(nbytes, out.dtype)).view(out.shape)
-    elif nbytes * (n - 1) <= EXCHANGE_REDUCE_MAX_BYTES and _is_gloo(mesh, mesh_dim):
+    elif (nbytes * (n - 1) <= EXCHANGE_REDUCE_MAX_BYTES and _is_gloo(mesh, mesh_dim)) or not _reducible(out.dtype,
+                                                                                                       reduce_op):
         out = _reduce_by_exchange(out.contiguous(), reduce_op, mesh, mesh_dim, op, detail, header)
     else:
         _pair(mesh, mesh_dim, header, op, detail)
@@ -382,6 +384,15 @@ _FOLD_ROWS = {  # over dim 0 of the (ranks, values) rows, keeping the dtype; max
 _FOLD = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum, "product": torch.mul}
 
 
+# dtypes Gloo and NCCL both reduce (complex: sums only, as pairs of reals); others are reduced by exchange
+_BACKEND_REDUCES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
+                    torch.uint8}
+
+
+def _reducible(dtype: torch.dtype, reduce_op: str) -> bool:
+    return dtype in _BACKEND_REDUCES or (dtype in (torch.complex64, torch.complex128) and reduce_op in ("sum", "avg"))
+
+
 def _reduce_by_exchange(out: torch.Tensor, reduce_op: str, mesh: DeviceMesh, mesh_dim: int, op: str,
                         detail: str, header: Header) -> torch.Tensor:
     """All-reduce by sending ``out`` to every other rank of the mesh dim (while the pairing round of ``header``
@@ -451,15 +462,15 @@ def all_gather_uneven(t: torch.Tensor, dim: int, sizes: Sequence[int], mesh: Dev
     if small:
         stats.add("all_gather", _nbytes(part))
         return torch.cat([rnd.part(k, t.dtype, shapes[k]) for k in range(n)], dim=dim)
-    flat = part.view(-1)
-    if flat.numel() != width:
-        flat = torch.cat([flat, flat.new_zeros(width - flat.numel())])
-    buf = flat.new_empty(n * width)
+    flat, esize = wire_bytes(part), t.element_size()
+    if flat.numel() != width * esize:
+        flat = torch.cat([flat, flat.new_zeros(width * esize - flat.numel())])
+    buf = flat.new_empty(n * width * esize)
     stats.add("all_gather", _nbytes(flat))
     with _named("all_gather", mesh, mesh_dim, detail):
         _all_gather_single(buf, flat, group=_group(mesh, mesh_dim))
-    buf = buf.view(n, width)
-    return torch.cat([buf[k, : numels[k]].view(shapes[k]) for k in range(n)], dim=dim)
+    buf = buf.view(n, width * esize)
+    return torch.cat([from_wire(buf[k, : numels[k] * esize], shapes[k], t.dtype) for k in range(n)], dim=dim)
 
 
 def all_to_all_dims(t: torch.Tensor, split_dim: int, send_sizes: Sequence[int], cat_dim: int,
@@ -481,6 +492,7 @@ def all_to_all_dims(t: torch.Tensor, split_dim: int, send_sizes: Sequence[int], 
         detail = f" (send {list(send_sizes)} along dim {split_dim}, but this rank holds {t.shape[split_dim]})"
         _pair(mesh, mesh_dim, Header("all_to_all", n, me, t.dtype, (off,), recv=recv_numels), "all_to_all", detail)
         raise ValueError(f"all_to_all{detail}")  # every rank alike (else the round raised)
+    t = plain_values(t)
     blocks = torch.split(t, list(send_sizes), dim=split_dim)
     send_numels = [b.numel() for b in blocks]
     stats.add("all_to_all", _nbytes(t))
@@ -512,12 +524,13 @@ def all_to_all_dims(t: torch.Tensor, split_dim: int, send_sizes: Sequence[int], 
             start = sum(header.sends(k)[:me])
             parts.append(rnd.part(k, t.dtype)[start:start + recv_numels[k]].view(tuple(recv_shapes[k])))
         return torch.cat(parts, dim=cat_dim)
-    recv = t.new_empty(sum(recv_numels))
+    esize = t.element_size()
+    recv = t.new_empty(sum(recv_numels) * esize, dtype=torch.uint8)
     with _named("all_to_all", mesh, mesh_dim, detail):
-        dist.all_to_all_single(recv, send, output_split_sizes=recv_numels,
-                               input_split_sizes=send_numels, group=_group(mesh, mesh_dim))
-    parts = torch.split(recv, recv_numels)
-    return torch.cat([p.view(tuple(s)) for p, s in zip(parts, recv_shapes)], dim=cat_dim)
+        dist.all_to_all_single(recv, wire_bytes(send), output_split_sizes=[c * esize for c in recv_numels],
+                               input_split_sizes=[c * esize for c in send_numels], group=_group(mesh, mesh_dim))
+    parts = torch.split(recv, [c * esize for c in recv_numels])
+    return torch.cat([from_wire(p, s, t.dtype) for p, s in zip(parts, recv_shapes)], dim=cat_dim)
 
 
 def broadcast(t: torch.Tensor, src_coord: int, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
@@ -528,7 +541,7 @@ def broadcast(t: torch.Tensor, src_coord: int, mesh: DeviceMesh, mesh_dim: int) 
         return t
     detail = f" of shape {tuple(t.shape)} from coordinate {src_coord}"
     me = mesh_coordinate(mesh)[mesh_dim]
-    out = t.detach().contiguous().clone()
+    out = plain_values(t).contiguous().clone()
     stats.add("broadcast", _nbytes(out))
     header = Header("broadcast", n, me, t.dtype, (src_coord, t.numel(), hash(tuple(t.shape))))
     root = me == src_coord
@@ -541,7 +554,7 @@ def broadcast(t: torch.Tensor, src_coord: int, mesh: DeviceMesh, mesh_dim: int) 
         return out if me == src_coord else rnd.part(src_coord, t.dtype, t.shape).clone()
     src = dist.get_global_rank(_group(mesh, mesh_dim), src_coord)
     with _named("broadcast", mesh, mesh_dim, detail):
-        dist.broadcast(out, src=src, group=_group(mesh, mesh_dim))
+        dist.broadcast(wire_bytes(out), src=src, group=_group(mesh, mesh_dim))  # (a view of out: received into it)
     return out
 
 

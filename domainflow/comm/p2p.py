@@ -13,7 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from domainflow.layout.spec import mesh_coordinate
 from domainflow.comm import base as _base
 from domainflow.comm.base import (
-    _device, _dim_ranks, _EXCHANGES, _group, group_size, _named, _nbytes, pending_checks, stats)
+    _device, _dim_ranks, _EXCHANGES, _group, from_wire, group_size, _named, _nbytes, pending_checks, stats, wire_buffer,
+    wire_bytes)
 
 
 def begin_exchange(mesh: DeviceMesh, mesh_dim: int, what: str = "exchange") -> int:
@@ -65,13 +66,14 @@ def _exchange_start(out_pieces: dict, in_shapes: dict, like: torch.Tensor, mesh:
     ranks = _dim_ranks(mesh, mesh_dim)
     ops, received = [], {}
     for k, piece in out_pieces.items():
-        piece = piece.contiguous()
+        piece = wire_bytes(piece)
         if kind is not None:
             stats.add(kind, _nbytes(piece))
         ops.append(dist.P2POp(dist.isend, piece, ranks[k], tag=_tag(seq, _nbytes(piece), salt)))
     for k, shape in in_shapes.items():
-        received[k] = torch.empty(shape, dtype=like.dtype, device=like.device)
-        ops.append(dist.P2POp(dist.irecv, received[k], ranks[k], tag=_tag(seq, _nbytes(received[k]), salt)))
+        buf = wire_buffer(shape, like.dtype, like.device)
+        received[k] = from_wire(buf, shape, like.dtype)
+        ops.append(dist.P2POp(dist.irecv, buf, ranks[k], tag=_tag(seq, _nbytes(buf), salt)))
     detail = f" with ranks {sorted(ranks[k] for k in set(out_pieces) | set(in_shapes))}{detail}"
     works = []
     if ops:
@@ -101,12 +103,12 @@ def ring_shift(tensors: Sequence[torch.Tensor], recv_shapes, mesh: DeviceMesh, m
     ranks = _dim_ranks(mesh, mesh_dim)
     ops, got = [], []
     for t in tensors:
-        t = t.contiguous()
+        t = wire_bytes(t)
         stats.add("ring", _nbytes(t))
         ops.append(dist.P2POp(dist.isend, t, ranks[nxt], tag=_tag(seq, _nbytes(t), SALT_RING)))
     for shape, ref in zip(recv_shapes, tensors):
-        buf = torch.empty(shape, dtype=ref.dtype, device=ref.device)
-        got.append(buf)
+        buf = wire_buffer(shape, ref.dtype, ref.device)
+        got.append(from_wire(buf, shape, ref.dtype))
         ops.append(dist.P2POp(dist.irecv, buf, ranks[prv], tag=_tag(seq, _nbytes(buf), SALT_RING)))
     detail = f" with ranks {sorted({ranks[nxt], ranks[prv]})}"
     entered = time.time()
@@ -158,10 +160,11 @@ def scatter_pieces(pieces: list[torch.Tensor] | None, recv_shape: Sequence[int],
     if me == src:
         ops, mine = [], None
         for k, r in enumerate(ranks):
-            piece = pieces[k].contiguous()
+            piece = pieces[k]
             if r == me:
                 mine = piece
             elif piece.numel():
+                piece = wire_bytes(piece)
                 stats.add("scatter", _nbytes(piece))
                 ops.append(dist.P2POp(dist.isend, piece, r, tag=_tag(seq, _nbytes(piece), SALT_SCATTER)))
         with _named("scatter (send)", None, None, f" from rank {src} to ranks {ranks}"):
@@ -169,9 +172,9 @@ def scatter_pieces(pieces: list[torch.Tensor] | None, recv_shape: Sequence[int],
                 w.wait()
         if mine is None:
             raise ValueError(f"scatter source rank {src} is not in the mesh {ranks}")
-        return mine.clone()  # never alias the caller's full tensor
-    out = torch.empty(tuple(recv_shape), dtype=dtype, device=device)
-    if out.numel():
+        return mine.clone(memory_format=torch.contiguous_format)  # never alias the caller's full tensor
+    buf = wire_buffer(recv_shape, dtype, device)
+    if buf.numel():
         with _named("scatter (receive)", None, None, f" of shape {tuple(recv_shape)} from rank {src}"):
-            dist.recv(out, src=src, tag=_tag(seq, _nbytes(out), SALT_SCATTER))
-    return out
+            dist.recv(buf, src=src, tag=_tag(seq, _nbytes(buf), SALT_SCATTER))
+    return from_wire(buf, recv_shape, dtype)

@@ -30,7 +30,7 @@ from domainflow.dispatch.elementwise import is_elementwise_call, is_tagged_eleme
 from domainflow.dispatch.registry import REGISTRY
 from domainflow.dispatch.toolkit import hook_plain_grads, run_replicated, shard_tensors, tracing as _tracing
 from domainflow.dispatch.toolkit import into_plain, is_sharded, op_name, plain_destination_error
-from domainflow.dispatch.toolkit import unsupported_or_fallback
+from domainflow.dispatch.toolkit import COPIED_VIEWS, refuse_write_into_copied_view, unsupported_or_fallback
 from domainflow.tensor import consistency as _consistency
 from domainflow.tensor.shard_tensor import ShardTensor
 
@@ -181,6 +181,8 @@ def _route(func):
         route = _generic
     if (_INPLACE in func.tags or _OUT in func.tags) and route is not REGISTRY.pointwise:
         route = _guard_destinations(route, func)  # the pointwise rule checks a plain self in its cached plan
+    if _INPLACE in func.tags:
+        route = _not_into_copied_views(route)
     _routes[func] = route
     return route
 
@@ -234,6 +236,15 @@ def _guard_destinations(route, func):
 
 
 _ROUTE = object()
+
+
+def _not_into_copied_views(route):
+    """``route`` for an in-place op, first refusing a ``self`` that stands for a view but holds a copy."""
+    def checked(func, args, kwargs):
+        if COPIED_VIEWS and args:
+            refuse_write_into_copied_view(func, args[0])
+        return route(func, args, kwargs)
+    return checked
 
 
 def _plain_list_destinations(func, args, kwargs, lists):

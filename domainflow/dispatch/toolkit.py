@@ -338,6 +338,8 @@ def gather_fallback(func, args, kwargs, reason: str):
     _warn_fallback(func, reason)
     mesh = common_mesh(sts, func)
     first = sts[0]._spec
+    if not isinstance(func, torch._ops.OpOverload):
+        return _gather_fallback_above_autograd(func, args, kwargs, mesh, first)
     full_args, full_kwargs = _map_shard_tensors(args, kwargs, replicate_local)
     out = func(*full_args, **full_kwargs)
     inplace = _INPLACE in getattr(func, "tags", ())  # func: an aten op, or a Python function (no tags)
@@ -361,13 +363,64 @@ def gather_fallback(func, args, kwargs, reason: str):
 
     def w(o):
         if isinstance(o, torch.Tensor):
+            if o.layout != torch.strided:
+                raise UnsupportedShardedOp(func, f"{reason}; gathered, it returns a {o.layout} tensor, which a "
+                                                 f"ShardTensor cannot hold (operands: {describe_sharding(sts)})")
             spec, local = respec(o)
             return ShardTensor.from_spec(local, spec)
         if isinstance(o, (list, tuple)):
             return type(o)(w(x) for x in o)
         return o
 
+    # a view op's result is a copy here: writes through it (backward formulas make them: x.diagonal().mul_(...))
+    # would not reach the input, so they are refused
+    return mark_copied_view(w(out)) if getattr(func, "is_view", False) else w(out)
+
+
+def _gather_fallback_above_autograd(func, args, kwargs, mesh, first: ShardSpec):
+    """The gather fallback of a Python-level function (a function handler's case it cannot run sharded): above
+    autograd, so through ShardTensor's differentiable conversions, or the inputs' gradients would be lost."""
+    rep = (_R,) * mesh.ndim
+    full_args, full_kwargs = _map_shard_tensors(args, kwargs, lambda st: st.redistribute(rep).to_local())
+    out = func(*full_args, **full_kwargs)
+    sizes = {m: s for m, s in enumerate(first.sizes) if s is not None}
+    placements = tuple(_R if isinstance(p, Partial) else p for p in first.placements)
+
+    def w(o):
+        if isinstance(o, torch.Tensor) and not isinstance(o, ShardTensor):
+            whole = ShardTensor.from_spec(o, replicated_spec(mesh, o.shape))
+            return whole.redistribute(placements, sharding_shapes=sizes) if o.shape == first.shape else whole
+        if isinstance(o, (list, tuple)):
+            return type(o)(w(x) for x in o)
+        return o
+
     return w(out)
+
+
+# ShardTensors that stand for a view of another but hold a copy: torch's lazy conjugate and negative views
+# (``x.conj()``, resolved so ops on chunks read values) and a view op's result under the gather fallback
+# (``x.diagonal()``, ``x.unfold(...)``): a write into one would not reach the viewed tensor, so in-place ops
+# refuse it (by id: a WeakSet compares tensors with ==, elementwise)
+COPIED_VIEWS: "weakref.WeakValueDictionary[int, ShardTensor]" = weakref.WeakValueDictionary()
+
+
+def mark_copied_view(x):
+    """Record ``x`` (a ShardTensor, or a tuple/list of them) as a view held as a copy."""
+    if isinstance(x, ShardTensor):
+        COPIED_VIEWS[id(x)] = x
+    elif isinstance(x, (list, tuple)):
+        for t in x:
+            mark_copied_view(t)
+    return x
+
+
+def refuse_write_into_copied_view(func, x) -> None:
+    """Raise when in-place ``func`` would write into one of :data:`COPIED_VIEWS`."""
+    if COPIED_VIEWS.get(id(x)) is x:
+        raise UnsupportedShardedOp(func, "it writes into a ShardTensor that stands for a view of another (a conjugate "
+                                         "or negative view, or a view op's result under fallback('gather')) but "
+                                         "holds a copy: the write would not reach the viewed tensor; write into the "
+                                         "tensor itself, or into a .clone() of the view")
 
 
 def relayout(x: ShardTensor, local: torch.Tensor, spec: ShardSpec) -> None:

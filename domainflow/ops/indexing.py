@@ -296,9 +296,12 @@ def _scatter(kind: str):
         hit = _sharded_dim(x, dim)
         if hit is None:
             if inplace and not isinstance(x, ShardTensor):
-                fix = (f"; or use the out-of-place torch.{kind}(buf, ...), whose result is a pending sum over ranks"
-                       if reduce == "sum" and a["include_self"] else "")
-                return into_plain(func, args, kwargs, x, fix, whole=ShardTensor.full_tensor)
+                if reduce == "sum" and a["include_self"]:
+                    partial = _scatter_to_replicated(kind, a, src)
+                    if partial is not None:
+                        return _summed_into_plain(x, partial)
+                return into_plain(func, args, kwargs, x, "; only sums of messages go into a plain destination",
+                                  whole=ShardTensor.full_tensor)
             partial = _scatter_to_replicated(kind, a, src)
             if partial is None:
                 return run_function_default(func, args, kwargs)
@@ -438,6 +441,16 @@ def _placed(p, spec, m: int) -> str:
     if isinstance(p, Shard):
         return f"{p} in sizes {list(spec.sizes[m])}"
     return "plain" if p is None else str(p)
+
+
+def _summed_into_plain(x: torch.Tensor, partial: ShardTensor) -> torch.Tensor:
+    """Messages summed into a plain destination every rank holds whole (graph networks' aggregation,
+    ``torch.zeros(N, C).scatter_add_(0, index, messages)`` in torch_scatter, PyG and PhysicsNeMo): the pending sum
+    of every rank's messages (plus the destination's values) all-reduced, written into it; exact, and the
+    messages' gradient flows back through the all-reduce. The destination stays plain, whole on every rank."""
+    whole = partial.full_tensor()
+    x.copy_(whole)
+    return x
 
 
 def _finish(func, x, out, inplace):

@@ -6,6 +6,7 @@ import torch
 
 from domainflow.layout import shapes
 from domainflow.ops.pointwise import pointwise
+from domainflow.dispatch.toolkit import mark_copied_view
 from domainflow.dispatch.toolkit import common_mesh, layout_rule, local_as, replicate_local, run_function_default, unsupported_or_fallback, replicated_spec, shard_tensors, to_spec
 from domainflow.layout.placements import Replicate
 from domainflow.dispatch.registry import register_aten, register_function
@@ -18,16 +19,21 @@ _R = Replicate()
 
 @register_aten(aten.detach.default, aten.alias.default, aten.lift_fresh.default, aten._to_copy.default,
                aten.conj_physical.default,
-               aten._conj.default, aten.resolve_conj.default, aten.resolve_neg.default)
+               aten._conj.default, aten._neg_view.default, aten.resolve_conj.default, aten.resolve_neg.default)
 def same_layout(func, args, kwargs):
     """Unary ops that keep shape and layout (Partial sums stay pending, except through a cast to an
-    integer or bool dtype, which does not commute with the sum)."""
+    integer or bool dtype, which does not commute with the sum). The lazy conjugate and negative views
+    (``x.conj()``) give chunks holding their values (``ShardTensor`` resolves the bits), no views: writing
+    into one is refused (``toolkit.refuse_write_into_copied_view``)."""
     x = args[0]
     dtype = kwargs.get("dtype")
     if x._spec.has_partial and dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
         spec = x._spec.reduced()
         return ShardTensor.from_spec(func(to_spec(x, spec), *args[1:], **kwargs), spec)
-    return ShardTensor.from_spec(func(x._local, *args[1:], **kwargs), x._spec)
+    out = ShardTensor.from_spec(func(x._local, *args[1:], **kwargs), x._spec)
+    if func is aten._conj.default or func is aten._neg_view.default:
+        mark_copied_view(out)
+    return out
 
 
 @register_aten(aten.view_as_real.default, aten.view_as_complex.default)
@@ -37,10 +43,7 @@ def complex_views(func, args, kwargs):
     x = args[0]
     spec = x._spec
     if func is aten.view_as_real.default:
-        # a local chunk can carry torch's lazy conjugate bit that the wrapper does not (an op's result seen
-        # through the engine); view_as_real refuses it, so it is resolved first (a copy, the same values)
-        local = x._local.resolve_conj() if x._local.is_conj() else x._local
-        return ShardTensor.from_spec(func(local), spec.with_(shape=tuple(spec.shape) + (2,)))
+        return ShardTensor.from_spec(func(x._local), spec.with_(shape=tuple(spec.shape) + (2,)))
     if spec.mesh_dim_of(spec.ndim - 1) is not None:
         return unsupported_or_fallback(func, args, kwargs, "its last dim (real, imaginary) is sharded")
     return ShardTensor.from_spec(func(x._local), spec.with_(shape=tuple(spec.shape[:-1])))

@@ -74,6 +74,10 @@ class ShardTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: ShardSpec, requires_grad: bool = False):
+        if local.is_conj() or local.is_neg():
+            # torch's lazy conjugate and negative bits are read by a fallback above __torch_dispatch__, never
+            # below it, where every op on chunks runs: a chunk carrying one would be read as its raw memory
+            local = local.resolve_conj().resolve_neg()
         if local.is_contiguous():
             r = torch.Tensor._make_wrapper_subclass(cls, spec.shape, dtype=local.dtype, device=local.device,
                                                     requires_grad=requires_grad)
@@ -469,9 +473,16 @@ def target_spec(spec: ShardSpec, placements: Sequence[Placement], sharding_shape
 # autograd functions at the ShardTensor level
 # --------------------------------------------------------------------------------------------
 def _as_shard(grad, spec: ShardSpec) -> "ShardTensor":
+    """A gradient reaching a ShardTensor autograd function as a ShardTensor. A plain one is either a local
+    gradient laid out like the forward tensor or, with the global shape, one that torch's backward formula
+    built from a factory (sgn's zeros, fft_r2c's new_zeros): a value every rank holds, of which this rank
+    keeps its own piece (no communication, so ranks need not agree on which case theirs is)."""
     if isinstance(grad, ShardTensor):
         return grad
-    return ShardTensor(grad, spec)  # a plain local gradient laid out like the forward tensor
+    if grad.shape != spec.local_shape and grad.shape == spec.shape:
+        whole = spec.with_(placements=_ALL_REPLICATE[spec.mesh.ndim], sizes=(None,) * spec.mesh.ndim)
+        return ShardTensor(redistribute_local(grad, whole, spec), spec)
+    return ShardTensor(grad, spec)
 
 
 def _from_local(local: torch.Tensor, spec: ShardSpec) -> "ShardTensor":

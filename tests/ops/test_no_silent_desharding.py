@@ -1,7 +1,9 @@
 """No silent de-sharding: writing a sharded ShardTensor into a plain tensor (``buf[idx] = x``, ``buf.copy_(x)``,
-``buf.add_(x)``, ``out=`` variants, scatters into a fresh plain buffer) raises ShardingMismatchError naming the op
-and the fix on every rank, never leaves a full-size plain copy on every rank; what is exact keeps working
-(sharded or replicated destinations, replicated sources into plain tensors) and fallback('gather') gathers."""
+``buf.add_(x)``, ``out=`` variants, non-sum scatters into a fresh plain buffer) raises ShardingMismatchError naming
+the op and the fix on every rank, never leaves a full-size plain copy on every rank; what is exact keeps working
+(sharded or replicated destinations, replicated sources into plain tensors, messages summed into a fresh plain
+buffer: graph networks' aggregation, one all-reduce of the buffer's size, no source gathered) and
+fallback('gather') gathers."""
 
 from __future__ import annotations
 
@@ -76,9 +78,10 @@ def _refused_cases(sizes):
         "torch.add(x, 1, out=buf)": lambda: torch.add(x, 1, out=torch.empty(N, C, dtype=D)),
         "torch.index_select(x, 0, i, out=buf)":
             lambda: torch.index_select(x, 0, perm[:3], out=torch.empty(3, C, dtype=D)),
-        "buf.index_add_(0, i, x)": lambda: torch.zeros(4, C, dtype=D).index_add_(0, i_sh, x),
+        "buf.index_reduce_(0, i, x, 'amax')": lambda: torch.zeros(4, C, dtype=D).index_reduce_(0, i_sh, x, "amax"),
+        "buf.scatter_reduce_(0, idx, x, 'amax')": lambda: torch.zeros(4, C, dtype=D).scatter_reduce_(0, ie_sh, x,
+                                                                                                   "amax"),
         "buf.index_add_(0, plain i, x)": lambda: torch.zeros(N, C, dtype=D).index_add_(0, perm, x),
-        "buf.scatter_add_(0, idx, x)": lambda: torch.zeros(4, C, dtype=D).scatter_add_(0, ie_sh, x),
         "buf.scatter_add_(0, plain idx, x)":
             lambda: torch.zeros(N, C, dtype=D).scatter_add_(0, perm[:, None].expand(N, C), x),
         "buf.scatter_(0, idx, x)": lambda: torch.zeros(N, C, dtype=D).scatter_(0, perm[:, None].expand(N, C), x),
@@ -123,7 +126,8 @@ def test_sharded_source_into_plain_destination_raises_by_name_on_every_rank(dist
             if len(msgs) != 1:
                 problems.append(f"{name} {sizes}: the ranks raised different messages {msgs}")
             msg = per_rank[0][2]
-            if "\n" in msg or "plain tensor" not in msg or "'domain'" not in msg and "mesh dim" not in msg:
+            if "\n" in msg or ("plain tensor" not in msg and "plain destination" not in msg) or (
+                    "'domain'" not in msg and "mesh dim" not in msg):
                 problems.append(f"{name} {sizes}: message does not name the layouts in one line: {msg!r}")
             if name.startswith(("buf", "torch", "foreach")) and "plain tensor" in msg and "would gather" in msg:
                 if "zeros_like" not in msg or "full_tensor()" not in msg:
@@ -137,9 +141,9 @@ def _messages():
     x = df.distribute_tensor(_full(), mesh, [Shard(0)], sharding_shapes={0: LAYOUTS[world][0]})
     out = {}
     for name, fn in {"copy_": lambda: torch.zeros(N, C, dtype=D).copy_(x),
-                     "scatter_add_": lambda: torch.zeros(4, C, dtype=D).scatter_add_(
+                     "scatter_reduce_": lambda: torch.zeros(4, C, dtype=D).scatter_reduce_(
                          0, df.distribute_tensor(torch.zeros(N, C, dtype=torch.long), mesh, [Shard(0)],
-                                                 sharding_shapes={0: LAYOUTS[world][0]}), x)}.items():
+                                                 sharding_shapes={0: LAYOUTS[world][0]}), x, "amax")}.items():
         out[name] = _outcome(fn)[2]
     return out
 
@@ -151,8 +155,8 @@ def test_refusal_names_op_layout_and_fix(dist):
                                     "destination from the ShardTensor (e.g. torch.zeros_like(x)) so it is sharded "
                                     "too, or call x.full_tensor() explicitly"), msgs["copy_"]
     assert "buf[...] = x" in msgs["copy_"]
-    assert msgs["scatter_add_"].startswith("scatter_add_ of a ShardTensor (shape (8, 3)"), msgs["scatter_add_"]
-    assert "torch.scatter_add(buf, ...)" in msgs["scatter_add_"] and "pending sum" in msgs["scatter_add_"]
+    assert msgs["scatter_reduce_"].startswith("scatter_reduce_ of a ShardTensor (shape (8, 3)"), msgs["scatter_reduce_"]
+    assert "only sums of messages go into a plain destination" in msgs["scatter_reduce_"]
 
 
 # =================================================================================================
@@ -167,6 +171,9 @@ def _allowed_cases(sizes):
     x2 = df.distribute_tensor(other, mesh, [Shard(0)], sharding_shapes={0: tuple(reversed(sizes))})
     xr = df.distribute_tensor(full, mesh, [Replicate()])
     perm = torch.tensor([3, 1, 0, 2, 7, 6, 4, 5])
+    dst = torch.tensor([2, 0, 3, 3, 1, 0, 2, 1])
+    i_sh = df.distribute_tensor(dst, mesh, [Shard(0)], sharding_shapes={0: sizes})
+    ie_sh = df.distribute_tensor(dst[:, None].expand(N, C).contiguous(), mesh, [Shard(0)], sharding_shapes={0: sizes})
     H, W, m = N, 6, 2
     field = torch.arange(H * W * 2, dtype=D).reshape(H, W, 2).sin()
     xs = df.distribute_tensor(field, mesh, [Shard(0)], sharding_shapes={0: sizes})
@@ -208,6 +215,12 @@ def _allowed_cases(sizes):
             lambda: torch.zeros(N, C, dtype=D).index_add_(0, perm, xr),
             lambda: torch.zeros(N, C, dtype=D).index_add_(0, perm, full), "plain"),
         "plain.copy_(partial sum)": (partial_sum, lambda: full.sum(0), "plain"),
+        # graph networks' aggregation: the sums of every rank's messages, all-reduced into the plain buffer
+        "plain.index_add_(0, i, sharded)": (lambda: torch.zeros(4, C, dtype=D).index_add_(0, i_sh, x),
+                                           lambda: torch.zeros(4, C, dtype=D).index_add_(0, dst, full), "plain"),
+        "plain.scatter_add_(0, idx, sharded)": (
+            lambda: torch.zeros(4, C, dtype=D).scatter_add_(0, ie_sh, x),
+            lambda: torch.zeros(4, C, dtype=D).scatter_add_(0, dst[:, None].expand(N, C), full), "plain"),
         "spectral conv, out_ft = zeros_like(u_ft)": (
             lambda: spectral(xs, torch.zeros_like), lambda: spectral(field, torch.zeros_like), "sharded"),
         "spectral conv, out_ft = u_ft.new_zeros (replicated)": (

@@ -604,3 +604,30 @@ def test_unbind_keeps_no_plan_per_row(dist):
     # Regression test (found in review): select's layout plan (and its backward's) was keyed on the index, so
     # unbinding a sharded dim of n rows added 2n entries to the one bounded plan cache, pushing hot plans out.
     assert all(dist.run(2, _unbind_plans))
+
+
+def _conjugate_views():
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,))
+    gen = torch.Generator().manual_seed(5)
+    full = torch.randn(5, 2 + world, dtype=torch.complex128, generator=gen)
+    w = torch.randn(5, 1, dtype=torch.complex128, generator=gen)
+    sizes = {0: (0,) + (2 + world,) * 0 + tuple(random_sizes(2 + world, world - 1, random.Random(world)))}
+    cases = {  # torch.conj and .imag give lazy views; ops on a ShardTensor's chunk used to read their raw memory
+        "x.conj() * w": lambda x: x.conj() * w, "x.conj() * 2j": lambda x: x.conj() * 2j,
+        "x * x.conj()": lambda x: x * x.conj(), "x.conj().imag * 3": lambda x: x.conj().imag * 3,
+        "view_as_real(x.conj())": lambda x: torch.view_as_real(x.conj().resolve_conj()) + 0,
+        "(x.conj() @ x.T).real": lambda x: (x.conj().T @ x).real, "x.conj().sum(0)": lambda x: x.conj().sum(0),
+    }
+    failures = []
+    for name, f in cases.items():
+        _run(f, [Sharded(full, [Shard(1)], sizes, requires_grad=False)], mesh, name, failures, backward=False)
+    st = df.distribute_tensor(full, mesh, [Shard(1)], sharding_shapes=sizes)
+    with pytest.raises(df.UnsupportedShardedOp, match="conjugate .*view"):
+        st.conj().mul_(2j)  # torch would change st through the view; refused rather than silently not
+    return _ok(failures)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_conjugate_and_negative_views_give_their_values(dist, world):
+    assert all(dist.run(world, _conjugate_views))
