@@ -192,7 +192,10 @@ def wire_bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values as a flat uint8 tensor (a view when it can be): what moves between ranks whenever nothing
     is computed on the way, so every dtype travels (int16, unsigned, complex, float8 and bool, which Gloo or
     NCCL lack) and arrives exact. :func:`from_wire` turns the bytes back."""
-    return plain_values(t).contiguous().reshape(-1).view(torch.uint8)
+    flat = plain_values(t).contiguous().reshape(-1)
+    if flat.stride(0) != 1:  # (a "contiguous" tensor of one element may have any stride)
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
 
 
 def wire_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:

@@ -11,7 +11,8 @@ these rules in order, chosen once per op and cached:
 3. an op torch composes of others, reaching us whole (``torch.inference_mode()``): its
    decomposition;
 4. local execution when every ShardTensor input is replicated;
-5. ``UnsupportedShardedOp``, unless ``fallback("gather")`` is active.
+5. torch's decomposition of the op (``torch._decomp``), whose ops come back through the engine;
+6. ``UnsupportedShardedOp``, unless ``fallback("gather")`` is active.
 In-place and ``out=`` ops check their destination first: a plain one among ShardTensor operands is written
 whole when none of them is sharded (exact) and refused by name when one is (``toolkit.into_plain``), never
 gathered onto every rank in silence; function handlers given a plain ``out=`` follow the same rule.
@@ -31,6 +32,7 @@ from domainflow.dispatch.registry import REGISTRY
 from domainflow.dispatch.toolkit import hook_plain_grads, run_replicated, shard_tensors, tracing as _tracing
 from domainflow.dispatch.toolkit import into_plain, is_sharded, op_name, plain_destination_error
 from domainflow.dispatch.toolkit import COPIED_VIEWS, refuse_write_into_copied_view, unsupported_or_fallback
+from domainflow.errors import UnsupportedShardedOp
 from domainflow.tensor import consistency as _consistency
 from domainflow.tensor.shard_tensor import ShardTensor
 
@@ -311,7 +313,31 @@ REGISTRY.on_change(clear_routes)
 
 
 def _generic(func, args, kwargs):
+    """No handler: local when every ShardTensor operand is replicated; else torch's own decomposition of the op
+    (``torch._decomp``: ``addmv`` into a matmul and an add, ``linalg_cross`` into indexing and products, ``glu``
+    into a split and a sigmoid), whose ops come back through the engine, as DTensor does; else refused by name
+    (or gathered, under ``fallback("gather")``)."""
     sts = shard_tensors(args, kwargs)
     if all(s._spec.is_replicated for s in sts):
         return run_replicated(func, args, kwargs, sts)
+    decomposition = _decomposition(func)
+    if decomposition is not None:
+        try:
+            out = decomposition(*args, **kwargs)
+        except UnsupportedShardedOp as e:  # raised on every rank alike: its ops decide from layouts
+            reason = (f"it has no rule of its own, and torch's decomposition of it reaches an op without one "
+                      f"({str(e).splitlines()[0].removeprefix('domainflow has no sharding rule for ').rstrip('.')})")
+            return unsupported_or_fallback(func, args, kwargs, reason)
+        if out is not NotImplemented:
+            return out
     return unsupported_or_fallback(func, args, kwargs, "it is not pointwise and has no registered handler")
+
+
+def _decomposition(func):
+    """torch's decomposition of an op that computes a new result (in-place and ``out=`` forms write into their
+    operands: those keep their own rules), or None."""
+    if _INPLACE in func.tags or _OUT in func.tags or func._schema.is_mutable:
+        return None
+    from torch._decomp import decomposition_table
+
+    return decomposition_table.get(func)

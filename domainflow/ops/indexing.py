@@ -398,7 +398,9 @@ def _scatter_to_replicated(kind, a, src):
     (local_x,) = params_for(spec.mesh, mesh_dims, local_x)
     coord = spec.coord
     if any(coord[k] for k in mesh_dims):
-        local_x = torch.zeros_like(local_x)
+        # the destination's values count once (coordinate 0's); zeros here, still in the graph, so that the
+        # gradient hook params_for put on it runs on every rank (its all-reduce pairs with coordinate 0's)
+        local_x = torch.where(torch.zeros((), dtype=torch.bool, device=local_x.device), local_x, 0)
     index_l = index._local if isinstance(index, ShardTensor) else index
     src_l = src.to_local() if isinstance(src, ShardTensor) else src
     if kind == "index_add":

@@ -175,6 +175,10 @@ def _every_dtype_and_view():
                             "max": lambda v: v.amax(0)}[op](stack if dtype != torch.bool else stack.to(torch.uint8))
                     got = comm.all_reduce(same[rank], op, mesh, 0)
                     assert torch.equal(got, want.to(dtype)), f"{what} all_reduce({op})"  # bool: any, all
+    odd = torch.arange(8.0, dtype=D)[rank:rank + 1:2]  # one element whose stride is 2: no byte view without a copy
+    assert comm.ring_shift([odd], [odd.shape], mesh, 0)[0].item() == (rank - 1) % world
+    wide = torch.arange(8.0, dtype=D)[3:4:2] if rank == 0 else torch.zeros(1, dtype=D)
+    assert comm.broadcast(wide.expand(3000), 0, mesh, 0).tolist() == [3.0] * 3000  # stride 0: sent point to point
     zeros = torch._efficientzerotensor((3, 2), dtype=D)  # what some gradient formulas return
     got = comm.all_gather_uneven(zeros, 0, [3] * world, mesh, 0)
     assert torch.equal(got, torch.zeros(3 * world, 2, dtype=D))

@@ -95,6 +95,33 @@ def _aggregations():
     return none_failed(failures)
 
 
+class _Residual(torch.nn.Module):
+    """A destination with values and a gradient of its own (a residual aggregation, ``h.index_add_``)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.h0 = torch.nn.Parameter(torch.randn(N, c, generator=torch.Generator().manual_seed(4), dtype=D))
+
+    def forward(self, messages, dst, how):
+        h = self.h0 * 1.0
+        if how == "index_add_":
+            return h.index_add_(0, dst, messages)
+        return h.scatter_add_(0, dst.unsqueeze(-1).expand(-1, messages.shape[-1]), messages)
+
+
+def _residual_aggregations():
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,))
+    x, e, src, dst, nodes, edges = _graph(world)
+    failures = []
+    msgs = torch.randn(E, 4, generator=torch.Generator().manual_seed(2), dtype=D)
+    for how in ("index_add_", "scatter_add_"):  # the ranks' gradient hooks on h must pair (one rank only ran them)
+        check_into(lambda m, d, mod, h=how: _replicated(mod(m, d, h), m, mesh),
+                   [Sharded(msgs, [Shard(0)], edges), Sharded(dst, [Shard(0)], edges, requires_grad=False)],
+                   mesh, f"residual {how}", failures, module=_Residual(4))
+    return none_failed(failures)
+
+
 def _meshgraphnet(aggregate):
     rank, world = rank_and_world()
     mesh = get_mesh((world,))
@@ -111,6 +138,11 @@ def _meshgraphnet(aggregate):
 @pytest.mark.parametrize("world", [2, 3])
 def test_messages_summed_into_a_fresh_plain_tensor_exactly(dist, world):
     assert all(dist.run(world, _aggregations))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_messages_summed_into_a_destination_with_values_and_a_gradient(dist, world):
+    assert all(dist.run(world, _residual_aggregations))
 
 
 @pytest.mark.parametrize("aggregate", ["scatter_add_", "index_add_"])

@@ -631,3 +631,35 @@ def _conjugate_views():
 @pytest.mark.parametrize("world", [2, 3])
 def test_conjugate_and_negative_views_give_their_values(dist, world):
     assert all(dist.run(world, _conjugate_views))
+
+
+def _decomposed_ops():
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,))
+    gen = torch.Generator().manual_seed(9)
+    n = 3 + 2 * world
+    sizes = {0: (0,) + tuple(random_sizes(n, world - 1, random.Random(world), zeros=False))}
+    x = torch.randn(n, 6, generator=gen, dtype=D)
+    target = torch.randint(0, 6, (n,), generator=gen)
+    v, w = torch.randn(6, generator=gen, dtype=D), torch.randn(n, 3, generator=gen, dtype=D)
+    cases = {  # no rule of their own: torch's decomposition, whose ops have rules
+        "triu(x, 1)": lambda a: torch.triu(a, 1), "tril(x, -1)": lambda a: torch.tril(a, -1),
+        "linalg.cross(x[:, :3], w)": lambda a: torch.linalg.cross(a[:, :3], w),
+        "addmv(b, x, v)": lambda a: torch.addmv(a[:, 0], a, v),
+        "cross_entropy(x, plain target)": lambda a: F.cross_entropy(a, target),
+        "nll_loss(log_softmax(x), plain target)": lambda a: F.nll_loss(F.log_softmax(a, 1), target),
+        "glu(x, 1)": lambda a: F.glu(a, 1), "pixel_shuffle": lambda a: F.pixel_shuffle(a.reshape(1, n, 1, 6).movedim(1, 2).reshape(1, 1, n, 6).repeat(1, 4, 1, 1), 2),
+        "aminmax(x, dim=1)": lambda a: torch.aminmax(a, dim=1),
+    }
+    failures = []
+    for name, f in cases.items():
+        _run(f, [Sharded(x, [Shard(0)], sizes)], mesh, name, failures)
+    return _ok(failures)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ops_without_a_rule_run_through_torchs_decomposition(dist, world):
+    """``addmv``, ``linalg.cross``, ``triu``, ``glu``, losses with plain targets: no handler of their own, run
+    through ``torch._decomp`` (their ops have rules), exact with uneven shards and an empty one; they used to be
+    refused (or, under fallback('gather'), gathered)."""
+    assert all(dist.run(world, _decomposed_ops))
