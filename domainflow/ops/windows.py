@@ -49,8 +49,9 @@ def _sharded_spatial(x: ShardTensor, first_spatial: int, op, args, kwargs):
     return _sharded_spatial_dims(x._spec, first_spatial)
 
 
-def _sharded_spatial_dims(spec, first_spatial: int):
-    """:func:`_sharded_spatial` of a layout: (dims, None), or (None, why not)."""
+def _sharded_spatial_dims(spec, first_spatial: int, channels_apart: bool = False):
+    """:func:`_sharded_spatial` of a layout: (dims, None), or (None, why not). ``channels_apart``: the op treats
+    each channel alone (pooling), so a sharded channel dim is like a sharded batch dim."""
     out = []
     seen = set()
     for m, p in enumerate(spec.placements):
@@ -61,7 +62,7 @@ def _sharded_spatial_dims(spec, first_spatial: int):
         seen.add(p.dim)
         if p.dim >= first_spatial:
             out.append((m, p.dim))
-        elif p.dim == first_spatial - 1:
+        elif p.dim == first_spatial - 1 and not channels_apart:
             return None, f"the channel dim {p.dim} is sharded (shard the batch or spatial dims)"
     return out, None
 
@@ -421,10 +422,13 @@ def _make_pool(nd: int, func, kind: str):
         if x.ndim != nd + 2:
             return handler(_func, (x.unsqueeze(0),) + tuple(args[1:]), kwargs).squeeze(0)
         x = without_partial(x)
-        sharded, why = _sharded_spatial(x, 2, func, args, kwargs)
+        sharded, why = _sharded_spatial_dims(x._spec, 2, channels_apart=True)
         if sharded is None:
             return unsupported_or_fallback(func, args, kwargs, why)
-        if a["return_indices"]:
+        if not sharded:  # only batch or channel dims sharded: every window lies in this rank's chunk
+            return _on_chunks(func, x, args, kwargs)
+        if a["return_indices"] or func in (F.max_pool1d_with_indices, F.max_pool2d_with_indices,
+                                           F.max_pool3d_with_indices):
             return unsupported_or_fallback(func, args, kwargs, "return_indices on a sharded input")
         kernel = _tuple(a["kernel_size"], nd, "kernel_size")
         stride = _tuple(a["stride"] if a["stride"] not in (None, [], ()) else kernel, nd, "stride")
@@ -477,32 +481,73 @@ def _make_pool(nd: int, func, kind: str):
     return handler
 
 
-for _nd, _f in ((1, F.max_pool1d), (2, F.max_pool2d), (3, F.max_pool3d)):
+for _nd, _f in ((1, F.max_pool1d), (2, F.max_pool2d), (3, F.max_pool3d), (1, F.max_pool1d_with_indices),
+                 (2, F.max_pool2d_with_indices), (3, F.max_pool3d_with_indices)):
     register_function(_f)(_make_pool(_nd, _f, "max"))
 for _nd, _f in ((1, F.avg_pool1d), (2, F.avg_pool2d), (3, F.avg_pool3d)):
     register_function(_f)(_make_pool(_nd, _f, "avg"))
 
 
-_ADAPTIVE_ARGS = Schema("self", "output_size")
+def _on_chunks(func, x: ShardTensor, args, kwargs):
+    """A pooling op whose windows never cross a rank (only batch or channel dims sharded): torch's op on this
+    rank's chunk, each output laid out like the input on the batch and channel dims."""
+    local = x.to_local()
+
+    def call(t):
+        if args:
+            return func(t, *args[1:], **kwargs)
+        kw = dict(kwargs)
+        kw[next(k for k, v in kwargs.items() if isinstance(v, ShardTensor))] = t
+        return func(**kw)
+
+    if local.numel():
+        out = call(local)
+    else:  # torch refuses an empty batch or channel dim: the output's shape from a meta probe, no values
+        probe = call(torch.empty([max(n, 1) for n in local.shape], dtype=local.dtype, device="meta"))
+        keep = local.sum() * 0  # (in the graph: the chunk's gradient is an empty one, not none)
+
+        def empty(m):
+            shape = list(local.shape[:2]) + list(m.shape[2:])
+            return local.new_zeros(shape) + keep if m.is_floating_point() else torch.zeros(
+                shape, dtype=m.dtype, device=local.device)
+        out = tuple(empty(m) for m in probe) if isinstance(probe, tuple) else empty(probe)
+    spec = x._spec
+
+    def wrap(o):
+        return ShardTensor.from_spec(o, spec_like(spec.with_(shape=list(spec.shape[:2]) + list(o.shape[2:])),
+                                                  o.shape))
+    return tuple(wrap(o) for o in out) if isinstance(out, tuple) else wrap(out)
 
 
-def _adaptive_avg(func):
+_ADAPTIVE_ARGS = Schema("self", "output_size", "return_indices", return_indices=False)
+_ADAPTIVE_DIMS = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3,
+                  F.adaptive_max_pool1d: 1, F.adaptive_max_pool2d: 2, F.adaptive_max_pool3d: 3,
+                  F.adaptive_max_pool1d_with_indices: 1, F.adaptive_max_pool2d_with_indices: 2,
+                  F.adaptive_max_pool3d_with_indices: 3}
+
+
+def _adaptive(func, mean: bool):
     def handler(_func, args, kwargs):
         a = _ADAPTIVE_ARGS.bind(args, kwargs)
         x, size = a["self"], a["output_size"]
-        nd = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}[func]
-        sizes = _tuple(size, nd, "output_size") if size is not None else None
+        nd = _ADAPTIVE_DIMS[func]
+        sizes = list(size) if isinstance(size, (tuple, list)) else [size] * nd  # None: that dim's input size
         if not isinstance(x, ShardTensor):
             return run_function_default(func, args, kwargs)
         spatial = tuple(range(x.ndim - nd, x.ndim))
-        if sizes is not None and all(s == 1 for s in sizes):
+        if mean and all(s == 1 for s in sizes):
             return x.mean(dim=spatial, keepdim=True)  # global pooling: a Partial sum, reduced when needed
+        if x.ndim == nd + 2 and not any(isinstance(p, Shard) and p.dim in spatial for p in x._spec.placements):
+            return _on_chunks(func, without_partial(x), args, kwargs)  # batch or channels sharded: local
         if not any(isinstance(p, Shard) and p.dim in spatial for p in x._spec.placements):
             return run_function_default(func, args, kwargs)
         return unsupported_or_fallback(func, args, kwargs, f"adaptive pooling to {size} over a sharded dim "
-                                        f"(only output size 1, global pooling, is supported)")
+                                        f"(only output size 1 of the mean, global pooling, is supported)")
     return handler
 
 
 for _f in (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d):
-    register_function(_f)(_adaptive_avg(_f))
+    register_function(_f)(_adaptive(_f, mean=True))
+for _f in (F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d, F.adaptive_max_pool1d_with_indices,
+           F.adaptive_max_pool2d_with_indices, F.adaptive_max_pool3d_with_indices):
+    register_function(_f)(_adaptive(_f, mean=False))

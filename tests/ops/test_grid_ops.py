@@ -646,3 +646,36 @@ def test_deferred_parameter_gradient_sums_use_one_collective(dist):
     for n_now, n_deferred, same, same_grad in dist.run(2, _deferred_calls):
         assert same < 1e-12 and same_grad < 1e-12
         assert n_deferred <= n_now - 10, (n_now, n_deferred)
+
+
+def _channels_sharded():
+    """Pooling treats each channel alone: with the channel dim sharded (the batch too), every
+    window lies in a rank's chunk, so torch's op runs on it (max pooling's indices included)."""
+    import random as _random
+
+    from sharded_check import Sharded, get_mesh, random_sizes
+    from sweep import check_into, none_failed
+
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,))
+    gen = torch.Generator().manual_seed(13)
+    c = 2 + 2 * world
+    x = torch.randn(2, c, 8, 6, generator=gen, dtype=torch.float64)
+    sizes = {0: (0,) + tuple(random_sizes(c, world - 1, _random.Random(world), zeros=False))}
+    cases = {
+        "max_pool2d": lambda a: F.max_pool2d(a, 2), "max_pool2d indices": lambda a: F.max_pool2d(a, 3, 2, 1,
+                                                                                                return_indices=True),
+        "avg_pool2d": lambda a: F.avg_pool2d(a, 3, 1, 1), "max_pool1d": lambda a: F.max_pool1d(a.flatten(2), 4),
+        "adaptive_avg_pool2d": lambda a: F.adaptive_avg_pool2d(a, (3, 2)),
+        "adaptive_max_pool2d": lambda a: F.adaptive_max_pool2d(a, (3, 4)),
+        "adaptive_max_pool2d indices": lambda a: F.adaptive_max_pool2d(a, 3, return_indices=True),
+    }
+    failures = []
+    for name, f in cases.items():
+        check_into(f, [Sharded(x, [Shard(1)], sizes)], mesh, name, failures)
+    return none_failed(failures)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_pooling_with_the_channel_dim_sharded(dist, world):
+    assert all(dist.run(world, _channels_sharded))
