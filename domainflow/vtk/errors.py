@@ -43,6 +43,20 @@ class MissingArraysError(VtkFileError):
         return (MissingArraysError, (self.path, self.absent, self.present, self.fix))
 
 
+def header_int(attrs, key: str, default: int, path, element: str) -> int:
+    """An integer attribute of a VTK XML element, read as VTK reads it: absent or empty (``NumberOfComponents=""``,
+    which VTK and meshio accept) gives ``default``; anything else that is no integer is a VtkFileError naming
+    the file, the element and the attribute."""
+    value = attrs.get(key)
+    if value is None or not str(value).strip():
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise VtkFileError(f"{path}: {element} has {key}={value!r}, which is not an integer; the file is corrupt "
+                           f"or was not written as VTK XML") from None
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (at most 200 characters), or its type's name."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

@@ -11,7 +11,7 @@ import os
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
-from .errors import VtkFileError
+from .errors import VtkFileError, header_int
 
 #: Suffixes of index files, read piecewise; anything else is one data set.
 PARTITIONED_SUFFIXES = (".pvtu", ".pvtp", ".vtm")
@@ -89,7 +89,7 @@ def piece_header(path) -> tuple[PieceHeader, int]:
     """Parse a piece's XML header up to its appended data (or its first inline Piece); (header, bytes read)."""
     if not path.lower().endswith(PIECE_SUFFIXES):
         raise VtkFileError(f"piece {path} is not a VTK XML dataset file (expected one of {PIECE_SUFFIXES})")
-    scan = _HeaderScan()
+    scan = _HeaderScan(path)
     nbytes = 0
     try:
         with open(path, "rb") as fh:
@@ -123,7 +123,8 @@ class _HeaderScan:
     "piece" (inline data: stopped after the first Piece, not reading the rest) or "eof" (truncated).
     """
 
-    def __init__(self):
+    def __init__(self, path=None):
+        self.path = path  # named in errors
         self.parser = ET.XMLPullParser(events=("start", "end"))
         self.stack: list[str] = []
         self.arrays = {"cell": {}, "point": {}}
@@ -146,13 +147,13 @@ class _HeaderScan:
         if len(self.stack) == 1:
             self.kind = el.get("type")
         elif el.tag == "Piece":
-            _count_rows(el, self.counts)
+            _count_rows(el, self.counts, self.path)
         elif el.tag == "DataArray":
             self.inline = self.inline or el.get("format", "appended") != "appended"
             parent = self.stack[-2]
             if parent in ("CellData", "PointData") and "Piece" in self.stack:
                 assoc = "cell" if parent == "CellData" else "point"
-                comps = int(el.get("NumberOfComponents", "1"))
+                comps = header_int(el.attrib, "NumberOfComponents", 1, self.path, f"DataArray {el.get('Name')!r}")
                 self.arrays[assoc].setdefault(el.get("Name"), (el.get("type"), comps))
             elif parent in ("Points", "Coordinates") and self.points_type is None:
                 self.points_type = el.get("type")
@@ -165,14 +166,13 @@ class _HeaderScan:
             self.state = "closed"
 
 
-def _count_rows(piece, counts) -> None:
+def _count_rows(piece, counts, path=None) -> None:
     """Add a <Piece>'s row counts (unstructured / poly data); structured pieces give extents instead."""
     if piece.get("NumberOfPoints") is None:
         counts["cell"] = counts["point"] = None
         return
     if counts["point"] is None:
         return
-    counts["point"] += int(piece.get("NumberOfPoints"))
-    cells = [piece.get(a) for a in ("NumberOfCells", "NumberOfVerts", "NumberOfLines", "NumberOfStrips",
-                                    "NumberOfPolys")]
-    counts["cell"] += sum(int(c) for c in cells if c is not None)
+    counts["point"] += header_int(piece.attrib, "NumberOfPoints", 0, path, "<Piece>")
+    counts["cell"] += sum(header_int(piece.attrib, a, 0, path, "<Piece>") for a in (
+        "NumberOfCells", "NumberOfVerts", "NumberOfLines", "NumberOfStrips", "NumberOfPolys"))

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from . import zlib_codec
-from .errors import VtkFileError
+from .errors import VtkFileError, header_int
 from .pieces import ByteSource, byte_source
 
 SCAN_BLOCK = 4 << 20  # bytes read at a time while scanning the XML structure
@@ -188,10 +188,10 @@ class VtkXmlFile:
             raise VtkFileError(f"{self.path}: corrupt or truncated VTK file: it holds no <Piece>")
         self.pieces = []
         for p in pieces:
-            n_points = int(p.attrs.get("NumberOfPoints", 0))
-            counts = {t: int(p.attrs.get(f"NumberOf{t}", 0)) for t in _TOPOLOGY[self.kind]}
+            n_points = header_int(p.attrs, "NumberOfPoints", 0, self.path, "<Piece>")
+            counts = {t: header_int(p.attrs, f"NumberOf{t}", 0, self.path, "<Piece>") for t in _TOPOLOGY[self.kind]}
             if self.kind == "UnstructuredGrid":
-                counts = {"Cells": int(p.attrs.get("NumberOfCells", 0))}
+                counts = {"Cells": header_int(p.attrs, "NumberOfCells", 0, self.path, "<Piece>")}
             arrays = {"point": {}, "cell": {}, "points": None, "topology": {}}
             for assoc, tag in _ASSOCIATIONS.items():
                 sec = p.find(tag)
@@ -396,12 +396,13 @@ class VtkXmlFile:
             raise VtkFileError(f"{self.path}: DataArray {name!r} has type {t!r}; numeric types only "
                                f"({', '.join(_TYPES)})")
         dtype = np.dtype((">" if self.big_endian else "<") + _TYPES[t])
-        comps = int(el.attrs.get("NumberOfComponents", 1))
+        comps = header_int(el.attrs, "NumberOfComponents", 1, self.path, f"DataArray {name!r}")
         fmt = el.attrs.get("format", "ascii")
         if fmt == "appended":
             if self._appended is None:
                 raise VtkFileError(f"{self.path}: DataArray {name!r} is appended but the file has no <AppendedData>")
-            return ArrayInfo(name, dtype, comps, rows, fmt, self._appended + int(el.attrs.get("offset", 0)), None,
+            return ArrayInfo(name, dtype, comps, rows, fmt, self._appended + header_int(el.attrs, "offset", 0, self.path,
+                                                                                    f"DataArray {name!r}"), None,
                              self._app_encoding)
         if fmt not in ("ascii", "binary"):
             raise VtkFileError(f"{self.path}: DataArray {name!r} has format {fmt!r} (ascii, binary or appended)")

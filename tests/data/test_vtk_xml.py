@@ -153,3 +153,23 @@ def test_not_a_mesh_and_unknown_arrays_are_named(tmp_path):
     path = write_with_vtk(surface(), tmp_path / "s.vtp", "appended-raw", "none")
     with VtkXmlFile(path) as f, pytest.raises(VtkFileError, match=r"no cell array 'Cp'.*CpMeanTrim"):
         f.read("cell", "Cp")
+
+
+@pytest.mark.parametrize("mode", ["ascii", "appended-raw"])
+def test_an_empty_number_of_components_reads_as_vtk_reads_it(tmp_path, mode):
+    """``NumberOfComponents=""`` (VTK and meshio read it: one component) reads like VTK; a value that is no integer
+    is an error naming the file and the array, where it used to be a bare "invalid literal for int()"."""
+    path = tmp_path / "mesh.vtu"
+    write_with_vtk(mixed_grid(), path, mode, "none")
+    text = path.read_bytes()
+    first = text.index(b"<DataArray")
+    head = text[:first] + text[first:].replace(b"<DataArray ", b'<DataArray NumberOfComponents="" ', 1)
+    blank = tmp_path / "blank.vtu"
+    blank.write_bytes(head)
+    _check_equal(blank)
+    bad = tmp_path / "bad.vtu"
+    bad.write_bytes(head.replace(b'NumberOfComponents=""', b'NumberOfComponents="x"', 1))
+    with pytest.raises(VtkFileError, match=r"bad\.vtu: DataArray .* has NumberOfComponents='x', which is not an "
+                                           r"integer"):
+        with VtkXmlFile(str(bad)) as f:
+            f.read("cell", f.array_names("cell")[0])
