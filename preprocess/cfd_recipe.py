@@ -26,7 +26,8 @@ NAME`` prints one as a template)::
 
 Quantities and their scaling (stored = (raw - offset) / scale, recorded per field in the store):
 ``pressure`` (q_inf, p_inf), ``shear`` (q_inf), ``pressure_variance`` (q_inf^2), ``velocity`` (U_inf),
-``viscosity`` (U_inf * L_ref), ``coefficient`` (already dimensionless: stored as read).
+``viscosity`` (U_inf * L_ref), ``coefficient`` (already dimensionless: stored as read), ``as_read`` (stored
+unchanged, with the units the field gives: ``{name: T, source: T, quantity: as_read, units: K}``).
 
 Point data: each stored row is a cell (the store's rows are cells, with centres, normals and areas), so
 a field given on points is averaged to cells: a cell's value is the mean of its vertices' values, as
@@ -43,7 +44,7 @@ from .errors import IngestError
 from .reference import Reference
 
 LOCATIONS = ("surface", "volume")
-QUANTITIES = ("pressure", "shear", "pressure_variance", "velocity", "viscosity", "coefficient")
+QUANTITIES = ("pressure", "shear", "pressure_variance", "velocity", "viscosity", "coefficient", "as_read")
 ASSOCIATIONS = ("cell", "point")
 
 
@@ -57,6 +58,7 @@ class FieldSpec:
     components: int
     quantity: str  # one of QUANTITIES
     association: str = "cell"
+    units: str = "1"  # what the stored values are in: "1" once made dimensionless; the recipe's for as_read
 
     @property
     def source(self) -> str:
@@ -67,11 +69,11 @@ class FieldSpec:
         q = ref.q_inf
         return {"pressure": (q, ref.p_inf), "shear": (q, 0.0), "pressure_variance": (q * q, 0.0),
                 "velocity": (ref.u_inf, 0.0), "viscosity": (ref.u_inf * ref.l_ref, 0.0),
-                "coefficient": (1.0, 0.0)}[self.quantity]
+                "coefficient": (1.0, 0.0), "as_read": (1.0, 0.0)}[self.quantity]
 
     def attrs(self, location: str, ref: Reference) -> dict:
         scale, offset = self.scale_offset(ref)
-        return {"location": location, "components": self.components, "units": "1", "source": self.source,
+        return {"location": location, "components": self.components, "units": self.units, "source": self.source,
                 "association": self.association, "quantity": self.quantity, "scale": scale, "offset": offset}
 
 
@@ -261,9 +263,10 @@ def _mapping(data: dict, key: str, where: str) -> dict:
 def _field(spec, loc: str, association: str, where: str) -> FieldSpec:
     if not isinstance(spec, dict) or "name" not in spec or "source" not in spec or "quantity" not in spec:
         raise IngestError(f"recipe {where}: a field needs name, source and quantity, got {spec!r}")
-    unknown = sorted(set(spec) - {"name", "source", "components", "quantity", "data"})
+    unknown = sorted(set(spec) - {"name", "source", "components", "quantity", "data", "units"})
     if unknown:
-        raise IngestError(f"recipe {where}: unknown key(s) {unknown} (name, source, components, quantity, data)")
+        raise IngestError(f"recipe {where}: unknown key(s) {unknown} (name, source, components, quantity, data, "
+                          f"units)")
     sources = tuple(spec["source"]) if isinstance(spec["source"], (list, tuple)) else (str(spec["source"]),)
     if not sources or not all(isinstance(s, str) and s for s in sources):
         raise IngestError(f"recipe {where}: source must be an array name or a list of scalar array names")
@@ -280,7 +283,17 @@ def _field(spec, loc: str, association: str, where: str) -> FieldSpec:
     association = spec.get("data", association)
     if association not in ASSOCIATIONS:
         raise IngestError(f"recipe {where}: data={association!r} is not one of {list(ASSOCIATIONS)}")
-    return FieldSpec(str(spec["name"]), sources, components, spec["quantity"], association)
+    units = spec.get("units")
+    if spec["quantity"] == "as_read":
+        if not isinstance(units, str) or not units.strip():
+            raise IngestError(f"recipe {where}: field {spec['name']!r} is stored as read: give its units "
+                              f"(units: K, units: m/s, units: 1 for a dimensionless one)")
+    elif units is not None and str(units) != "1":
+        raise IngestError(f"recipe {where}: field {spec['name']!r} has units {units!r}, but quantity "
+                          f"{spec['quantity']!r} is made dimensionless (units 1); use quantity: as_read to keep "
+                          f"the values and their units")
+    return FieldSpec(str(spec["name"]), sources, components, spec["quantity"], association,
+                     units.strip() if spec["quantity"] == "as_read" else "1")
 
 
 def load_recipe(name_or_path, reference: Reference | None = None) -> Recipe:

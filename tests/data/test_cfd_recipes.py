@@ -178,6 +178,8 @@ forces: {drag: z, lift: x, reference_area: 0.5}
 def _own(drivaer: Path) -> Path:
     """OpenFOAM's own names (p, wallShearStress) as point data, folders case<i>, one CSV."""
     raw = drivaer / "own"
+    if raw.exists():  # made by an earlier test of this module
+        return raw
     for i in range(3):
         src, dst = drivaer / "raw" / f"run_{i}", raw / f"case{i}"
         dst.mkdir(parents=True)
@@ -235,6 +237,30 @@ def test_a_recipe_file_of_ones_own_through_the_cli_and_training(drivaer, tmp_pat
     np.testing.assert_allclose(cp2 * 4, root["runs/run_1/surface/fields/Cp"][...], rtol=1e-5, atol=1e-6)
 
 
+def test_fields_stored_as_read_keep_their_values_and_units(drivaer, tmp_path):
+    """``quantity: as_read`` stores a dimensional field unchanged and records the units the recipe gives (a
+    pressure in m2/s2, a temperature in K), where only ``coefficient`` kept values, labelled dimensionless."""
+    raw = _own(drivaer)
+    recipe = tmp_path / "as_read.yaml"
+    recipe.write_text(OWN_RECIPE.replace(
+        "    - {name: Cf, source: wallShearStress, components: 3, quantity: shear}",
+        "    - {name: Cf, source: wallShearStress, components: 3, quantity: shear}\n"
+        "    - {name: p, source: p, quantity: as_read, units: m2/s2}\n"
+        "    - {name: tau, source: wallShearStress, components: 3, quantity: as_read, units: m2/s2}"))
+    ingest_cfd(raw, tmp_path / "s.zarr", MeshOptions(recipe=recipe, parts=4, progress=False, split=(0.67, 0.33, 0.0)))
+    root = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
+    attrs = root.attrs["fields"]
+    assert attrs["surface/p"]["units"] == "m2/s2" and attrs["surface/p"]["quantity"] == "as_read"
+    assert attrs["surface/p"]["scale"] == 1.0 and attrs["surface/p"]["offset"] == 0.0
+    assert attrs["surface/Cp"]["units"] == "1"
+    surface = pv.read(str(raw / "case1" / "wall_1.vtp")).point_data_to_cell_data(pass_point_data=False)
+    g = root["runs/run_1/surface"]
+    order = g["order"][...]
+    np.testing.assert_array_equal(g["fields/p"][...][:, 0], np.asarray(surface.cell_data["p"], np.float32)[order])
+    np.testing.assert_array_equal(g["fields/tau"][...],
+                                  np.asarray(surface.cell_data["wallShearStress"], np.float32)[order])
+
+
 def test_zero_padded_run_folders_keep_their_digits_in_file_names(drivaer, tmp_path):
     """run_007/boundary_007.vtp: the store calls it run_7, the files are found by the folder's own digits."""
     raw = tmp_path / "padded"
@@ -274,6 +300,10 @@ def test_zero_padded_run_folders_keep_their_digits_in_file_names(drivaer, tmp_pa
      "forces.lift must be x, y or z"),
     ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\ndata: points\nfields: {surface: [{name: Cp, source: p, quantity: "
      "pressure}]}", "data.surface='points' is not one of"),
+    ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\nfields: {surface: [{name: T, source: T, quantity: as_read}]}",
+     "field 'T' is stored as read: give its units"),
+    ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\nfields: {surface: [{name: Cp, source: p, quantity: pressure, "
+     "units: Pa}]}", "quantity 'pressure' is made dimensionless .*use quantity: as_read"),
 ])
 def test_recipe_mistakes_are_named(tmp_path, text, message):
     path = tmp_path / "recipe.yaml"
