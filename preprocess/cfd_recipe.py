@@ -5,8 +5,10 @@ A recipe is a YAML mapping (the built-ins below have the same form; ``domainflow
 NAME`` prints one as a template)::
 
     name: my-openfoam-cases
-    runs: case_{i}                      # run folders under RAW; {i} is the run number
-    files:                              # per location; a .vtu/.vtp or its .part pieces (name.00.part, ...)
+    runs: case_{i}                      # run folders under RAW; {i} is the run number (or a glob: case*)
+    files:                              # per location, inside the run folder (subfolders allowed, {i} optional):
+                                        # a .vtu/.vtp or its .part pieces (name.00.part, ...), streamed in
+                                        # bounded memory; a legacy .vtk or a .pvtu/.pvtp, read whole by VTK
       surface: boundary_{i}.vtp         # polygons: PolyData, or an UnstructuredGrid of 2-D cells
       volume: internal_{i}.vtu
     csv:                                # optional one-row CSVs kept in the run's attrs (forces, geometry)
@@ -97,13 +99,25 @@ class Recipe:
         head, _, tail = self.runs.partition("{i}")
         return re.compile(re.escape(head) + r"(\d+)" + re.escape(tail) + r"$")
 
+    @property
+    def runs_by_glob(self) -> bool:
+        """``runs`` is a glob (``case*``, or one folder's name): the folders it matches, in name order, are runs
+        0, 1, ...; else it holds ``{i}``, the run number."""
+        return "{i}" not in self.runs
+
     def discover(self, raw: Path) -> dict[str, Path]:
-        """``run_<i>`` -> the folder, for every folder of ``raw`` matching ``runs``, in numeric order."""
+        """``run_<i>`` -> the folder, for every folder of ``raw`` matching ``runs``, in numeric order (a glob:
+        in name order, numbered from 0)."""
         raw = Path(raw)
         if not raw.is_dir():
             raise IngestError(f"raw data folder {raw} does not exist")
+        if self.runs_by_glob:
+            found = {f"run_{k}": p for k, p in enumerate(sorted((p for p in raw.glob(self.runs) if p.is_dir()),
+                                                                 key=lambda p: p.name))}
+            if found:
+                return found
         pattern, found = self.run_pattern(), {}
-        for p in raw.iterdir():
+        for p in raw.iterdir() if not self.runs_by_glob else ():
             m = pattern.match(p.name)
             if p.is_dir() and m:
                 i = int(m.group(1))
@@ -121,7 +135,7 @@ class Recipe:
     def files_of(self, run_dir: Path, run_id: str) -> dict[str, Path]:
         """The run's files by role: each location, then each CSV; ``{i}`` is the run number as the folder
         writes it (``run_007`` -> ``boundary_007.vtp``)."""
-        m = self.run_pattern().match(Path(run_dir).name)
+        m = None if self.runs_by_glob else self.run_pattern().match(Path(run_dir).name)
         i = m.group(1) if m else run_id[4:]
         return {**{k: Path(run_dir) / t.format(i=i) for k, t in self.files.items()},
                 **{k: Path(run_dir) / t.format(i=i) for k, t in self.csv.items()}}
@@ -131,7 +145,8 @@ class Recipe:
         return {"name": self.name, "runs": self.runs, "files": dict(self.files), "csv": dict(self.csv),
                 "optional_csv": list(self.optional_csv), "cp_check": dict(self.cp_check), "forces": dict(self.forces),
                 "fields": {loc: [{"name": s.name, "source": list(s.sources), "components": s.components,
-                                  "quantity": s.quantity, "association": s.association} for s in specs]
+                                  "quantity": s.quantity, "association": s.association,
+                                  **({"units": s.units} if s.quantity == "as_read" else {})} for s in specs]
                            for loc, specs in self.fields.items()}}
 
 
@@ -148,10 +163,10 @@ def parse_recipe(data: dict, where: str) -> Recipe:
         if key not in data:
             raise IngestError(f"recipe {where}: '{key}' is missing (see `domainflow ingest cfd --show-recipe drivaerml`)")
     runs = str(data["runs"])
-    if runs.count("{i}") != 1 or "/" in runs:
+    if runs.count("{i}") > 1 or "/" in runs or not runs.strip():
         raise IngestError(f"recipe {where}: runs={runs!r} must name a folder with one '{{i}}' for the run number, "
-                          f"e.g. run_{{i}}")
-    _check_template(runs, f"recipe {where}: runs")
+                          f"e.g. run_{{i}}, or be a glob of folder names, e.g. case* (runs 0, 1, ... in name order)")
+    _check_template(runs, f"recipe {where}: runs", need_i="{i}" in runs)
     files = _mapping(data, "files", where)
     bad = sorted(set(files) - set(LOCATIONS))
     if bad or not files:
@@ -161,7 +176,12 @@ def parse_recipe(data: dict, where: str) -> Recipe:
     if clash:
         raise IngestError(f"recipe {where}: csv key(s) {clash} are names a run's attrs already use; rename them")
     for key, template in [*files.items(), *csv.items()]:
-        _check_template(str(template), f"recipe {where}: {key} file")
+        _check_template(str(template), f"recipe {where}: {key} file", need_i=False, subfolders=True)
+    for key, template in files.items():
+        if str(template).lower().endswith(".vtm"):
+            raise IngestError(f"recipe {where}: {key} file {template!r} is a .vtm multi-block index; name the block "
+                              f"file to read (foamToVTK writes them beside it: <case>_<step>/internal.vtu, "
+                              f"<case>_<step>/boundary/<patch>.vtp)")
     optional = tuple(str(x) for x in data.get("optional_csv", []) or [])
     if set(optional) - set(csv):
         raise IngestError(f"recipe {where}: optional_csv {sorted(set(optional) - set(csv))} are not csv keys {sorted(csv)}")
@@ -234,17 +254,22 @@ RESERVED_ATTRS = frozenset({"run", "run_id", "fingerprint", "folder", "cells", "
                             "p_inf", "L_ref", "q_inf"})
 
 
-def _check_template(template: str, what: str) -> None:
-    """A file name with ``{i}`` (the run number) and no other field."""
+def _check_template(template: str, what: str, need_i: bool = True, subfolders: bool = False) -> None:
+    """A name with ``{i}`` (the run number) at most once (exactly once where ``need_i``) and no other field; a
+    file's may name a subfolder of the run folder (``VTK/internal.vtu``), never one outside it."""
     import string
 
     try:
         names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
     except ValueError as exc:
         raise IngestError(f"{what} {template!r} is not a valid name pattern ({exc})") from None
-    if names.count("i") != 1 or set(names) != {"i"} or "/" in template:
-        raise IngestError(f"{what} {template!r} must hold '{{i}}' (the run number) once and no other {{...}} field, "
-                          f"e.g. boundary_{{i}}.vtp")
+    if names.count("i") > 1 or (need_i and names.count("i") != 1) or set(names) - {"i"}:
+        raise IngestError(f"{what} {template!r} must hold '{{i}}' (the run number) {'once' if need_i else 'at most once'} "
+                          f"and no other {{...}} field, e.g. boundary_{{i}}.vtp")
+    parts = Path(template).parts
+    if ("/" in template and not subfolders) or Path(template).is_absolute() or ".." in parts:
+        raise IngestError(f"{what} {template!r} must be a path inside the run folder"
+                          + (" (subfolders allowed, no '..')" if subfolders else " (a name, no '/')"))
 
 
 def _only_locations(mapping: dict, files: dict, what: str) -> None:

@@ -127,10 +127,11 @@ def run_graph(run_dir: Path, run_id: str, store: Path, opts: MeshOptions):
     task per column, then a task that publishes the run. ``reader="vtk"``: one task."""
     import dask
 
-    if opts.reader != "stream":
+    files = _files(run_dir, run_id, opts)
+    if opts.reader != "stream" or not all(_streamable(files[loc]) for loc in opts.locations):
+        # legacy .vtk and .pvtu/.pvtp have no streaming reader: VTK reads the run's files whole
         return dask.delayed(ingest_run, pure=False)(str(run_dir), run_id, str(store), opts)
     stage = dask.delayed(_stage, pure=False)
-    files = _files(run_dir, run_id, opts)
     block_cells = block_cells_for(opts.memory_limit)
     # names fixed here, in the graph: a stage that a cluster reruns (its worker died) reuses them
     token = uuid.uuid4().hex[:8]
@@ -152,6 +153,11 @@ def run_graph(run_dir: Path, run_id: str, store: Path, opts: MeshOptions):
         columns = [stage(_column, run_id, o, partition_tasks[-1], key, loc, o) for key in column_keys(loc, opts)]
         locations.append((loc, tag, scans, partition_tasks, columns))
     return dask.delayed(_finish_run, pure=False)(run_id, str(store), o, start, locations)
+
+
+def _streamable(path: Path) -> bool:
+    """A file the streaming reader reads in bounded memory: VTK XML ``.vtu``/``.vtp`` (or their .part pieces)."""
+    return Path(path).suffix.lower() in (".vtu", ".vtp")
 
 
 def split_depth(pieces: int, opts: MeshOptions) -> int:
@@ -225,7 +231,7 @@ def _start_run(run_dir: str, run_id: str, store: str, token: str, opts: MeshOpti
     run_dir = Path(run_dir)
     files = _files(run_dir, run_id, opts)
     _check_present(run_dir, run_id, files, opts)
-    attrs = _run_attrs(run_id, files, opts)
+    attrs = _run_attrs(run_id, run_dir, files, opts)
     writer = StoreWriter(store)
     columns = writer.scratch / "columns"
     columns.mkdir(parents=True, exist_ok=True)
@@ -341,9 +347,9 @@ def _check_present(run_dir: Path, run_id: str, files: dict, opts: MeshOptions) -
         raise RunError(run_id, f"missing file(s) {[str(m) for m in missing]}; the folder holds {present}")
 
 
-def _run_attrs(run_id: str, files: dict, opts: MeshOptions) -> dict:
+def _run_attrs(run_id: str, run_dir: Path, files: dict, opts: MeshOptions) -> dict:
     return {"run": int(run_id[4:]), "run_id": run_id, **opts.reference.to_attrs(),
-            "fingerprint": fingerprint(files, opts), "folder": files[opts.locations[0]].parent.name,
+            "fingerprint": fingerprint(files, opts), "folder": Path(run_dir).name,
             **{k: read_csv_row(files[k]) for k in opts.recipe.csv if files[k].exists()
                or k not in opts.recipe.optional_csv}}
 
@@ -367,7 +373,7 @@ def _ingest_run(run_dir: Path, run_id: str, writer: StoreWriter, opts: MeshOptio
 
     files = _files(run_dir, run_id, opts)
     _check_present(run_dir, run_id, files, opts)
-    attrs = _run_attrs(run_id, files, opts)
+    attrs = _run_attrs(run_id, run_dir, files, opts)
     raw_bytes = 0
     folder = writer.new_run_folder(run_id)
     group = zarr.open_group(folder, mode="w", zarr_format=3)

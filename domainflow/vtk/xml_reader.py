@@ -29,7 +29,8 @@ from .pieces import ByteSource, byte_source
 
 SCAN_BLOCK = 4 << 20  # bytes read at a time while scanning the XML structure
 POINT_GAP = 4096      # point ids further apart than this are read as separate stretches
-_ATTR = re.compile(rb'([A-Za-z_:][-\w:.]*)\s*=\s*"([^"]*)"')
+# an XML attribute in double or single quotes (foamToVTK writes type='PolyData')
+_ATTR = re.compile(rb'([A-Za-z_:][-\w:.]*)\s*=\s*(?:"([^"]*)"|\'([^\']*)\')')
 _TYPES = {"Int8": "i1", "UInt8": "u1", "Int16": "i2", "UInt16": "u2", "Int32": "i4", "UInt32": "u4",
           "Int64": "i8", "UInt64": "u8", "Float32": "f4", "Float64": "f8"}
 _ASSOCIATIONS = {"cell": "CellData", "point": "PointData"}
@@ -96,7 +97,7 @@ def _scan(src: ByteSource) -> tuple[Element, int | None, str | None]:
         selfclosing = tag.endswith(b"/")
         body = tag[:-1] if selfclosing else tag
         name = body.split(None, 1)[0].decode()
-        el = Element(name, {k.decode(): v.decode() for k, v in _ATTR.findall(body)})
+        el = Element(name, {k.decode(): (v or w).decode() for k, v, w in _ATTR.findall(body)})
         stack[-1].children.append(el)
         if name == "AppendedData":
             fill(pos + 4096)

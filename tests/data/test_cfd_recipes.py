@@ -279,8 +279,10 @@ def test_zero_padded_run_folders_keep_their_digits_in_file_names(drivaer, tmp_pa
 
 
 @pytest.mark.parametrize("text,message", [
-    ("runs: run_{i}\nfiles: {surface: b.vtp}\nfields: {surface: []}", "'files' has no|{i}"),
-    ("runs: run\nfiles: {surface: 'b_{i}.vtp'}\nfields: {surface: []}", "runs='run' must name a folder with one '{i}'"),
+    ("runs: run_{i}\nfiles: {surface: '../b.vtp'}\nfields: {surface: []}", "must be a path inside the run folder"),
+    ("runs: run_{i}\nfiles: {surface: 'b_{i}_{i}.vtp'}\nfields: {surface: []}", "at most once"),
+    ("runs: 'runs/{i}'\nfiles: {surface: 'b_{i}.vtp'}\nfields: {surface: []}", "or be a glob of folder names"),
+    ("runs: run_{i}\nfiles: {volume: 'VTK/case_{i}.vtm'}\nfields: {volume: []}", "is a .vtm multi-block index; name"),
     ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp'}\nfields: {surface: [{name: Cp, source: p, quantity: pressur}]}",
      "quantity 'pressur' is not one of"),
     ("runs: run_{i}\nfiles: {surface: 'b_{i}.vtp', volume: 'v_{i}.vtu'}\nfields: {volume: [{name: U, source: U, "
