@@ -93,6 +93,13 @@ class Recipe:
     cp_check: dict = field(default_factory=dict)  # location -> the file's own Cp array (optional)
     forces: dict = field(default_factory=lambda: dict(DEFAULT_FORCES))  # drag/lift axes, reference area
     source: str = ""  # where it was read from (a built-in's name or a file)
+    openfoam: dict = field(default_factory=dict)  # run folders are OpenFOAM cases: {location: blocks, "time": t}
+
+    def openfoam_read(self, loc: str) -> tuple | None:
+        """(VTK OpenFOAM reader blocks, time) of ``loc`` when the runs are OpenFOAM cases, else None."""
+        if not self.openfoam:
+            return None
+        return tuple(self.openfoam[loc]), self.openfoam.get("time")
 
     # -- run folders and files ------------------------------------------------------------------
     def run_pattern(self) -> re.Pattern:
@@ -129,7 +136,7 @@ class Recipe:
             example = " ".join(sorted(p.name for p in raw.iterdir())[:5])
             raise IngestError(f"{raw} holds no run folders named {self.runs!r} (recipe {self.name!r}); it holds: "
                               f"{example or 'nothing'}. Pass the recipe of this data set (--recipe drivaerml, "
-                              f"ahmedml, windsorml or a recipe.yaml)")
+                              f"ahmedml, windsorml, openfoam or a recipe.yaml)")
         return dict(sorted(found.items(), key=lambda kv: int(kv[0][4:])))
 
     def files_of(self, run_dir: Path, run_id: str) -> dict[str, Path]:
@@ -144,6 +151,7 @@ class Recipe:
         """What the store records (and a resumed ingest compares)."""
         return {"name": self.name, "runs": self.runs, "files": dict(self.files), "csv": dict(self.csv),
                 "optional_csv": list(self.optional_csv), "cp_check": dict(self.cp_check), "forces": dict(self.forces),
+                **({"openfoam": dict(self.openfoam)} if self.openfoam else {}),
                 "fields": {loc: [{"name": s.name, "source": list(s.sources), "components": s.components,
                                   "quantity": s.quantity, "association": s.association,
                                   **({"units": s.units} if s.quantity == "as_read" else {})} for s in specs]
@@ -155,10 +163,17 @@ def parse_recipe(data: dict, where: str) -> Recipe:
     """A Recipe from its mapping form; every mistake is one IngestError naming ``where`` and the key."""
     if not isinstance(data, dict):
         raise IngestError(f"recipe {where}: expected a mapping with keys runs, files, fields; got {type(data).__name__}")
-    known = {"name", "runs", "files", "csv", "optional_csv", "data", "reference", "fields", "cp_check", "forces"}
+    known = {"name", "runs", "files", "csv", "optional_csv", "data", "reference", "fields", "cp_check", "forces",
+             "openfoam"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise IngestError(f"recipe {where}: unknown key(s) {unknown}; the keys are {sorted(known)}")
+    openfoam = _openfoam(data, where)
+    if openfoam:
+        if "files" in data:
+            raise IngestError(f"recipe {where}: give files or openfoam, not both (openfoam reads each run folder as "
+                              f"an OpenFOAM case)")
+        data = {**data, "files": {loc: "system/controlDict" for loc in LOCATIONS if loc in openfoam}}
     for key in ("runs", "files", "fields"):
         if key not in data:
             raise IngestError(f"recipe {where}: '{key}' is missing (see `domainflow ingest cfd --show-recipe drivaerml`)")
@@ -219,7 +234,39 @@ def parse_recipe(data: dict, where: str) -> Recipe:
     _only_locations(cp_check, files, f"recipe {where}: cp_check")
     return Recipe(name=str(data.get("name", Path(where).stem)), runs=runs, files={k: str(v) for k, v in files.items()},
                   fields=fields, csv=csv, optional_csv=optional, reference=reference, cp_check=cp_check,
-                  forces=_forces(_mapping(data, "forces", where), where), source=where)
+                  forces=_forces(_mapping(data, "forces", where), where), source=where, openfoam=openfoam)
+
+
+def _openfoam(data: dict, where: str) -> dict:
+    """The recipe's ``openfoam`` mapping: ``surface`` (patch names, merged into one surface), ``volume``
+    (``internalMesh``, or true) and ``time`` (a time folder's value; ``latest``, the default)."""
+    spec = data.get("openfoam")
+    if spec is None:
+        return {}
+    if not isinstance(spec, dict) or not set(spec) & set(LOCATIONS):
+        raise IngestError(f"recipe {where}: openfoam must be a mapping naming surface patches and/or the volume, "
+                          f"e.g. {{surface: [lowerWall, upperWall], volume: internalMesh, time: latest}}")
+    unknown = sorted(set(spec) - {*LOCATIONS, "time"})
+    if unknown:
+        raise IngestError(f"recipe {where}: openfoam has unknown key(s) {unknown} (surface, volume, time)")
+    out = {}
+    if "surface" in spec:
+        patches = [spec["surface"]] if isinstance(spec["surface"], str) else list(spec["surface"] or [])
+        if not patches or not all(isinstance(p_, str) and p_ for p_ in patches):
+            raise IngestError(f"recipe {where}: openfoam.surface must name the patches that make the surface")
+        out["surface"] = [p_ if p_.startswith(("patch/", "group/")) else f"patch/{p_}" for p_ in patches]
+    if "volume" in spec:
+        if spec["volume"] not in (True, "internalMesh"):
+            raise IngestError(f"recipe {where}: openfoam.volume is internalMesh (or true), got {spec['volume']!r}")
+        out["volume"] = ["internalMesh"]
+    time = spec.get("time", "latest")
+    if time != "latest":
+        try:
+            time = float(time)
+        except (TypeError, ValueError):
+            raise IngestError(f"recipe {where}: openfoam.time is latest or a time value, got {time!r}") from None
+    out["time"] = None if time == "latest" else time
+    return out
 
 
 DEFAULT_FORCES = {"drag": "x", "lift": "z", "reference_area": None}
@@ -352,7 +399,8 @@ def show_recipe(name: str) -> str:
 
     if name not in BUILTIN:
         raise IngestError(f"--show-recipe {name}: not a built-in recipe; the built-ins are {sorted(BUILTIN)}")
-    notes = {"drivaerml": "DrivAerML (Ashton et al. 2024, arXiv:2408.11969; huggingface.co/datasets/neashton/drivaerml)",
+    notes = {"openfoam": "OpenFOAM case folders (serial or decomposed), through VTK's OpenFOAM reader",
+             "drivaerml": "DrivAerML (Ashton et al. 2024, arXiv:2408.11969; huggingface.co/datasets/neashton/drivaerml)",
              "ahmedml": "AhmedML (Ashton et al. 2024, arXiv:2407.20801; huggingface.co/datasets/neashton/ahmedml)",
              "windsorml": "WindsorML (Ashton et al. 2024, arXiv:2407.19320; huggingface.co/datasets/neashton/windsorml)"}
     return f"# {notes[name]}\n" + yaml.safe_dump(BUILTIN[name], sort_keys=False, default_flow_style=None)
@@ -363,6 +411,21 @@ def show_recipe(name: str) -> str:
 # physicsnemo-curator's readers, neilashton/fluidsbench-submission's PRESSURE_REFERENCES.md and
 # reference/windsorml/contract.py); the note of issue 18 lists what was confirmed where.
 BUILTIN = {
+    # any OpenFOAM case (incompressible: kinematic p, rho = 1) per run folder, read through VTK's OpenFOAM reader at
+    # its latest time: the surface is every wall patch (OpenFOAM's patch group "wall"), the volume the internal
+    # mesh; U_inf and L_ref are the case's own (--u-inf, --l-ref); more fields (wallShearStress, nut, k, omega,
+    # T as_read with units K) in a recipe of one's own: `--show-recipe openfoam` is its template
+    "openfoam": {
+        "name": "openfoam",
+        "runs": "*",
+        "openfoam": {"surface": ["group/wall"], "volume": "internalMesh", "time": "latest"},
+        "data": "cell",
+        "reference": {"u_inf": 1.0, "rho_inf": 1.0, "p_inf": 0.0, "l_ref": 1.0},
+        "fields": {
+            "surface": [{"name": "Cp", "source": "p", "quantity": "pressure"}],
+            "volume": [{"name": "U", "source": "U", "components": 3, "quantity": "velocity"},
+                       {"name": "Cp", "source": "p", "quantity": "pressure"}]},
+    },
     # OpenFOAM (incompressible): kinematic p and wall shear (rho = 1), time averages over a trimmed window,
     # all CELL data; U = 38.889 m/s (140 km/h); the volume ships as volume_<i>.vtu.00.part, .01.part
     "drivaerml": {

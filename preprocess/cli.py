@@ -160,7 +160,7 @@ def _add_ingest(sub):
     ingest = sub.add_parser("ingest", help="raw files -> a spatially partitioned Zarr store (resumable)")
     ingest.set_defaults(handler=_ingest, interrupted=INTERRUPTED_INGEST)
     kinds = ingest.add_subparsers(dest="kind", required=True)
-    parsers = [kinds.add_parser("cfd", help="CFD run folders (a recipe: drivaerml, ahmedml, windsorml or a "
+    parsers = [kinds.add_parser("cfd", help="CFD run folders (a recipe: drivaerml, ahmedml, windsorml, openfoam or a "
                                             "recipe.yaml) -> a mesh store"),
                kinds.add_parser("climate", help="netCDF / GRIB files or a Zarr of climate data -> a grid store"),
                kinds.add_parser("drivaerml", help="the same as `ingest cfd --recipe drivaerml`")]
@@ -187,7 +187,7 @@ def _add_ingest(sub):
         p.add_argument("--quiet", action="store_true", help="no progress bar")
     cfd, c, drivaerml = parsers
     cfd.add_argument("--recipe", default="drivaerml",
-                     help="how to read the raw data: drivaerml (default), ahmedml, windsorml, or a recipe.yaml of your "
+                     help="how to read the raw data: drivaerml (default), ahmedml, windsorml, openfoam (case folders), or a recipe.yaml of your "
                           "own (run folders, files, arrays -> fields, units); --show-recipe NAME prints one as a template")
     cfd.add_argument("--show-recipe", default=None, metavar="NAME", help="print a built-in recipe as YAML and exit")
     # the names before issue 36 (a "layout" is a ShardTensor's sharding now): still accepted, not shown

@@ -412,8 +412,11 @@ def fingerprint(files: dict, opts: MeshOptions) -> dict:
 def _read_location(loc, path, shown_as, run_id, opts, warnings):
     specs = opts.recipe.fields[loc]
     cp_check = opts.recipe.cp_check.get(loc)
-    mesh, raw = read_cells(path, {a: s.association for s in specs for a in s.sources}, shown_as=shown_as,
-                           optional=(cp_check,) if cp_check else (), fix="set the recipe's data: to match")
+    openfoam = opts.recipe.openfoam_read(loc)
+    mesh, raw = read_cells(Path(path).parent.parent if openfoam else path,  # an OpenFOAM case: its folder
+                           {a: s.association for s in specs for a in s.sources}, shown_as=shown_as,
+                           optional=(cp_check,) if cp_check else (), fix="set the recipe's data: to match",
+                           openfoam=openfoam)
     rows = {}
     if loc == "surface":
         rows["coords"], rows["normals"], rows["areas"] = surface_geometry(mesh, shown_as)

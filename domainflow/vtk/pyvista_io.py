@@ -19,14 +19,15 @@ from .errors import MissingArraysError, VtkFileError, first_line, quiet_vtk, rai
 
 
 def read_dataset(path, arrays: dict | None = None, association: str | None = None, optional=(),
-                 shown_as=None, fix: str | None = None):
+                 shown_as=None, fix: str | None = None, openfoam: tuple | None = None):
     """Read one data set file; returns (dataset, {name: "cell" | "point"} of the arrays asked for and found).
 
     ``arrays``: {name: "cell" | "point"} to read; where the file's reader can select arrays, only those and
     those of ``optional`` that exist (as cell data, else as point data) are read. A missing one is a
     :class:`MissingArraysError` (``fix``: what its hint tells the user to do). None: every array (every one of
     ``association`` only, where given and the reader can select). ``shown_as``: the name used in errors (the
-    original file when ``path`` is a joined temporary)."""
+    original file when ``path`` is a joined temporary). ``openfoam``: (blocks, time): ``path`` is an OpenFOAM case
+    folder, read by VTK's own OpenFOAM reader (:func:`openfoam_reader`)."""
     import pyvista as pv
 
     quiet_vtk()
@@ -34,7 +35,9 @@ def read_dataset(path, arrays: dict | None = None, association: str | None = Non
     wanted = dict(arrays or {})
     with pv.VtkErrorCatcher(raise_errors=False, send_to_logging=False) as caught:
         try:
-            reader = pv.get_reader(str(path))
+            reader = pv.get_reader(str(path)) if openfoam is None else openfoam_reader(Path(path), *openfoam)
+        except VtkFileError:
+            raise
         except Exception as exc:  # unknown extension, unreadable file
             raise VtkFileError(f"{name}: cannot be read as VTK ({first_line(exc)})") from None
         raise_caught(caught, name)
@@ -58,6 +61,8 @@ def read_dataset(path, arrays: dict | None = None, association: str | None = Non
         except Exception as exc:
             raise VtkFileError(f"{name}: corrupt or truncated VTK file ({first_line(exc)})") from None
         raise_caught(caught, name)
+        if openfoam is not None:
+            mesh = _one_dataset(mesh, name)
     if mesh is None:
         raise VtkFileError(f"{name}: VTK read no cells; the file is empty, truncated or not a mesh")
     if not hasattr(mesh, "n_cells") or not hasattr(mesh, "points"):
@@ -67,6 +72,62 @@ def read_dataset(path, arrays: dict | None = None, association: str | None = Non
         wanted = _resolve(name, wanted, optional, {"cell": list(mesh.cell_data.keys()),
                                                    "point": list(mesh.point_data.keys())}, fix)
     return mesh, wanted
+
+
+def openfoam_reader(case: Path, blocks, time=None):
+    """VTK's OpenFOAM reader (pyvista's ``POpenFOAMReader``) of the case folder ``case`` (its
+    ``system/controlDict``; no ``.foam`` file needed), set to read ``blocks`` (``internalMesh``, or
+    ``patch/<name>``: several patches give one surface), cell data only, at ``time`` (None: the latest). A
+    decomposed case (``processor*/`` holding times the case folder lacks) is read through its processors, merged
+    by VTK (the whole mesh in memory, as a reconstructed case)."""
+    import pyvista as pv
+
+    control = case / "system" / "controlDict"
+    if not control.is_file():
+        raise VtkFileError(f"{case}: not an OpenFOAM case (no system/controlDict)")
+    reader = pv.POpenFOAMReader(str(control))
+    times = list(reader.time_values)
+    if any(case.glob("processor[0-9]*")):
+        reader.case_type = "decomposed"
+        if max(reader.time_values, default=-1.0) <= max(times, default=-1.0):
+            reader.case_type = "reconstructed"  # reconstructed times cover the processors' (reconstructPar ran)
+        times = list(reader.time_values)
+    if not times:
+        raise VtkFileError(f"{case}: OpenFOAM case without time folders")
+    when = times[-1] if time in (None, "latest") else float(time)
+    if not any(abs(t - when) <= 1e-9 * max(1.0, abs(when)) for t in times):
+        raise VtkFileError(f"{case}: no time {time!r}; the case holds times {times}")
+    reader.set_active_time_value(when)
+    known = list(reader.patch_array_names)
+    absent = [b for b in blocks if b not in known]
+    if absent:
+        raise VtkFileError(f"{case}: OpenFOAM case has no {absent}; it has {known}")
+    reader.disable_all_patch_arrays()
+    for b in blocks:
+        reader.enable_patch_array(b)
+    reader.cell_to_point_creation = False
+    return reader
+
+
+def _one_dataset(blocks, name):
+    """The data sets an OpenFOAM read gave (a multi-block tree), as one: itself, or several patches combined into
+    one unstructured grid of polygons (the store's surface rows, patch after patch)."""
+    import pyvista as pv
+
+    leaves = []
+
+    def walk(b):
+        if isinstance(b, pv.MultiBlock):
+            for k in range(b.n_blocks):
+                if b[k] is not None:
+                    walk(b[k])
+        elif b is not None and b.n_cells:
+            leaves.append(b)
+
+    walk(blocks)
+    if not leaves:
+        raise VtkFileError(f"{name}: the OpenFOAM blocks read hold no cells")
+    return leaves[0] if len(leaves) == 1 else pv.MultiBlock(leaves).combine(merge_points=False)
 
 
 def _resolve(name, wanted: dict, optional, present: dict, fix) -> dict:
@@ -84,7 +145,7 @@ def _resolve(name, wanted: dict, optional, present: dict, fix) -> dict:
 
 
 def read_cells(path: Path, arrays, shown_as: Path | None = None, optional: tuple[str, ...] = (),
-               fix: str | None = None):
+               fix: str | None = None, openfoam: tuple | None = None):
     """Read a mesh keeping only the arrays ``arrays`` (names of CELL arrays, or {name: "cell" | "point"}; point
     arrays are averaged to cells by VTK's vtkPointDataToCellData) and those of ``optional`` that exist (cell
     data, or point data averaged); returns (mesh, {name: ndarray per cell}).
@@ -93,7 +154,7 @@ def read_cells(path: Path, arrays, shown_as: Path | None = None, optional: tuple
     ends the hint of a missing array's error (what the caller's user changes)."""
     name = shown_as or path
     wanted = dict(arrays) if isinstance(arrays, dict) else {a: "cell" for a in arrays}
-    mesh, wanted = read_dataset(path, wanted, optional=optional, shown_as=name, fix=fix)
+    mesh, wanted = read_dataset(path, wanted, optional=optional, shown_as=name, fix=fix, openfoam=openfoam)
     if mesh.n_cells == 0:
         raise VtkFileError(f"{name}: VTK read no cells; the file is empty, truncated or not a mesh")
     if any(kind == "point" for kind in wanted.values()):
