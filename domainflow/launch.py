@@ -360,9 +360,13 @@ def _print_traceback() -> None:
 
 def _drop_pending_reads_quietly() -> None:
     """A rank leaving on an error or Ctrl-C: zarr reads still in flight on its event loop (a prefetch) are
-    dropped at exit, and asyncio would log "Task was destroyed but it is pending!" under the one-line
-    message; what happened is reported already."""
+    dropped at exit, and asyncio would log "Task was destroyed but it is pending!" (or Python warn "coroutine
+    'AsyncArray._get_selection' was never awaited", when Ctrl-C lands between a read's creation and its start)
+    under the one-line message; what happened is reported already."""
+    import warnings
+
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
 
 
 def _interrupt_once(signum, frame):
