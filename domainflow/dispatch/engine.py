@@ -183,7 +183,7 @@ def _route(func):
         route = _generic
     if (_INPLACE in func.tags or _OUT in func.tags) and route is not REGISTRY.pointwise:
         route = _guard_destinations(route, func)  # the pointwise rule checks a plain self in its cached plan
-    if _INPLACE in func.tags:
+    if _INPLACE in func.tags and route is not REGISTRY.pointwise:  # (the pointwise rule checks in its plan)
         route = _not_into_copied_views(route)
     _routes[func] = route
     return route

@@ -10,6 +10,7 @@ import torch
 
 from domainflow.dispatch.registry import REGISTRY
 from domainflow.dispatch.toolkit import hook_plain_grads, hooked_plain_grads, into_plain, local_as, local_exact
+from domainflow.dispatch.toolkit import COPIED_VIEWS, refuse_write_into_copied_view
 from domainflow.dispatch.toolkit import relayout, replicate_local, to_spec, unsupported_or_fallback, warn_moved
 from domainflow.dispatch.toolkit import warn_relayout, wrap_outputs
 from domainflow.errors import ShardingMismatchError
@@ -111,6 +112,8 @@ def pointwise(func, args, kwargs):
         if plan is _PLAIN_SELF:
             return into_plain(func, args, kwargs, args[0])
         return unsupported_or_fallback(func, args, kwargs, plan)
+    if plan.inplace and COPIED_VIEWS:
+        refuse_write_into_copied_view(func, args[0])
     if plan.local_only:
         out = func(*[a._local if type(a) is ShardTensor else a for a in args], **kwargs)
         if not plan.inplace:
