@@ -95,6 +95,7 @@ def _ingest(args) -> int:
             raise IngestError(f"--levels takes numbers in hPa, e.g. 500,850; got {args.levels!r}") from None
         opts = GridOptions(variables=variables, levels=levels, time_block=args.time_block, fill=args.fill,
                            static=tuple(x for x in args.static.split(",") if x) if args.static else None,
+                           member=args.member,
                            climatology_window=args.climatology_window, **common)
         report = ingest_climate(args.raw, args.store, opts)
     print(report.summary())
@@ -204,6 +205,9 @@ def _add_ingest(sub):
                    help="comma-separated constant fields (e.g. lsm,z: land-sea mask, orography), from (lat, lon) "
                         "variables or (time, lat, lon) ones that never change; stored apart and added to the model's "
                         "inputs")
+    c.add_argument("--member", type=float, default=None,
+                   help="the ensemble member to keep (its number, e.g. 0 for ERA5's control), for a source that "
+                        "holds an ensemble; one store per member")
     c.add_argument("--fill", default=None,
                    help="missing values (NaN, _FillValue): refused by default; 'mean' (the train mean of the valid "
                         "values), a number, or per variable/channel, e.g. sst=mean or sst=271.46,tcwv=0; the store "

@@ -28,10 +28,13 @@ from domainflow.store import time_axis
 from .errors import IngestError
 
 TIME_NAMES = ("time", "valid_time")
+STEP_NAMES = ("step",)       # a forecast's lead: valid time = time + step
+SERIES_NAMES = TIME_NAMES + STEP_NAMES
+MEMBER_NAMES = ("number", "realization", "member")   # an ensemble's members (cfgrib calls them number)
 LAT_NAMES = ("latitude", "lat")
 LON_NAMES = ("longitude", "lon")
-LEVEL_NAMES = ("level", "pressure_level", "isobaricInhPa", "plev", "lev")
-COORD_NAMES = TIME_NAMES + LAT_NAMES + LON_NAMES
+LEVEL_NAMES = ("level", "pressure_level", "isobaricInhPa", "isobaricInPa", "plev", "lev")
+COORD_NAMES = SERIES_NAMES + LAT_NAMES + LON_NAMES
 CF_MASK_KEYS = ("_FillValue", "missing_value")
 NETCDF_SUFFIXES = (".nc", ".nc4", ".netcdf", ".cdf", ".h5", ".hdf5")
 GRIB_SUFFIXES = (".grib", ".grb", ".grib1", ".grib2", ".grb2")
@@ -55,6 +58,7 @@ class FileSpan:
     path: str
     t0: int                      # global time indices [t0, t1) this file holds
     t1: int
+    part: tuple = ()             # a GRIB hypercube's filter_by_keys items; () for netCDF and Zarr
 
 
 @dataclass
@@ -64,7 +68,8 @@ class SourceReader:
     kind: str                    # "zarr", "netcdf" or "grib"
     groups: list                 # [[FileSpan, ...], ...] per group, in time order
     channels: list               # [Channel, ...]
-    dims: dict                   # {"time": name, "lat": name, "lon": name, "level": {variable: dim name}}
+    dims: dict                   # {"time": (names), "lat": name, "lon": name, "level": {variable: dim name}}
+    member: float | None = None  # the ensemble member read (--member), None without an ensemble
 
     def spans(self) -> list[tuple[int, int]]:
         """The stretches of time no file boundary of any group cuts: each is read from one file per group."""
@@ -84,15 +89,14 @@ class SourceReader:
                 raise IngestError(f"time steps {t0}..{t1 - 1} are not inside one file of the group {files[0].path}, ...")
             names = sorted({self.channels[k].variable for k in mine})
             names += sorted({self.dims["level"][v] for v in names if v in self.dims["level"]})  # for .sel
-            with open_dataset(span.path, self.kind, only=names) as ds:
+            with open_dataset(span.path, self.kind, only=names, part=span.part, member=self.member) as ds:
                 for k in mine:
                     c = self.channels[k]
                     da = ds[c.variable]
                     if c.level is not None:
                         da = da.sel({self.dims["level"][c.variable]: c.level})
-                    da = da.isel({self.dims["time"]: slice(t0 - span.t0, t1 - span.t0)})
-                    da = da.transpose(self.dims["time"], self.dims["lat"], self.dims["lon"])
-                    values = np.asarray(da.values, dtype=np.float64)
+                    values = series_steps(da, self.dims["time"], t0 - span.t0, t1 - span.t0,
+                                          (self.dims["lat"], self.dims["lon"]))
                     if out is None:
                         out = np.empty((t1 - t0, len(self.channels)) + values.shape[1:], dtype=np.float64)
                     out[:, k] = values
@@ -109,6 +113,7 @@ class StaticField:
     paths: tuple                 # the files holding it (every one is checked to hold the same map)
     timed: bool                  # False: a (lat, lon) variable
     attrs: dict = field(default_factory=dict, hash=False, compare=False)
+    parts: tuple = ()            # each path's GRIB hypercube keys (() each for netCDF and Zarr)
 
     @property
     def variable(self) -> str:   # the missing-value policies select by variable or channel name
@@ -185,11 +190,12 @@ def _is_zarr(path: Path) -> bool:
     return path.is_dir() and any((path / m).exists() for m in ("zarr.json", ".zgroup", ".zmetadata"))
 
 
-def open_dataset(path, kind: str, only=None, coords_as_stored: bool = False):
+def open_dataset(path, kind: str, only=None, coords_as_stored: bool = False, part: tuple = (), member=None):
     """One source file (or the Zarr store) as a lazy xarray Dataset with times left as numbers. ``only``: the
     variables to open (others dropped, so arrays of other shapes do not stop xarray). ``coords_as_stored``:
     coordinates without CF masking (a zarr-python v2 store's default fill_value 0 must not turn longitude 0
-    into NaN)."""
+    into NaN). ``part``: a GRIB file's hypercube (its filter_by_keys items). ``member``: the ensemble member
+    kept of an ensemble's variables (required when the file holds one)."""
     import xarray as xr
 
     kw = {"chunks": None, "decode_times": False}
@@ -199,9 +205,10 @@ def open_dataset(path, kind: str, only=None, coords_as_stored: bool = False):
         if only is not None:
             kw["drop_variables"] = [n for n in _zarr_array_names(path) if n not in only]
         try:
-            return xr.open_zarr(path, consolidated=True, **kw)
+            ds = xr.open_zarr(path, consolidated=True, **kw)
         except Exception:  # no (readable) consolidated metadata: the arrays' own, without xarray's warning
-            return xr.open_zarr(path, consolidated=False, **kw)
+            ds = xr.open_zarr(path, consolidated=False, **kw)
+        return _one_member(ds, path, member)
     if kind == "grib":
         try:
             import cfgrib  # noqa: F401
@@ -209,12 +216,89 @@ def open_dataset(path, kind: str, only=None, coords_as_stored: bool = False):
             raise IngestError(f"{path}: reading GRIB needs cfgrib and ecCodes: pip install 'domainflow[grib]' "
                               f"(or convert the files to netCDF)") from None
         kw.pop("mask_and_scale", None)
-        ds = xr.open_dataset(path, engine="cfgrib", backend_kwargs={"indexpath": ""}, **kw)
+        ds = xr.open_dataset(path, engine="cfgrib", backend_kwargs={"indexpath": "", "filter_by_keys": dict(part)},
+                             **kw)
+        ds = _one_message_as_one_step(ds)
     else:
-        ds = xr.open_dataset(path, **kw)
+        raw = xr.open_dataset(path, chunks=None, decode_cf=False)
+        ds = xr.decode_cf(_with_netcdf_default_fills(raw, path, coords_as_stored), decode_times=False)
     if only is not None:
         ds = ds[[v for v in only if v in ds.variables]]
+    return _one_member(ds, path, member)
+
+
+def _one_message_as_one_step(ds):
+    """A GRIB hypercube of one time (a file per date or hour, or a single step) as a series of one step: cfgrib
+    makes its time, step and valid time scalar coordinates; the valid time becomes its one-step dim."""
+    gridded = [v for v in ds.data_vars.values() if v.ndim >= 2 and v.dims[-2] in LAT_NAMES and v.dims[-1] in LON_NAMES]
+    if not gridded or any(d in SERIES_NAMES for v in gridded for d in v.dims):
+        return ds
+    scalar = next((n for n in ("valid_time", "time") if n in ds.coords and ds[n].ndim == 0), None)
+    return ds if scalar is None else ds.expand_dims(scalar)
+
+
+def _one_member(ds, path, member):
+    """An ensemble's variables at member ``member`` (its number); an ensemble read without ``--member`` is an
+    error naming the members."""
+    dims = {d for v in ds.data_vars.values() for d in v.dims if d in MEMBER_NAMES and ds.sizes[d] > 1}
+    if member is not None and not dims:
+        scalar = next((n for n in MEMBER_NAMES if n in ds.coords and ds[n].ndim == 0), None)
+        if scalar is not None and float(ds[scalar].values) != float(member):
+            raise IngestError(f"{path}: --member {member:g}: the file holds member {float(ds[scalar].values):g} only")
+        return ds
+    for d in sorted(dims):
+        have = np.asarray(ds[d].values) if d in ds.variables else np.arange(ds.sizes[d])
+        if member is None:
+            raise IngestError(f"{path} holds an ensemble ({d}: {len(have)} members, {have[0]:g} .. {have[-1]:g}); "
+                              f"pick one with --member K, or ingest each member into its own store")
+        if float(member) not in set(have.astype(np.float64).tolist()):
+            raise IngestError(f"{path}: --member {member:g} is not among its members {have.tolist()}")
+        ds = ds.sel({d: have[have.astype(np.float64) == float(member)][0]})
     return ds
+
+
+def series_steps(da, tdims: tuple, a: int, b: int, grid: tuple) -> np.ndarray:
+    """Steps ``[a, b)`` of a variable's series as float64 ``(b - a, lat, lon)``: its series dims (time, step, or
+    both: a forecast's valid times, flattened time-major) taken in order, level already selected."""
+    if len(tdims) == 1:
+        return np.asarray(da.isel({tdims[0]: slice(a, b)}).transpose(tdims[0], *grid).values, dtype=np.float64)
+    shape = tuple(da.sizes[d] for d in tdims)
+    steps = [da.isel(dict(zip(tdims, (int(i) for i in np.unravel_index(k, shape))))).transpose(*grid).values
+             for k in range(a, b)]
+    return np.asarray(np.stack(steps) if steps else np.empty((0,) + tuple(da.sizes[g] for g in grid)),
+                      dtype=np.float64)
+
+
+def _with_netcdf_default_fills(raw, path, coords_as_stored: bool):
+    """A netCDF dataset opened undecoded, made to decode as netCDF4 reads it: a variable without a
+    ``_FillValue`` has its type's default fill (9.97e36 for float32: what unwritten values hold) as one,
+    since netCDF4 masks it and xarray would not. Bytes only in fill mode (netCDF4's rule); coordinates as
+    stored when asked."""
+    import netCDF4
+
+    nc = None
+    try:
+        for name, var in raw.variables.items():
+            if coords_as_stored and name in raw.coords:
+                for key in CF_MASK_KEYS:
+                    var.attrs.pop(key, None)
+                continue
+            kind = var.dtype.str[1:]
+            if "_FillValue" in var.attrs or kind not in netCDF4.default_fillvals or var.dtype.kind not in "iuf":
+                continue
+            fill = netCDF4.default_fillvals[kind]
+            if kind in ("i1", "u1"):  # netCDF4 masks a byte's default fill only in fill mode
+                if nc is None:
+                    nc = netCDF4.Dataset(path)
+                held = nc.variables.get(name)
+                fill = held.get_fill_value() if held is not None else None
+                if fill is None:
+                    continue
+            var.attrs["_FillValue"] = np.array(fill, dtype=var.dtype)
+    finally:
+        if nc is not None:
+            nc.close()
+    return raw
 
 
 def _zarr_array_names(path) -> list[str]:
@@ -224,25 +308,33 @@ def _zarr_array_names(path) -> list[str]:
 
 
 # -- what a file holds --------------------------------------------------------------------------------------
-def _dim(dims, names) -> str | None:
-    found = [d for d in dims if d in names]
-    return found[0] if len(found) == 1 else None
+def series_dims(dims) -> tuple:
+    """The leading dims of a variable that make its series: time, step, valid_time (one, or a forecast's time
+    and step)."""
+    out = []
+    for d in dims:
+        if d not in SERIES_NAMES:
+            break
+        out.append(d)
+    return tuple(out)
 
 
 def gridded_variables(ds) -> dict[str, tuple[str | None, object]]:
-    """{variable: (level dim or None, variable)} of a dataset's (time, lat, lon) and (time, level, lat, lon)
-    variables."""
+    """{variable: (level dim or None, variable)} of a dataset's (series, lat, lon) and (series, level, lat, lon)
+    variables, the series being time, valid_time, step, or a forecast's time and step."""
     out = {}
     for name, var in ds.variables.items():
         dims = tuple(var.dims)
-        if name in ds.coords or len(dims) not in (3, 4):
+        if name in ds.coords or len(dims) < 3 or dims[-2] not in LAT_NAMES or dims[-1] not in LON_NAMES:
             continue
-        if _dim(dims, TIME_NAMES) != dims[0] or dims[-2] not in LAT_NAMES or dims[-1] not in LON_NAMES:
+        lead = series_dims(dims)
+        if not lead or len(set(lead)) != len(lead):
             continue
-        if len(dims) == 3:
+        rest = dims[len(lead):-2]
+        if not rest:
             out[str(name)] = (None, var)
-        elif dims[1] in LEVEL_NAMES:
-            out[str(name)] = (dims[1], var)
+        elif len(rest) == 1 and rest[0] in LEVEL_NAMES:
+            out[str(name)] = (rest[0], var)
     return out
 
 
@@ -277,21 +369,22 @@ class _FileInfo:
     time_chunk: int
     steps: int
     flat: dict = field(default_factory=dict)   # {variable: attrs} of its (lat, lon) variables
+    part: tuple = ()                           # a GRIB hypercube's filter_by_keys items
 
 
-def _scan_file(path: str, kind: str, variables=None) -> _FileInfo:
-    """What one file holds (metadata and coordinates only)."""
+def _scan_file(path: str, kind: str, variables=None, part: tuple = (), member=None) -> _FileInfo:
+    """What one file (or one hypercube of a GRIB file) holds (metadata and coordinates only)."""
     what = "a Zarr group" if kind == "zarr" else f"a {kind} file"
     try:
         try:
-            ds = open_dataset(path, kind, coords_as_stored=True)
+            ds = open_dataset(path, kind, coords_as_stored=True, part=part, member=member)
         except (FileNotFoundError, KeyError, IngestError):
             raise
         except Exception:
             if kind != "zarr" or not variables:
                 raise
             # xarray cannot open all arrays together (a dimension with two sizes): just --variables
-            ds = open_dataset(path, kind, only=(*variables, *COORD_NAMES), coords_as_stored=True)
+            ds = open_dataset(path, kind, only=(*variables, *COORD_NAMES), coords_as_stored=True, member=member)
     except IngestError:
         raise
     except KeyError as exc:  # xarray needs the dimension names of every array
@@ -308,6 +401,7 @@ def _scan_file(path: str, kind: str, variables=None) -> _FileInfo:
         found = gridded_variables(ds)
         flat = flat_variables(ds)
         if not found and not flat:
+            _refuse_other_grids(ds, path)
             shown = {str(n): tuple(a.dims) for n, a in ds.variables.items()}
             raise IngestError(f"{path} holds no (time, latitude, longitude) or (time, level, latitude, longitude) "
                               f"variables; arrays and their dims: {shown}")
@@ -320,18 +414,19 @@ def _scan_file(path: str, kind: str, variables=None) -> _FileInfo:
                 raise IngestError(f"{path}: coordinate arrays {latd!r} and {lond!r} are required")
             return _FileInfo(path, {}, {}, None, {}, lat.astype(np.float64), lon.astype(np.float64),
                              {"time": None, "lat": latd, "lon": lond}, {}, 1, 0,
-                             {n: dict(v.attrs) for n, v in flat.items()})
+                             {n: dict(v.attrs) for n, v in flat.items()}, part)
         first = next(iter(found.values()))[1]
-        tdim, latd, lond = first.dims[0], first.dims[-2], first.dims[-1]
+        tdims, latd, lond = series_dims(first.dims), first.dims[-2], first.dims[-1]
         for name, (_, var) in found.items():
-            if (var.dims[0], var.dims[-2], var.dims[-1]) != (tdim, latd, lond):
+            if (series_dims(var.dims), var.dims[-2], var.dims[-1]) != (tdims, latd, lond):
                 raise IngestError(f"{path}: variable {name!r} has dims {var.dims}, others {first.dims}")
-        T, H, W = first.shape[0], first.shape[-2], first.shape[-1]
+        T, H, W = int(np.prod([first.sizes[d] for d in tdims])), first.shape[-2], first.shape[-1]
 
         def coord(name, n):
             return _coord_values(ds, path, name, n)
 
-        (lat, _), (lon, _), (t, t_attrs) = coord(latd, H), coord(lond, W), coord(tdim, T)
+        (lat, _), (lon, _) = coord(latd, H), coord(lond, W)
+        t, t_attrs = _valid_times(ds, path, tdims)
         if lat is None or lon is None:
             raise IngestError(f"{path}: coordinate arrays {latd!r} and {lond!r} are required")
         levels = {}
@@ -340,12 +435,80 @@ def _scan_file(path: str, kind: str, variables=None) -> _FileInfo:
                 levels[name] = (np.asarray(ds[ldim].values) if ldim in ds.variables else np.arange(ds.sizes[ldim]),
                                 level_hpa(ds, ldim))
         enc = first.encoding
-        chunk = enc["chunks"][0] if enc.get("chunks") else enc.get("preferred_chunks", {}).get(tdim, T)
+        chunk = enc["chunks"][0] if enc.get("chunks") else enc.get("preferred_chunks", {}).get(tdims[0], T)
+        if len(tdims) > 1:  # a forecast's (time, step): read a step at a time
+            chunk = 1
         attrs = {n: dict(v.attrs) for n, (_, v) in found.items()}  # xarray moved the CF keys to .encoding
         flat = {n: dict(v.attrs) for n, v in flat.items() if v.dims == (latd, lond)}
         return _FileInfo(path, {n: d for n, (d, _) in found.items()}, levels, t, t_attrs,
                          lat.astype(np.float64), lon.astype(np.float64),
-                         {"time": tdim, "lat": latd, "lon": lond}, attrs, int(chunk or T), int(T), flat)
+                         {"time": tdims, "lat": latd, "lon": lond}, attrs, int(chunk or T), int(T), flat, part)
+
+
+def _valid_times(ds, path, tdims: tuple) -> tuple[np.ndarray | None, dict]:
+    """A series' times flattened in its dims' order, and their attrs with ``meaning``: the valid time (the
+    reference time plus the step) when the file has a step or a valid_time, else its time coordinate as it is
+    (None when it has none). A forecast file's ``time`` is when the forecast started, never the data's date."""
+    shape = tuple(ds.sizes[d] for d in tdims)
+    has_step = "step" in ds.variables
+    if "valid_time" in ds.variables and set(ds["valid_time"].dims) <= set(tdims):
+        vt = ds["valid_time"]
+        vt = vt.expand_dims({d: ds.sizes[d] for d in tdims if d not in vt.dims}).transpose(*tdims)
+        values = np.asarray(vt.values).reshape(-1)
+        attrs = {k: v for k, v in vt.attrs.items() if k not in CF_MASK_KEYS}
+        meaning = "valid time (reference time + step)" if has_step else "valid time"
+        return values, {**attrs, "meaning": meaning}
+    names = [d for d in tdims if d in TIME_NAMES]
+    if has_step and "time" in ds.variables:
+        return _time_plus_step(ds, path, tdims)
+    if len(tdims) != 1 or not names:
+        raise IngestError(f"{path}: its series dims {tdims} have no valid_time coordinate and no time to add "
+                          f"the steps to; give the file a valid_time (or a time) coordinate")
+    values, attrs = _coord_values(ds, path, names[0], shape[0])
+    if values is None:
+        return None, attrs
+    return values, {**attrs, "meaning": "valid time" if names[0] == "valid_time" else f"the source's {names[0]!r}"}
+
+
+def _time_plus_step(ds, path, tdims: tuple) -> tuple[np.ndarray, dict]:
+    """Valid times of a (time, step) file that has no valid_time coordinate: the reference times decoded,
+    the steps added (in their CF units), encoded back in the time's units."""
+    import pandas as pd
+
+    t_attrs = {k: v for k, v in ds["time"].attrs.items() if k not in CF_MASK_KEYS}
+    ref = time_axis.decode(np.atleast_1d(np.asarray(ds["time"].values)), t_attrs)
+    units = str(ds["step"].attrs.get("units", "")).strip().lower()
+    unit = {"hours": "h", "hour": "h", "h": "h", "minutes": "min", "seconds": "s", "s": "s", "days": "D",
+            "day": "D"}.get(units)
+    if ref is None or unit is None:
+        raise IngestError(f"{path}: a forecast's valid time needs a dated time and steps in hours, minutes, "
+                          f"seconds or days; time units {t_attrs.get('units')!r}, step units {units!r}")
+    step = pd.to_timedelta(np.atleast_1d(np.asarray(ds["step"].values, dtype=np.float64)), unit=unit).to_numpy()
+    grid = {"time": ref, "step": step}
+    order = [d for d in tdims if d in grid] or ["time"]
+    if order == ["step", "time"]:
+        values = ref[None, :] + step[:, None]
+    elif order == ["step"]:
+        values = ref[0] + step
+    else:
+        values = ref[:, None] + step[None, :]
+    return time_axis.encode(values.reshape(-1), t_attrs), {**t_attrs, "meaning": "valid time (reference time + step)"}
+
+
+def _refuse_other_grids(ds, path) -> None:
+    """A variable on a grid other than a regular latitude-longitude one (reduced Gaussian, Lambert, a
+    projection's x/y) is refused with what the grid is and how to regrid it."""
+    for name, var in ds.data_vars.items():
+        grid = var.attrs.get("GRIB_gridType")
+        mapping = var.attrs.get("grid_mapping")
+        if grid in (None, "regular_ll") and mapping is None and not any(d in ("values", "x", "y", "rlat", "rlon")
+                                                                        for d in var.dims):
+            continue
+        what = (f"on a {grid} grid" if grid else f"on the grid of {mapping!r}" if mapping else
+                f"on dims {tuple(var.dims)}")
+        raise IngestError(f"{path}: {name} is {what}, not a regular latitude-longitude grid; ingest climate reads "
+                          f"regular latitude-longitude grids: regrid it first (e.g. `cdo remapbil,r1440x721 in out`, "
+                          f"or earthkit-regrid / xESMF)")
 
 
 def _coord_values(ds, path, name, n):
@@ -377,13 +540,14 @@ def _zarr_shapes(path) -> dict:
 
 
 # -- the source -------------------------------------------------------------------------------------------
-def open_source(items, variables=None, levels=None, static=None) -> ClimateSource:
+def open_source(items, variables=None, levels=None, static=None, member=None) -> ClimateSource:
     """Resolve, scan and check a climate source; ``variables`` selects variables (all their levels) or
     channels (``z500``); ``levels`` (hPa) selects the pressure levels of level variables; ``static`` names
-    constant fields (``lsm``, ``z`` of the surface) kept apart from the time-dependent channels."""
+    constant fields (``lsm``, ``z`` of the surface) kept apart from the time-dependent channels; ``member``
+    picks one member of an ensemble. A GRIB file is read as every hypercube it holds, each checked whole."""
     kind, paths = resolve(items)
     shown = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} more files)"
-    infos = [_scan_file(p, kind, variables) for p in paths]
+    infos = [_scan_file(p, kind, variables, part, member) for p in paths for part in _parts(p, kind)]
     first = infos[0]
     for info in infos[1:]:
         for name, a, b in (("latitude", first.lat, info.lat), ("longitude", first.lon, info.lon)):
@@ -407,13 +571,36 @@ def open_source(items, variables=None, levels=None, static=None) -> ClimateSourc
                 raise IngestError(f"{info.path} names its dims {info.dims}, {first.path} {first.dims}; rename them "
                                   f"to one convention")
             dims["level"].update({v: d for v, d in info.variables.items() if d is not None})
-    reader = SourceReader(kind, spans, channels, dims)
+    reader = SourceReader(kind, spans, channels, dims, None if member is None else float(member))
     T = len(time)
     return ClimateSource(shown=shown, reader=reader, shape=(T, len(first.lat), len(first.lon)), lat=first.lat,
                          lon=first.lon, time=time, time_attrs=time_attrs,
                          time_chunk=min(i.time_chunk for i in infos) if kind == "zarr" else max(
                              b.t1 - b.t0 for files in spans for b in files),
                          channel_attrs=attrs, levels=levels_kept, files=len(paths), statics=statics)
+
+
+def _parts(path: str, kind: str) -> list[tuple]:
+    """The hypercubes a file is read as: every one of a GRIB file (each checked for damage and holes), the
+    whole file otherwise (a classic netCDF file checked to be as long as its header says)."""
+    if kind == "netcdf":
+        from .netcdf_file import check_size
+
+        check_size(path)
+    if kind != "grib":
+        return [()]
+    from . import grib_file
+
+    try:
+        import cfgrib  # noqa: F401
+    except ImportError:
+        raise IngestError(f"{path}: reading GRIB needs cfgrib and ecCodes: pip install 'domainflow[grib]' "
+                          f"(or convert the files to netCDF)") from None
+    grib_file.check_file(path)
+    parts = grib_file.hypercubes(path)
+    for part in parts:
+        grib_file.check_complete(path, part)
+    return parts
 
 
 def _statics(infos: list[_FileInfo], names, variables) -> list[StaticField]:
@@ -440,7 +627,8 @@ def _statics(infos: list[_FileInfo], names, variables) -> list[StaticField]:
             raise IngestError(f"--static {name}: no file holds a (latitude, longitude) or (time, latitude, longitude) "
                               f"variable {name!r}; the variables are {known}")
         attrs = holders[0].flat[name] if flat else holders[0].attrs[name]
-        out.append(StaticField(name, tuple(i.path for i in holders), not flat, dict(attrs)))
+        out.append(StaticField(name, tuple(i.path for i in holders), not flat, dict(attrs),
+                               tuple(i.part for i in holders)))
         for i in timed:  # also when a (lat, lon) copy wins: the field is an input, never a predicted channel
             i.variables.pop(name)
     for info in infos:
@@ -459,8 +647,8 @@ def read_static(field_: StaticField, kind: str, dims: dict) -> tuple[np.ndarray,
     compared with the first (to 1e-4 of its range, above int16 packing's rounding) and a difference is an
     error naming the file and step."""
     ref, keys = None, []
-    for path in field_.paths:
-        with open_dataset(path, kind, only=[field_.name]) as ds:
+    for path, part in zip(field_.paths, field_.parts or [()] * len(field_.paths)):
+        with open_dataset(path, kind, only=[field_.name], part=part) as ds:
             da = ds[field_.name]
             if not field_.timed:
                 return np.asarray(da.transpose(*da.dims[-2:]).values, np.float64), _mask_keys(da)
@@ -489,12 +677,12 @@ def _mask_keys(da) -> list:
 def _group_files(infos: list[_FileInfo]) -> list[list[_FileInfo]]:
     """Files grouped by the variables they hold, each group in time order."""
     groups: dict[tuple, list] = {}
-    for info in infos:
-        groups.setdefault(tuple(sorted(info.variables)), []).append(info)
+    for info in infos:  # a GRIB hypercube is its own group: the same name may come from two (hPa and Pa levels)
+        groups.setdefault((tuple(sorted(info.variables)), info.part), []).append(info)
     names = list(groups)
     for a in range(len(names)):
         for b in range(a + 1, len(names)):
-            both = set(names[a]) & set(names[b])
+            both = set(names[a][0]) & set(names[b][0]) if names[a][1] == names[b][1] else set()
             if both:
                 raise IngestError(f"{groups[names[a]][0].path} and {groups[names[b]][0].path} both hold {sorted(both)} "
                                   f"but not the same variables; a variable must come from one set of files")
@@ -550,7 +738,7 @@ def _time_axis(groups) -> tuple[np.ndarray, dict, list]:
         at, mine = 0, []
         for f in files:
             n = _length(f)
-            mine.append(FileSpan(f.path, at, at + n))
+            mine.append(FileSpan(f.path, at, at + n, f.part))
             at += n
         spans.append(mine)
     return time, attrs, spans
@@ -588,25 +776,26 @@ def _check_even(dates: np.ndarray, files) -> None:
 
 def _channels(groups, variables, levels) -> tuple[list[Channel], dict, dict]:
     """Channels in order: variables by name, a level variable's levels in ascending hPa."""
-    available: dict[str, tuple[int, str | None, np.ndarray, np.ndarray, dict]] = {}
+    available: dict[tuple[str, int], tuple[str | None, np.ndarray, np.ndarray, dict]] = {}
     for g, files in enumerate(groups):
         info = files[0]
         for v, ldim in info.variables.items():
             vals, hpa = info.levels.get(v, (None, None))
-            available[v] = (g, ldim, vals, hpa, info.attrs[v])
+            available[v, g] = (ldim, vals, hpa, info.attrs[v])
     all_channels: list[Channel] = []
     attrs: dict = {}
-    for v in sorted(available):
-        g, ldim, vals, hpa, a = available[v]
+    for v, g in sorted(available):
+        ldim, vals, hpa, a = available[v, g]
         if ldim is None:
             all_channels.append(Channel(v, v, g))
-            attrs[v] = a
+            attrs[v, g] = a
             continue
         order = np.argsort(hpa, kind="stable")
         for k in order:
             name = _channel_name(v, float(hpa[k]))
             all_channels.append(Channel(name, v, g, vals[k].item(), float(hpa[k])))
-            attrs[name] = {**a, "level_hpa": float(hpa[k]), "source_variable": v}
+            attrs[name, g] = {**a, "level_hpa": float(hpa[k]), "source_variable": v}
+    all_channels, attrs = _told_apart(all_channels, attrs, groups)
     if levels:
         wanted = {float(x) for x in levels}
         have = {c.hpa for c in all_channels if c.hpa is not None}
@@ -627,7 +816,8 @@ def _channels(groups, variables, levels) -> tuple[list[Channel], dict, dict]:
                 unknown.append(v)
             picked.extend(c for c in hit if c not in picked)
         if unknown:
-            raise IngestError(f"no variable(s) {unknown}; the variables are {sorted(available)} and the channels "
+            raise IngestError(f"no variable(s) {unknown}; the variables are {sorted({v for v, _ in available})} and "
+                              f"the channels "
                               f"{[c.name for c in all_channels]}")
         all_channels = picked
     kept_levels: dict = {}
@@ -635,3 +825,23 @@ def _channels(groups, variables, levels) -> tuple[list[Channel], dict, dict]:
         if c.hpa is not None:
             kept_levels.setdefault(c.variable, []).append(c.hpa)
     return all_channels, kept_levels, {c.name: attrs[c.name] for c in all_channels}
+
+
+def _told_apart(channels: list[Channel], attrs: dict, groups) -> tuple[list[Channel], dict]:
+    """Channels of one name from two GRIB hypercubes (an instantaneous and an averaged field of one parameter,
+    say) named apart by the first key their hypercubes differ in (``t2m_avg``); each channel's attrs by name."""
+    from dataclasses import replace
+
+    out, by_name = [], {}
+    for c in channels:
+        same = [o for o in channels if o.name == c.name and o.group != c.group]
+        name, mine = c.name, dict(groups[c.group][0].part)
+        if same:
+            differs = [k for k in mine if k != "paramId" and
+                       any(dict(groups[o.group][0].part).get(k) != mine[k] for o in same)]
+            if differs:
+                name = f"{c.name}_{mine[differs[0]]}"
+        out.append(replace(c, name=name))
+        by_name[name] = attrs[c.name, c.group] if name == c.name else {**attrs[c.name, c.group],
+                                                                        "source_variable": c.variable}
+    return out, by_name

@@ -37,7 +37,7 @@ from .climatology import CLIMATOLOGY_WINDOW, bands, climatology_band
 from .errors import IngestError, RunError
 from .missing_values import EXAMPLE as FILL_EXAMPLE
 from .missing_values import fill_block, fill_value, first_missing, parse_fill, policies
-from .parallel import peak_memory, reset_peak_memory, run_tasks
+from .parallel import count_cells, peak_memory, reset_peak_memory, run_tasks
 from .report import IngestReport
 from .splits import check_fractions, read_split_file, split_times, time_mask
 from .stats import RunningStats, merge_all
@@ -51,6 +51,7 @@ class GridOptions:
     climatology_window: int = CLIMATOLOGY_WINDOW
     fill: dict | str | None = None       # missing values: None (refuse), "mean", a number, or per variable
     static: tuple[str, ...] | None = None  # constant fields (land-sea mask, orography) kept as input channels
+    member: float | None = None          # the ensemble member kept (its number), for a source that holds one
     time_block: int | None = None
     chunk_bytes: int = TARGET_CHUNK_BYTES
     split: tuple[float, float, float] = (0.8, 0.1, 0.1)
@@ -119,6 +120,7 @@ def ingest_block(reader: SourceReader, store: str, shown: str, t0: int, t1: int,
             missing[channel.name] = {"count": count, "first": [first[0] + t0, first[1], first[2]],
                                      "keys": fills[c]}
     out[t0:t1] = block
+    count_cells(block.shape[0] * block.shape[2] * block.shape[3])  # grid points x time steps, for the bar
     mask = time_mask(train, out.shape[0])[t0:t1]
     stats = {}
     for k, c in enumerate(reader.channels):
@@ -165,7 +167,7 @@ def ingest_climate(raw, store, opts: GridOptions | None = None, **kw):
     opts.validate()
     t0 = time.perf_counter()
     items = [raw] if isinstance(raw, (str, Path)) else list(raw)
-    src = open_source(items, opts.variables, opts.levels, opts.static)
+    src = open_source(items, opts.variables, opts.levels, opts.static, opts.member)
     T, H, W = src.shape
     C = len(src.channels)
     # default: the source's time chunks for a Zarr (each task decodes whole source chunks), a file's steps for
@@ -187,6 +189,8 @@ def ingest_climate(raw, store, opts: GridOptions | None = None, **kw):
         config["fill"] = fill
     if src.statics:
         config["static"] = [f.name for f in src.statics]
+    if opts.member is not None:
+        config["member"] = float(opts.member)
     with StoreWriter(store) as writer:  # holds the store's writer lock until the end
         return _ingest_blocks(writer, Path(source).resolve(), Path(store).resolve(), src, opts, block, splits,
                               (hc, wc), config, t0, fill)
@@ -231,7 +235,8 @@ def _ingest_blocks(writer: StoreWriter, source: Path, store: Path, src: ClimateS
     summaries = dict(done)
     try:
         for out in run_tasks(ingest_block, todo, workers=opts.workers, scheduler=opts.scheduler,
-                             desc=f"ingest {Path(shown.split(' ')[0]).name}", progress=opts.progress):
+                             desc=f"ingest {Path(shown.split(' ')[0]).name} ({block} steps per block)",
+                             progress=opts.progress, unit="block"):
             report.tasks.append(out)
             report.written.append(out["name"])
             summaries[out["name"]] = out
@@ -255,7 +260,11 @@ def _ingest_blocks(writer: StoreWriter, source: Path, store: Path, src: ClimateS
         fields[f"grid/{v}"] = {"location": "grid", "components": 1, "channel": c, "units": str(a.get("units", "")),
                                "long_name": str(a.get("long_name", v))}
         if "level_hpa" in a:
-            fields[f"grid/{v}"].update({"level_hpa": a["level_hpa"], "source_variable": a["source_variable"]})
+            fields[f"grid/{v}"]["level_hpa"] = a["level_hpa"]
+        if "source_variable" in a:
+            fields[f"grid/{v}"]["source_variable"] = a["source_variable"]
+        if "GRIB_stepType" in a:  # instant, accum, avg, max...: what a value of the field is
+            fields[f"grid/{v}"]["step_type"] = str(a["GRIB_stepType"])
     for k, f in enumerate(src.statics):
         fields[f"static/{f.name}"] = {"location": "static", "components": 1, "channel": k,
                                       "units": str(f.attrs.get("units", "")),
@@ -263,7 +272,9 @@ def _ingest_blocks(writer: StoreWriter, source: Path, store: Path, src: ClimateS
     writer.complete({"fields": fields, "stats": stats, "splits": splits,
                      "grid": {"variables": channels, "shape": [T, H, W], "tile": [hc, wc],
                               "periodic_lon": _periodic(src.lon), "levels": src.levels,
-                              "source": {"kind": src.reader.kind, "files": src.files}, "missing": missing,
+                              "source": {"kind": src.reader.kind, "files": src.files,
+                                         **({"member": opts.member} if opts.member is not None else {})},
+                              "missing": missing,
                               "static": [f.name for f in src.statics],
                               "climatology": climatology}})
     report.seconds = time.perf_counter() - t0

@@ -140,11 +140,22 @@ def _describe_grid(root, config, domains, read) -> list[str]:
     if levels:
         lines.append("  pressure levels (hPa): " + "; ".join(f"{v}: {', '.join(f'{x:g}' for x in ls)}"
                                                           for v, ls in levels.items()))
-    lines.append(f"  time: {T} steps, {_time_range(root['time'], read)}")
+    fields = root.attrs.get("fields", {})
+
+    def described(v):  # units, and what a value is when the source says (a GRIB step type: accum, avg...)
+        f = fields.get(f"grid/{v}", {})
+        kind = f.get("step_type")
+        return f"{v} [{f.get('units', '')}]" + (f" ({kind})" if kind and kind != "instant" else "")
+
+    if variables:
+        lines.append("  channel units: " + ", ".join(described(v) for v in variables))
+    meaning = root["time"].attrs.get("meaning")
+    lines.append(f"  time: {T} steps, {_time_range(root['time'], read)}" + (f" ({meaning})" if meaning else ""))
     grid = root.attrs.get("grid", {})
+    if grid.get("source", {}).get("member") is not None:
+        lines.append(f"  ensemble member: {grid['source']['member']:g}")
     statics = grid.get("static", [])
     if statics:
-        fields = root.attrs.get("fields", {})
         lines.append(f"  static fields {tuple(root['static'].shape)} (constant input channels): " + ", ".join(
             f"{n} [{fields.get(f'static/{n}', {}).get('units', '')}]" for n in statics))
     for v, m in grid.get("missing", {}).items():

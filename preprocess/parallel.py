@@ -33,7 +33,7 @@ def _cells_text(n: int, seconds: float) -> str:
     from tqdm import tqdm
 
     rate = tqdm.format_sizeof(n / seconds) if seconds > 0 else "?"
-    return f"{n:,} cells, {rate} cells/s"
+    return f"{n:,} cells, {rate} cells/s"  # a grid ingest counts grid points x time steps
 
 
 @contextlib.contextmanager
@@ -65,7 +65,7 @@ def _cell_counter(bar, context):
 
 
 def run_tasks(func: Callable, calls: Iterable[tuple], *, workers: int = 1, scheduler: str | None = None,
-              desc: str = "ingest", progress: bool = True) -> Iterator:
+              desc: str = "ingest", progress: bool = True, unit: str = "task") -> Iterator:
     """Yield ``func(*args)`` for every ``args`` in ``calls`` as tasks finish, with a tqdm progress bar.
 
     An exception in a task propagates (after the tasks already running finish or are cancelled).
@@ -76,7 +76,7 @@ def run_tasks(func: Callable, calls: Iterable[tuple], *, workers: int = 1, sched
     if workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}")
     yield from run_graphs([dask.delayed(func, pure=False)(*args) for args in calls], workers=workers,
-                          scheduler=scheduler, desc=desc, progress=progress)
+                          scheduler=scheduler, desc=desc, progress=progress, unit=unit)
 
 
 def run_graphs(finals: list, *, workers: int = 1, scheduler: str | None = None, desc: str = "ingest",

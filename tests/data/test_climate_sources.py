@@ -242,3 +242,21 @@ def test_grib_files_ingest_as_cfgrib_decodes_them(tmp_path):
     for k, name in enumerate(("a.grib", "b.grib")):
         with xr.open_dataset(tmp_path / name, engine="cfgrib", backend_kwargs={"indexpath": ""}) as ref:
             np.testing.assert_array_equal(np.asarray(root["data"][4 * k:4 * k + 4, 0]), ref["t2m"].values)
+
+
+@pytest.mark.parametrize("fmt", ["NETCDF3_CLASSIC", "NETCDF3_64BIT", "NETCDF4"])
+def test_a_netcdf_download_cut_short_is_named(tmp_path, capsys, fmt):
+    """netCDF reads the missing end of a truncated classic file as zeros: the last steps (or the time axis) would
+    be ingested as data. Every format's truncated file is an error naming it, in one line."""
+    path = tmp_path / "era5.nc"
+    single_levels(path, "2020-01-01", seed=4).to_netcdf(path, format=fmt)
+    data = path.read_bytes()
+    for cut in (len(data) - 4, len(data) * 2 // 3):
+        path.write_bytes(data[:cut])
+        assert cli(["ingest", "climate", str(path), str(tmp_path / "g.zarr"), "--quiet"]) == 1
+        err = [x for x in capsys.readouterr().err.strip().splitlines() if x.strip()]
+        assert len(err) == 1 and str(path) in err[0], err
+        assert ("is cut short" in err[0] and "download it again" in err[0]) if fmt != "NETCDF4" else \
+            "not readable as a netcdf file" in err[0], err
+    path.write_bytes(data)
+    assert cli(["ingest", "climate", str(path), str(tmp_path / "g.zarr"), "--quiet", "--split", "0.5,0.25,0.25"]) == 0

@@ -218,3 +218,40 @@ def test_each_rank_reads_its_block_of_the_missing_mask(cds, tmp_path, dist):
     valid = np.concatenate([b for _, b in blocks], axis=2)[0]  # ranks split the latitude rows
     np.testing.assert_array_equal(valid[1], ~nan[t])
     assert (valid[0] == 1).all()
+
+
+def test_netcdfs_default_fill_is_missing_as_netcdf4_reads_it(tmp_path):
+    """A variable written by netCDF4 without a _FillValue, some of its values never written: those hold netCDF's
+    default fill (9.97e36 for float32, -32767 packed int16), which netCDF4 reads as missing. They used to be
+    ingested as data; now they are missing values (refused by default, filled by a policy), as netCDF4 reads them."""
+    import netCDF4
+
+    path = tmp_path / "era5.nc"
+    rng = np.random.default_rng(7)
+    with netCDF4.Dataset(path, "w") as nc:
+        for name, n in (("valid_time", 8), ("latitude", 4), ("longitude", 8)):
+            nc.createDimension(name, n)
+        nc.createVariable("valid_time", "i8", ("valid_time",))[:] = np.arange(8) * 6
+        nc["valid_time"].units = "hours since 2020-01-01"
+        nc.createVariable("latitude", "f8", ("latitude",))[:] = [67.5, 22.5, -22.5, -67.5]
+        nc.createVariable("longitude", "f8", ("longitude",))[:] = np.arange(8) * 45.0
+        t2m = nc.createVariable("t2m", "f4", ("valid_time", "latitude", "longitude"))  # no _FillValue
+        sst = nc.createVariable("sst", "i2", ("valid_time", "latitude", "longitude"))  # packed, no _FillValue
+        sst.scale_factor, sst.add_offset = 0.01, 280.0
+        for k in range(8):
+            if k != 5:  # step 5 of t2m is never written
+                t2m[k] = 270 + rng.standard_normal((4, 8)).astype(np.float32)
+        sst[:] = 280 + rng.standard_normal((8, 4, 8))
+        sst[2, 1, 3] = np.ma.masked  # netCDF4 writes a masked value as the default fill
+    with netCDF4.Dataset(path) as nc:
+        want = {v: np.ma.filled(nc[v][:].astype(np.float64), np.nan) for v in ("sst", "t2m")}
+    assert np.isnan(want["t2m"][5]).all() and np.isnan(want["sst"]).sum() == 1
+    with pytest.raises(IngestError, match=r"variable 'sst' holds 1 missing values.*variable 't2m' holds 32 missing"):
+        ingest_climate(str(path), tmp_path / "g.zarr", progress=False, split=SPLIT)
+    ingest_climate(str(path), tmp_path / "g.zarr", progress=False, split=SPLIT, fill="0")
+    root = zarr.open_group(tmp_path / "g.zarr", mode="r")
+    for c, name in enumerate(root.attrs["grid"]["variables"]):
+        got, nan = np.asarray(root["data"][:, c]), np.isnan(want[name])
+        np.testing.assert_array_equal(got[~nan], want[name][~nan].astype(np.float32))
+        assert (got[nan] == 0).all()
+        assert root.attrs["grid"]["missing"][name]["count"] == int(nan.sum())

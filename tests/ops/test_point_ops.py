@@ -214,7 +214,19 @@ def _brute_knn_now(q, p, k, exclude_self):
     return s.indices[:, :k], s.values[:, :k].sqrt()
 
 
-def _knn_case(seed):
+def _surface_references():
+    """The brute-force answers on the airplane's own points (the same for every world size and rank), computed
+    once in the test process: 16 nearest with and without the point itself, and the radius searches."""
+    if "surface" not in _REFERENCE:
+        pts, _, _ = _airplane()
+        lo, hi = pts.amin(0), pts.amax(0)
+        r = float((hi - lo).norm()) * 0.02
+        _REFERENCE["surface"] = {"knn": {excl: _brute_knn_now(pts, pts, 16, excl) for excl in (False, True)},
+                                 "radius": {cap: _brute_radius_now(pts, r, cap) for cap in (None, 4)}, "r": r}
+    return _REFERENCE["surface"]
+
+
+def _knn_case(seed, refs):
     import domainflow as df
     from domainflow.layout.shapes import rows_per_rank
 
@@ -233,7 +245,7 @@ def _knn_case(seed):
         sp = df.distribute_tensor(pts, mesh, [Shard(0)], sharding_shapes={0: list(sizes)})
         for k, excl in ((1, False), (8, True), (16, False)):
             idx, dist_ = df.knn(sp, k, exclude_self=excl)
-            ref_i, ref_d = _brute_knn(pts, pts, k, excl)
+            ref_i, ref_d = (t[:, :k] for t in refs["knn"][excl])
             assert idx.placements == (Shard(0),) and idx._spec.sizes[0] == sizes
             assert torch.equal(idx.full_tensor(), ref_i), f"knn k={k} exclude_self={excl} sizes={sizes}"
             torch.testing.assert_close(dist_.full_tensor(), ref_d, rtol=1e-12, atol=1e-12)
@@ -243,11 +255,11 @@ def _knn_case(seed):
         idx, _ = df.knn(sp, 5, sq)
         assert torch.equal(idx.full_tensor(), _brute_knn(others, pts, 5)[0])
         # radius search, with and without a cap on neighbours
-        r = float((hi - lo).norm()) * 0.02
+        r = refs["r"]
         for cap in (None, 4):
             qi, pi, dd = df.radius(sp, r, max_neighbors=cap, exclude_self=True)
             got = torch.stack([qi.full_tensor(), pi.full_tensor()], 1)
-            ref = _brute_radius(pts, r, cap)
+            ref = refs["radius"][cap]
             assert torch.equal(got, ref), f"radius r={r} cap={cap} sizes={sizes}"
     # the partition's own boxes (per rank, merged from part boxes) may stand in for the all-gathered ones
     sizes = layouts[0]
@@ -255,16 +267,12 @@ def _knn_case(seed):
                              _part_ranges(len(offsets) - 1, world)], dtype=torch.float64)
     sp = df.distribute_tensor(pts, mesh, [Shard(0)], sharding_shapes={0: list(sizes)})
     idx, _ = df.knn(sp, 8, boxes=per_rank)
-    assert torch.equal(idx.full_tensor(), _brute_knn(pts, pts, 8)[0])
+    assert torch.equal(idx.full_tensor(), refs["knn"][False][0][:, :8])
     return fetched[:3], n
 
 
 def _part_ranges(parts, world):
     return [(r * parts // world, (r + 1) * parts // world) for r in range(world)]
-
-
-def _brute_radius(pts, r, cap):
-    return _cached(("radius", len(pts), r, cap), lambda: _brute_radius_now(pts, r, cap))
 
 
 def _brute_radius_now(pts, r, cap):
@@ -284,7 +292,7 @@ def _brute_radius_now(pts, r, cap):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_knn_and_radius_on_a_partitioned_surface(dist, world):
-    results = dist.run(world, _knn_case, 50 + world)
+    results = dist.run(world, _knn_case, 50 + world, _surface_references())
     if world == 4:
         # with ingest's spatial partition each rank fetches a thin shell, not the whole cloud
         n = results[0][1]

@@ -43,13 +43,17 @@ def _estimate_here(*args, command="estimate"):
 
 
 def test_estimate_prints_memory_per_rank_at_every_domain_size_and_the_smallest_that_fits(store, tmp_path):
+    """One real ``domainflow estimate`` process (with block inference: measured once more in blocks, and the rows
+    estimate each rank's share of a block), then data.sample_points in this process."""
     out = tmp_path / "estimate.json"
-    r = _estimate(f"data.store={store}", *MODEL, "--points", "100000", "--memory", "600MiB", "--sizes", "512,1024,2048",
-                  "--json", str(out))
+    r = _estimate(f"data.store={store}", *MODEL, "eval.block_points=20000", "--points", "100000", "--memory", "600MiB",
+                  "--sizes", "512,1024,2048", "--json", str(out))
     assert r.returncode == 0, r.stderr
     estimate = json.loads(out.read_text())
     m = estimate["model"]
-    model = MemoryModel(train=Line(**m["train"]), eval=Line(**m["eval"]), parts=m["parts"])
+    assert m["block_points"] == 20000 and m["blocked_peak"] > 0 and 0 <= m["eval_resident"] <= m["eval"]["per_point"]
+    model = MemoryModel(train=Line(**m["train"]), eval=Line(**m["eval"]), parts=m["parts"], block_points=20000,
+                        eval_resident=m["eval_resident"])
     assert m["sizes"] == [512, 1024, 2048] and model.parts == 8
     assert model.train.per_point > 0 and model.eval.per_point > 0
     # the measured peaks lie on the fitted lines (each grows with the points), within 10%
@@ -61,8 +65,9 @@ def test_estimate_prints_memory_per_rank_at_every_domain_size_and_the_smallest_t
         # beyond the store's 8 parts the estimate assumes the re-ingest it asks for: 8 parts per rank
         parts = 8 if w <= 8 else max(64, 8 * w)
         assert row_["parts"] == parts and row_["eval_points"] == row_["train_points"] == rank_points(100000, w, parts)
+        assert row_["eval_bytes"] == pytest.approx(model.eval_bytes(row_["eval_points"], 100000))
         assert row_["bytes"] == pytest.approx(max(model.train.bytes_at(row_["train_points"]),
-                                                  model.eval.bytes_at(row_["eval_points"])))
+                                                  model.eval_bytes(row_["eval_points"], 100000)))
     # 5, 6 or 7 ranks over 8 parts leave some rank 2 parts, as many points as at 4 ranks
     assert rank_points(100000, 5, 8) == rank_points(100000, 7, 8) == rank_points(100000, 4, 8) == 25000
     smallest = next((w for w in range(1, 65) if fits(row(model, 100000, 100000, w), 600 * 2**20)), None)
@@ -70,25 +75,14 @@ def test_estimate_prints_memory_per_rank_at_every_domain_size_and_the_smallest_t
     text = r.stdout
     assert "per point" in text and "smallest domain size within 600 MiB per rank" in text
     assert "re-ingest with --parts 128: the store has 8" in text  # domain sizes beyond the store's parts
+    assert "over the domain) of which" in text
     # data.sample_points caps the points a training step takes; evaluation still sees the whole sample
-    r = _estimate(f"data.store={store}", *MODEL, "data.sample_points=5000", "--points", "100000", "--sizes", "512,1024",
-                  "--json", str(out))
+    r = _estimate_here(f"data.store={store}", *MODEL, "data.sample_points=5000", "--points", "100000", "--sizes",
+                       "512,1024", "--json", str(out))
     assert r.returncode == 0, r.stderr
     estimate = json.loads(out.read_text())
     assert estimate["points"] == 100000 and estimate["step_points"] == 5000 and "5,000 per training step" in r.stdout
     assert estimate["rows"][0]["train_points"] == 5000 and estimate["rows"][0]["eval_points"] == 100000
-    # block inference: measured once more in blocks; the rows estimate each rank's share of the block
-    r = _estimate(f"data.store={store}", *MODEL, "eval.block_points=20000", "--points", "100000", "--sizes", "512,1024",
-                  "--json", str(out))
-    assert r.returncode == 0, r.stderr
-    estimate = json.loads(out.read_text())
-    m = estimate["model"]
-    assert m["block_points"] == 20000 and m["blocked_peak"] > 0 and 0 <= m["eval_resident"] <= m["eval"]["per_point"]
-    model = MemoryModel(train=Line(**m["train"]), eval=Line(**m["eval"]), parts=m["parts"], block_points=20000,
-                        eval_resident=m["eval_resident"])
-    for row_ in estimate["rows"]:
-        assert row_["eval_bytes"] == pytest.approx(model.eval_bytes(row_["eval_points"], 100000))
-    assert "over the domain) of which" in r.stdout
 
 
 def test_block_inference_estimates_the_resident_points_and_one_block_of_the_ranks_share():

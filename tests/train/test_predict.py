@@ -127,9 +127,12 @@ def test_without_the_raw_file_the_cells_are_vertices_at_their_centres_and_a_pvd_
     try:
         for pieces in (False, True):
             out = tmp_path / f"runs_{int(pieces)}.pvd"
-            cmd = [sys.executable, "-m", "domainflow.app.cli", "predict", str(trained["ckpt"]), str(store), "--run",
-                   "run_1,run_3", str(out), "--domain", "2"] + (["--pieces"] if pieces else [])
-            r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+            args = ["predict", str(trained["ckpt"]), str(store), "--run", "run_1,run_3", str(out), "--domain", "2"]
+            if pieces:  # in this process; the .pvd of whole files through a real `domainflow predict` process
+                r = run_cli(*args, "--pieces", env=RUN_ENV)
+            else:
+                r = subprocess.run([sys.executable, "-m", "domainflow.app.cli", *args], env=ENV, capture_output=True,
+                                   text=True, timeout=300)
             assert r.returncode == 0, r.stderr
             assert "cell centres" in r.stdout and "a collection of 2 runs" in r.stdout
             listed = [(d.get("timestep"), d.get("name"), d.get("file"))

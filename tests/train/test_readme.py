@@ -95,17 +95,8 @@ def test_python_example_runs(where, started_examples):
 
 
 # -- shell tours: every block whose lines are all `.venv/bin/domainflow ...` commands runs, in its page's order ---
-RANKS = ("--domain", "--dp", "--nproc", "--lon")
-
-
-def _starts_ranks(args: list[str]) -> bool:
-    """Whether a command starts local ranks (those run as their own process; the others in this one, with no
-    interpreter or import start-up, as tests/harness/cli_runner.py runs them)."""
-    if args[0] in ("synth", "ingest", "inspect"):
-        return False
-    if args[0] in ("demo", "selfcheck"):
-        return True
-    return any(a in RANKS and i + 1 < len(args) and args[i + 1] != "1" for i, a in enumerate(args))
+# a launcher variable of an enclosing job must not reach the commands
+NO_JOB = {k: None for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
 
 
 def _tours() -> list[tuple[str, list[str]]]:
@@ -136,8 +127,8 @@ def test_the_tours_cover_ingest_train_and_predict():
 
 @pytest.mark.parametrize("page,commands", TOURS, ids=[f"{page}#{i}" for i, (page, _) in enumerate(TOURS)])
 def test_tour_commands_run(page, commands, tmp_path, monkeypatch):
-    """Each command as a shell passes it (a quoted glob reaches domainflow whole); commands that start ranks as
-    their own process, the others in this one."""
+    """Each command as a shell passes it (a quoted glob reaches domainflow whole), run in this process (ranks fork
+    from the test's fork server; each command's own process is tested in its own file)."""
     from cli_runner import run_cli
 
     monkeypatch.chdir(tmp_path)
@@ -147,11 +138,7 @@ def test_tour_commands_run(page, commands, tmp_path, monkeypatch):
             args.append("--quiet")
         if args[0] == "train":
             args += ["output.plots=false", "output.progress=false"]  # figures are the demo test's: time
-        if not _starts_ranks(args):
-            out = run_cli(*args)
-        else:
-            out = subprocess.run([sys.executable, "-m", "domainflow.app.cli", *args], cwd=tmp_path, env=ENV,
-                                 capture_output=True, text=True, timeout=300)
+        out = run_cli(*args, env=NO_JOB)
         assert out.returncode == 0, (page, command, out.stderr[-3000:])
 
 

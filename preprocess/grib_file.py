@@ -1,0 +1,114 @@
+"""What a GRIB file holds, checked before it is read: its hypercubes (cfgrib's own split of a file into
+datasets, by parameter and then by whatever key differs: level type, step type, step...) and its damage.
+
+cfgrib's ``open_dataset`` reads one hypercube and only logs the variables it skips, and fills the fields a
+cut-short download lacks with NaN; so a file is split here into every hypercube (each read on its own with
+cfgrib's ``filter_by_keys``), its messages are counted with ecCodes (a message cut short, or bytes that are in
+no message, name the file) and each hypercube must have every field of its (time, step, level...) grid.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .errors import IngestError
+
+
+def hypercubes(path: str) -> list[tuple]:
+    """The ``filter_by_keys`` of every hypercube of a GRIB file, as sorted item tuples, in parameter order:
+    cfgrib's recursive split (``raw_open_datasets``), started per parameter as ``open_datasets`` does."""
+    from cfgrib import cfmessage, messages
+    from cfgrib.dataset import DatasetBuildError, open_fileindex
+
+    index = open_fileindex(messages.FileStream(path, errors="raise"), indexpath="",
+                           computed_keys=cfmessage.COMPUTED_KEYS)
+    found: list[tuple] = []
+
+    def split(keys: dict) -> None:
+        try:
+            open_cube(path, keys)
+            found.append(tuple(sorted(keys.items())))
+            return
+        except DatasetBuildError as exc:
+            parts = exc.args[2]
+        for extra in parts:
+            split({**keys, **extra})
+
+    for param in sorted(index["paramId"]):
+        split({"paramId": param})
+    return found
+
+
+def open_cube(path: str, keys: dict):
+    """One hypercube as cfgrib's own Dataset (lazy: headers read, values not)."""
+    from cfgrib.dataset import open_file
+
+    return open_file(path, indexpath="", errors="raise", filter_by_keys=dict(keys))
+
+
+def check_file(path: str) -> int:
+    """The number of messages of a GRIB file; a message cut short, one ecCodes cannot decode, or bytes outside
+    every message (a damaged or partly overwritten download) are an error naming the file."""
+    import eccodes
+
+    size, count, held = os.path.getsize(path), 0, 0
+    with open(path, "rb") as f:
+        while True:
+            try:
+                h = eccodes.codes_grib_new_from_file(f, headers_only=True)
+            except Exception as exc:  # noqa: BLE001  (ecCodes' error names what is wrong with the message)
+                raise IngestError(f"{path}: GRIB message {count + 1} is damaged or cut short ({exc}); the file is "
+                                  f"truncated or corrupt (an interrupted download?): download it again") from None
+            if h is None:
+                break
+            try:
+                held += int(eccodes.codes_get(h, "totalLength"))
+            finally:
+                eccodes.codes_release(h)
+            count += 1
+    if count == 0:
+        raise IngestError(f"{path}: no GRIB message in the file ({size} bytes); it is not GRIB, or it is damaged (an "
+                          f"error page saved by the download?): download it again")
+    if held != size:
+        raise IngestError(f"{path}: {size - held} of its {size} bytes are in no GRIB message ({count} messages "
+                          f"read); the file is damaged (an interrupted or corrupted download?): download it again")
+    return count
+
+
+def check_complete(path: str, keys: tuple) -> None:
+    """Every field of a hypercube's grid present: a hole (a time, step or level with no message) is a damaged
+    or incomplete file, never missing values to fill."""
+    ds = open_cube(path, dict(keys))
+    for name, var in ds.variables.items():
+        data = var.data
+        held = getattr(data, "field_id_index", None)
+        if held is None:
+            continue
+        lead = tuple(var.dimensions[: len(var.dimensions) - data.geo_ndim])
+        shape = tuple(data.shape[: len(lead)])
+        total = 1
+        for n in shape:
+            total *= n
+        if len(held) < total:
+            import numpy as np
+
+            have = set(held)
+            first = next(ix for ix in np.ndindex(*shape) if ix not in have)
+            where = ", ".join(f"{d}={_value(ds, d, i)}" for d, i in zip(lead, first))
+            raise IngestError(f"{path}: {name} has {len(held)} of the {total} fields of its {' x '.join(lead)} grid "
+                              f"(the first missing at {where}); the file lacks messages (a download cut short or "
+                              f"damaged): download it again")
+
+
+def _value(ds, dim: str, i: int):
+    values = ds.variables[dim].data if dim in ds.variables else None
+    try:
+        v = values[i]
+    except Exception:  # noqa: BLE001
+        return i
+    v = v.item() if hasattr(v, "item") else v
+    if dim in ("time", "valid_time") and isinstance(v, (int, float)):  # cfgrib's seconds since 1970
+        import numpy as np
+
+        return str(np.datetime64(int(v), "s")).replace("T", " ")
+    return v
