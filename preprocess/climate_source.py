@@ -547,7 +547,12 @@ def open_source(items, variables=None, levels=None, static=None, member=None) ->
     picks one member of an ensemble. A GRIB file is read as every hypercube it holds, each checked whole."""
     kind, paths = resolve(items)
     shown = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} more files)"
-    infos = [_scan_file(p, kind, variables, part, member) for p in paths for part in _parts(p, kind)]
+    infos = []
+    for p in paths:
+        for part in _parts(p, kind):
+            if part and variables and not _selected(grib_names(p, part), (*variables, *(static or ()))):
+                continue  # a hypercube --variables leaves out is not read at all (its grid or times do not matter)
+            infos.append(_scan_file(p, kind, variables, part, member))
     first = infos[0]
     for info in infos[1:]:
         for name, a, b in (("latitude", first.lat, info.lat), ("longitude", first.lon, info.lon)):
@@ -601,6 +606,24 @@ def _parts(path: str, kind: str) -> list[tuple]:
     for part in parts:
         grib_file.check_complete(path, part)
     return parts
+
+
+def grib_names(path: str, part: tuple) -> list[str]:
+    """The variable names cfgrib gives a GRIB hypercube's data."""
+    from .grib_file import open_cube
+
+    ds = open_cube(path, dict(part))
+    return [n for n, v in ds.variables.items() if n not in ds.dimensions and "GRIB_paramId" in v.attributes]
+
+
+def _selected(names, variables) -> bool:
+    """Whether ``--variables`` (variables, or channels such as z500) picks any of ``names``."""
+    for v in variables:
+        for n in names:
+            rest = v[len(n):]
+            if v == n or (v.startswith(n) and rest.replace(".", "", 1).isdigit()):
+                return True
+    return False
 
 
 def _statics(infos: list[_FileInfo], names, variables) -> list[StaticField]:
@@ -730,6 +753,11 @@ def _time_axis(groups) -> tuple[np.ndarray, dict, list]:
     for g, (files, ax) in enumerate(zip(groups, axes)):
         if g and (ax is None) != (axes[0] is None) or (ax is not None and (len(ax) != len(axes[0]) or
                                                                             not np.array_equal(ax, axes[0]))):
+            if files[0].part:  # GRIB hypercubes, of one file or several
+                pick = "; ingest them apart (--variables)"
+                raise IngestError(f"{sorted(files[0].variables)} of {files[0].path} cover other valid times than "
+                                  f"{sorted(ref_files[0].variables)} of {ref_files[0].path}: {_cover(ax)} against "
+                                  f"{_cover(axes[0])}{pick}")
             raise IngestError(f"{files[0].path} and the other files of its variables ({sorted(files[0].variables)}) "
                               f"cover other times than {ref_files[0].path} ({sorted(ref_files[0].variables)}): "
                               f"{_cover(ax)} against {_cover(axes[0])}; give every variable the same times")

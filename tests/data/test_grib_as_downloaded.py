@@ -245,3 +245,19 @@ def test_a_grid_that_is_not_regular_latitude_longitude_is_named(tmp_path):
         ec.codes_release(h)
     with pytest.raises(IngestError, match=r"is on a reduced_gg grid, not a regular latitude-longitude grid; .*regrid"):
         ingest_climate(str(path), tmp_path / "g.zarr", progress=False)
+
+
+def test_variables_picks_hypercubes_and_leaves_the_others_unread(tmp_path):
+    """With --variables, a hypercube left out does not have to share the times (or the grid) of those kept."""
+    rng = np.random.default_rng(6)
+    path = tmp_path / "mixed.grib"
+    with open(path, "wb") as f:
+        for day in range(1, 5):
+            _message(f, "2t", 20200100 + day, 0, _field(rng))
+            _message(f, "tp", 20200100 + day, 0, rng.random((H, W)), step=24, accum=True)  # valid a day later
+    with pytest.raises(IngestError, match=r"\[.tp.\] of .* cover other valid times than \[.t2m.\] of .*--variables"):
+        ingest_climate(str(path), tmp_path / "both.zarr", progress=False, split=SPLIT)
+    for name in ("t2m", "tp"):
+        store = tmp_path / f"{name}.zarr"
+        ingest_climate(str(path), store, progress=False, split=SPLIT, variables=(name,))
+        np.testing.assert_array_equal(np.asarray(_store(store)["data"][:, 0]), _cubes(path)[name].values)
