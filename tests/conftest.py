@@ -100,3 +100,17 @@ def cars_raw_large(tmp_path_factory):
     synth_drivaerml(path, runs=8, cells=3000, seed=5, volume_cells=200, volume_pieces=1, progress=False)
     return path
 
+
+
+# The folders whose files run longest first: with `--dist loadfile` each worker takes whole files in collection
+# order, so the long training and subprocess files (tests/train) start at once instead of leaving one worker
+# alone with them at the end.
+_FOLDERS_FIRST = ("train", "models", "data", "ops", "core", "harness")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def folder(item):
+        parts = item.nodeid.split("/")
+        return _FOLDERS_FIRST.index(parts[1]) if len(parts) > 2 and parts[1] in _FOLDERS_FIRST else len(_FOLDERS_FIRST)
+
+    items.sort(key=folder)  # stable: files keep their order within a folder
