@@ -31,6 +31,8 @@ TIME_NAMES = ("time", "valid_time")
 STEP_NAMES = ("step",)       # a forecast's lead: valid time = time + step
 SERIES_NAMES = TIME_NAMES + STEP_NAMES
 MEMBER_NAMES = ("number", "realization", "member")   # an ensemble's members (cfgrib calls them number)
+DEFAULT_FILL_ATTR = "domainflow_netcdf_default_fill"  # a netCDF variable's _FillValue is its type's default
+ENSEMBLE_ATTR = "domainflow_member_dim"   # set on a dataset whose ensemble was read at one member
 LAT_NAMES = ("latitude", "lat")
 LON_NAMES = ("longitude", "lon")
 LEVEL_NAMES = ("level", "pressure_level", "isobaricInhPa", "isobaricInPa", "plev", "lev")
@@ -59,6 +61,8 @@ class FileSpan:
     t0: int                      # global time indices [t0, t1) this file holds
     t1: int
     part: tuple = ()             # a GRIB hypercube's filter_by_keys items; () for netCDF and Zarr
+    tdims: tuple = ()            # the file's series dims: (time,), (valid_time,), (step,), (time, step)...
+    order: tuple = ()            # a (time, step) series: its (time, step) index pairs in valid-time order
 
 
 @dataclass
@@ -95,8 +99,8 @@ class SourceReader:
                     da = ds[c.variable]
                     if c.level is not None:
                         da = da.sel({self.dims["level"][c.variable]: c.level})
-                    values = series_steps(da, self.dims["time"], t0 - span.t0, t1 - span.t0,
-                                          (self.dims["lat"], self.dims["lon"]))
+                    values = series_steps(da, span.tdims or self.dims["time"], t0 - span.t0, t1 - span.t0,
+                                          (self.dims["lat"], self.dims["lon"]), span.order)
                     if out is None:
                         out = np.empty((t1 - t0, len(self.channels)) + values.shape[1:], dtype=np.float64)
                     out[:, k] = values
@@ -220,8 +224,14 @@ def open_dataset(path, kind: str, only=None, coords_as_stored: bool = False, par
                              **kw)
         ds = _one_message_as_one_step(ds)
     else:
-        raw = xr.open_dataset(path, chunks=None, decode_cf=False)
-        ds = xr.decode_cf(_with_netcdf_default_fills(raw, path, coords_as_stored), decode_times=False)
+        import warnings
+
+        raw = _with_netcdf_default_fills(xr.open_dataset(path, chunks=None, decode_cf=False), path)
+        with warnings.catch_warnings():  # a missing_value next to the default fill: both are masked, as netCDF4 does
+            warnings.simplefilter("ignore", xr.SerializationWarning)
+            ds = xr.decode_cf(raw, decode_times=False)
+        if coords_as_stored:  # neither masked nor unpacked (a packed coordinate is refused by name)
+            ds = ds.assign_coords({n: raw.variables[n] for n in raw.coords if n in ds.coords})
     if only is not None:
         ds = ds[[v for v in only if v in ds.variables]]
     return _one_member(ds, path, member)
@@ -241,11 +251,7 @@ def _one_member(ds, path, member):
     """An ensemble's variables at member ``member`` (its number); an ensemble read without ``--member`` is an
     error naming the members."""
     dims = {d for v in ds.data_vars.values() for d in v.dims if d in MEMBER_NAMES and ds.sizes[d] > 1}
-    if member is not None and not dims:
-        scalar = next((n for n in MEMBER_NAMES if n in ds.coords and ds[n].ndim == 0), None)
-        if scalar is not None and float(ds[scalar].values) != float(member):
-            raise IngestError(f"{path}: --member {member:g}: the file holds member {float(ds[scalar].values):g} only")
-        return ds
+    # (a scalar member coordinate is no ensemble: cfgrib gives deterministic GRIB 1 fields number=0)
     for d in sorted(dims):
         have = np.asarray(ds[d].values) if d in ds.variables else np.arange(ds.sizes[d])
         if member is None:
@@ -254,35 +260,29 @@ def _one_member(ds, path, member):
         if float(member) not in set(have.astype(np.float64).tolist()):
             raise IngestError(f"{path}: --member {member:g} is not among its members {have.tolist()}")
         ds = ds.sel({d: have[have.astype(np.float64) == float(member)][0]})
+        ds.attrs[ENSEMBLE_ATTR] = d
     return ds
 
 
-def series_steps(da, tdims: tuple, a: int, b: int, grid: tuple) -> np.ndarray:
-    """Steps ``[a, b)`` of a variable's series as float64 ``(b - a, lat, lon)``: its series dims (time, step, or
-    both: a forecast's valid times, flattened time-major) taken in order, level already selected."""
+def series_steps(da, tdims: tuple, a: int, b: int, grid: tuple, order: tuple = ()) -> np.ndarray:
+    """Steps ``[a, b)`` of a variable's series as float64 ``(b - a, lat, lon)``, level already selected: a slice
+    of its one series dim, or a forecast's (time, step) pairs in valid-time order (``order``)."""
     if len(tdims) == 1:
         return np.asarray(da.isel({tdims[0]: slice(a, b)}).transpose(tdims[0], *grid).values, dtype=np.float64)
-    shape = tuple(da.sizes[d] for d in tdims)
-    steps = [da.isel(dict(zip(tdims, (int(i) for i in np.unravel_index(k, shape))))).transpose(*grid).values
-             for k in range(a, b)]
+    steps = [da.isel(dict(zip(tdims, (int(i) for i in order[k])))).transpose(*grid).values for k in range(a, b)]
     return np.asarray(np.stack(steps) if steps else np.empty((0,) + tuple(da.sizes[g] for g in grid)),
                       dtype=np.float64)
 
 
-def _with_netcdf_default_fills(raw, path, coords_as_stored: bool):
-    """A netCDF dataset opened undecoded, made to decode as netCDF4 reads it: a variable without a
+def _with_netcdf_default_fills(raw, path):
+    """A netCDF dataset opened undecoded, made to decode as netCDF4 reads it: a data variable without a
     ``_FillValue`` has its type's default fill (9.97e36 for float32: what unwritten values hold) as one,
-    since netCDF4 masks it and xarray would not. Bytes only in fill mode (netCDF4's rule); coordinates as
-    stored when asked."""
+    since netCDF4 masks it and xarray would not. Bytes only in fill mode (netCDF4's rule)."""
     import netCDF4
 
     nc = None
     try:
-        for name, var in raw.variables.items():
-            if coords_as_stored and name in raw.coords:
-                for key in CF_MASK_KEYS:
-                    var.attrs.pop(key, None)
-                continue
+        for name, var in raw.data_vars.items():
             kind = var.dtype.str[1:]
             if "_FillValue" in var.attrs or kind not in netCDF4.default_fillvals or var.dtype.kind not in "iuf":
                 continue
@@ -295,6 +295,7 @@ def _with_netcdf_default_fills(raw, path, coords_as_stored: bool):
                 if fill is None:
                     continue
             var.attrs["_FillValue"] = np.array(fill, dtype=var.dtype)
+            var.attrs[DEFAULT_FILL_ATTR] = 1  # so a message says where the fill came from
     finally:
         if nc is not None:
             nc.close()
@@ -370,6 +371,8 @@ class _FileInfo:
     steps: int
     flat: dict = field(default_factory=dict)   # {variable: attrs} of its (lat, lon) variables
     part: tuple = ()                           # a GRIB hypercube's filter_by_keys items
+    order: tuple = ()                          # a (time, step) series' index pairs in valid-time order
+    ensemble: bool = False                     # an ensemble read at --member
 
 
 def _scan_file(path: str, kind: str, variables=None, part: tuple = (), member=None) -> _FileInfo:
@@ -398,51 +401,74 @@ def _scan_file(path: str, kind: str, variables=None, part: tuple = (), member=No
                               f"(--variables)") from None
         raise IngestError(f"{path} is not readable as {what} ({type(exc).__name__}: {exc}); {WHAT}") from None
     with ds:
-        found = gridded_variables(ds)
-        flat = flat_variables(ds)
-        if not found and not flat:
-            _refuse_other_grids(ds, path)
-            shown = {str(n): tuple(a.dims) for n, a in ds.variables.items()}
-            raise IngestError(f"{path} holds no (time, latitude, longitude) or (time, level, latitude, longitude) "
-                              f"variables; arrays and their dims: {shown}")
-        if not found:  # only constant fields (an "invariant" download): named with --static
-            var = next(iter(flat.values()))
-            latd, lond = var.dims
-            lat = _coord_values(ds, path, latd, var.shape[0])[0]
-            lon = _coord_values(ds, path, lond, var.shape[1])[0]
-            if lat is None or lon is None:
-                raise IngestError(f"{path}: coordinate arrays {latd!r} and {lond!r} are required")
-            return _FileInfo(path, {}, {}, None, {}, lat.astype(np.float64), lon.astype(np.float64),
-                             {"time": None, "lat": latd, "lon": lond}, {}, 1, 0,
-                             {n: dict(v.attrs) for n, v in flat.items()}, part)
-        first = next(iter(found.values()))[1]
-        tdims, latd, lond = series_dims(first.dims), first.dims[-2], first.dims[-1]
-        for name, (_, var) in found.items():
-            if (series_dims(var.dims), var.dims[-2], var.dims[-1]) != (tdims, latd, lond):
-                raise IngestError(f"{path}: variable {name!r} has dims {var.dims}, others {first.dims}")
-        T, H, W = int(np.prod([first.sizes[d] for d in tdims])), first.shape[-2], first.shape[-1]
+        info = _scan_dataset(ds, path, part)
+        info.ensemble = ENSEMBLE_ATTR in ds.attrs
+        return info
 
-        def coord(name, n):
-            return _coord_values(ds, path, name, n)
 
-        (lat, _), (lon, _) = coord(latd, H), coord(lond, W)
-        t, t_attrs = _valid_times(ds, path, tdims)
+def _scan_dataset(ds, path: str, part: tuple) -> _FileInfo:
+    """What an opened file (or GRIB hypercube) holds: its gridded and constant variables and coordinates."""
+    found = gridded_variables(ds)
+    flat = flat_variables(ds)
+    if not found and not flat:
+        _refuse_other_grids(ds, path)
+        shown = {str(n): tuple(a.dims) for n, a in ds.variables.items()}
+        raise IngestError(f"{path} holds no (time, latitude, longitude) or (time, level, latitude, longitude) "
+                          f"variables; arrays and their dims: {shown}")
+    if not found:  # only constant fields (an "invariant" download): named with --static
+        var = next(iter(flat.values()))
+        latd, lond = var.dims
+        lat = _coord_values(ds, path, latd, var.shape[0])[0]
+        lon = _coord_values(ds, path, lond, var.shape[1])[0]
         if lat is None or lon is None:
             raise IngestError(f"{path}: coordinate arrays {latd!r} and {lond!r} are required")
-        levels = {}
-        for name, (ldim, _) in found.items():
-            if ldim is not None:
-                levels[name] = (np.asarray(ds[ldim].values) if ldim in ds.variables else np.arange(ds.sizes[ldim]),
-                                level_hpa(ds, ldim))
-        enc = first.encoding
-        chunk = enc["chunks"][0] if enc.get("chunks") else enc.get("preferred_chunks", {}).get(tdims[0], T)
-        if len(tdims) > 1:  # a forecast's (time, step): read a step at a time
-            chunk = 1
-        attrs = {n: dict(v.attrs) for n, (_, v) in found.items()}  # xarray moved the CF keys to .encoding
-        flat = {n: dict(v.attrs) for n, v in flat.items() if v.dims == (latd, lond)}
-        return _FileInfo(path, {n: d for n, (d, _) in found.items()}, levels, t, t_attrs,
-                         lat.astype(np.float64), lon.astype(np.float64),
-                         {"time": tdims, "lat": latd, "lon": lond}, attrs, int(chunk or T), int(T), flat, part)
+        return _FileInfo(path, {}, {}, None, {}, lat.astype(np.float64), lon.astype(np.float64),
+                         {"time": None, "lat": latd, "lon": lond}, {}, 1, 0,
+                         {n: dict(v.attrs) for n, v in flat.items()}, part)
+    first = next(iter(found.values()))[1]
+    tdims, latd, lond = series_dims(first.dims), first.dims[-2], first.dims[-1]
+    for name, (_, var) in found.items():
+        if (series_dims(var.dims), var.dims[-2], var.dims[-1]) != (tdims, latd, lond):
+            raise IngestError(f"{path}: variable {name!r} has dims {var.dims}, others {first.dims}")
+    T, H, W = int(np.prod([first.sizes[d] for d in tdims])), first.shape[-2], first.shape[-1]
+
+    def coord(name, n):
+        return _coord_values(ds, path, name, n)
+
+    (lat, _), (lon, _) = coord(latd, H), coord(lond, W)
+    t, t_attrs = _valid_times(ds, path, tdims)
+    order = ()
+    if len(tdims) > 1:  # (time, step): the pairs the file holds, in valid-time order
+        from .grib_file import present_steps
+
+        shape = tuple(first.sizes[d] for d in tdims)
+        held = (present_steps(path, part) if part else None) or list(np.ndindex(*shape))
+        flat_index = [int(np.ravel_multi_index(ix, shape)) for ix in held]
+        at = np.argsort(np.asarray(t)[flat_index], kind="stable") if t is not None else np.arange(len(held))
+        order = tuple(tuple(int(i) for i in held[k]) for k in at)
+        t = None if t is None else np.asarray(t)[[flat_index[k] for k in at]]
+        T = len(order)
+    elif part:
+        from .grib_file import present_steps
+
+        present_steps(path, part)  # any hole is damage
+    if lat is None or lon is None:
+        raise IngestError(f"{path}: coordinate arrays {latd!r} and {lond!r} are required")
+    levels = {}
+    for name, (ldim, _) in found.items():
+        if ldim is not None:
+            levels[name] = (np.asarray(ds[ldim].values) if ldim in ds.variables else np.arange(ds.sizes[ldim]),
+                            level_hpa(ds, ldim))
+    enc = first.encoding
+    chunk = enc["chunks"][0] if enc.get("chunks") else enc.get("preferred_chunks", {}).get(tdims[0], T)
+    if len(tdims) > 1:  # a forecast's (time, step): read a step at a time
+        chunk = 1
+    attrs = {n: dict(v.attrs) for n, (_, v) in found.items()}  # xarray moved the CF keys to .encoding
+    flat = {n: dict(v.attrs) for n, v in flat.items() if v.dims == (latd, lond)}
+    return _FileInfo(path, {n: d for n, (d, _) in found.items()}, levels, t, t_attrs,
+                     lat.astype(np.float64), lon.astype(np.float64),
+                     {"time": tdims, "lat": latd, "lon": lond}, attrs, int(chunk or T), int(T), flat, part,
+                     order)
 
 
 def _valid_times(ds, path, tdims: tuple) -> tuple[np.ndarray | None, dict]:
@@ -547,12 +573,20 @@ def open_source(items, variables=None, levels=None, static=None, member=None) ->
     picks one member of an ensemble. A GRIB file is read as every hypercube it holds, each checked whole."""
     kind, paths = resolve(items)
     shown = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} more files)"
-    infos = []
+    infos, names = [], set()
     for p in paths:
         for part in _parts(p, kind):
-            if part and variables and not _selected(grib_names(p, part), (*variables, *(static or ()))):
-                continue  # a hypercube --variables leaves out is not read at all (its grid or times do not matter)
+            if part and variables:
+                held = grib_names(p, part)
+                names.update(held)
+                if not _selected(held, part, (*variables, *(static or ()))):
+                    continue  # a hypercube --variables leaves out is not read (its grid or times do not matter)
             infos.append(_scan_file(p, kind, variables, part, member))
+    if not infos:
+        raise IngestError(f"--variables {list(variables)}: no such variable in {shown}; its variables are "
+                          f"{sorted(names)}")
+    if member is not None and not any(i.ensemble for i in infos):
+        raise IngestError(f"--member {member:g}: {shown} holds no ensemble (no member dim); leave --member out")
     first = infos[0]
     for info in infos[1:]:
         for name, a, b in (("latitude", first.lat, info.lat), ("longitude", first.lon, info.lon)):
@@ -571,8 +605,8 @@ def open_source(items, variables=None, levels=None, static=None, member=None) ->
     # every group's dims: the names may differ between downloads, but one reader needs one set per group
     dims = {"time": first.dims["time"], "lat": first.dims["lat"], "lon": first.dims["lon"], "level": {}}
     for g in groups:
-        for info in g:
-            if info.dims != first.dims:
+        for info in g:  # (the series dims may differ: each span reads its own)
+            if (info.dims["lat"], info.dims["lon"]) != (first.dims["lat"], first.dims["lon"]):
                 raise IngestError(f"{info.path} names its dims {info.dims}, {first.path} {first.dims}; rename them "
                                   f"to one convention")
             dims["level"].update({v: d for v, d in info.variables.items() if d is not None})
@@ -602,10 +636,7 @@ def _parts(path: str, kind: str) -> list[tuple]:
         raise IngestError(f"{path}: reading GRIB needs cfgrib and ecCodes: pip install 'domainflow[grib]' "
                           f"(or convert the files to netCDF)") from None
     grib_file.check_file(path)
-    parts = grib_file.hypercubes(path)
-    for part in parts:
-        grib_file.check_complete(path, part)
-    return parts
+    return grib_file.hypercubes(path)  # each checked for holes when it is scanned
 
 
 def grib_names(path: str, part: tuple) -> list[str]:
@@ -616,12 +647,14 @@ def grib_names(path: str, part: tuple) -> list[str]:
     return [n for n, v in ds.variables.items() if n not in ds.dimensions and "GRIB_paramId" in v.attributes]
 
 
-def _selected(names, variables) -> bool:
-    """Whether ``--variables`` (variables, or channels such as z500) picks any of ``names``."""
+def _selected(names, part: tuple, variables) -> bool:
+    """Whether ``--variables`` (variables, or channels: ``z500``, or ``t2m_avg`` for hypercubes told apart by
+    a key of theirs) picks any of a hypercube's ``names``."""
+    values = {str(v) for _, v in part}
     for v in variables:
         for n in names:
             rest = v[len(n):]
-            if v == n or (v.startswith(n) and rest.replace(".", "", 1).isdigit()):
+            if v == n or (v.startswith(n) and (rest.replace(".", "", 1).isdigit() or rest[1:] in values)):
                 return True
     return False
 
@@ -664,14 +697,14 @@ def _statics(infos: list[_FileInfo], names, variables) -> list[StaticField]:
     return out
 
 
-def read_static(field_: StaticField, kind: str, dims: dict) -> tuple[np.ndarray, list]:
+def read_static(field_: StaticField, kind: str, dims: dict, member=None) -> tuple[np.ndarray, list]:
     """A static field's (H, W) map as float64 (missing values NaN) and the mask keys xarray read as missing.
     A field given with a time axis must hold one map: the first and last step of every file holding it are
     compared with the first (to 1e-4 of its range, above int16 packing's rounding) and a difference is an
     error naming the file and step."""
     ref, keys = None, []
     for path, part in zip(field_.paths, field_.parts or [()] * len(field_.paths)):
-        with open_dataset(path, kind, only=[field_.name], part=part) as ds:
+        with open_dataset(path, kind, only=[field_.name], part=part, member=member) as ds:
             da = ds[field_.name]
             if not field_.timed:
                 return np.asarray(da.transpose(*da.dims[-2:]).values, np.float64), _mask_keys(da)
@@ -694,7 +727,9 @@ def read_static(field_: StaticField, kind: str, dims: dict) -> tuple[np.ndarray,
 
 
 def _mask_keys(da) -> list:
-    return [(key, x) for key in CF_MASK_KEYS for x in np.atleast_1d(da.encoding.get(key, [])) if x is not None and x == x]
+    default = DEFAULT_FILL_ATTR in da.attrs
+    return [("netCDF default fill" if default and key == "_FillValue" else key, x) for key in CF_MASK_KEYS
+            for x in np.atleast_1d(da.encoding.get(key, [])) if x is not None and x == x]
 
 
 def _group_files(infos: list[_FileInfo]) -> list[list[_FileInfo]]:
@@ -754,7 +789,10 @@ def _time_axis(groups) -> tuple[np.ndarray, dict, list]:
         if g and (ax is None) != (axes[0] is None) or (ax is not None and (len(ax) != len(axes[0]) or
                                                                             not np.array_equal(ax, axes[0]))):
             if files[0].part:  # GRIB hypercubes, of one file or several
-                pick = "; ingest them apart (--variables)"
+                one = [sorted(f[0].variables) for f, a in ((files, ax), (ref_files, axes[0])) if a is not None and
+                       len(a) == 1]
+                pick = (f"; {one[0]} has one time: a constant field (land-sea mask, orography)? name it with "
+                        f"--static" if one else "; ingest them apart (--variables)")
                 raise IngestError(f"{sorted(files[0].variables)} of {files[0].path} cover other valid times than "
                                   f"{sorted(ref_files[0].variables)} of {ref_files[0].path}: {_cover(ax)} against "
                                   f"{_cover(axes[0])}{pick}")
@@ -766,7 +804,7 @@ def _time_axis(groups) -> tuple[np.ndarray, dict, list]:
         at, mine = 0, []
         for f in files:
             n = _length(f)
-            mine.append(FileSpan(f.path, at, at + n, f.part))
+            mine.append(FileSpan(f.path, at, at + n, f.part, f.dims["time"], f.order))
             at += n
         spans.append(mine)
     return time, attrs, spans

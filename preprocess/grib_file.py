@@ -75,10 +75,16 @@ def check_file(path: str) -> int:
     return count
 
 
-def check_complete(path: str, keys: tuple) -> None:
-    """Every field of a hypercube's grid present: a hole (a time, step or level with no message) is a damaged
-    or incomplete file, never missing values to fill."""
+def present_steps(path: str, keys: tuple) -> list[tuple] | None:
+    """Check a hypercube's fields: every one of its grid must be there (a hole is a damaged or incomplete file,
+    never missing values to fill), except between a forecast's time and step. ERA5's accumulations come from
+    forecasts at 06 and 18 UTC whose steps cover each day once, so cfgrib's (time, step) grid is legitimately
+    sparse: those (time, step) pairs that have all their fields are returned (None when the cube has no such
+    grid); a pair with only some of its levels is a hole."""
+    import numpy as np
+
     ds = open_cube(path, dict(keys))
+    pairs = None
     for name, var in ds.variables.items():
         data = var.data
         held = getattr(data, "field_id_index", None)
@@ -86,18 +92,28 @@ def check_complete(path: str, keys: tuple) -> None:
             continue
         lead = tuple(var.dimensions[: len(var.dimensions) - data.geo_ndim])
         shape = tuple(data.shape[: len(lead)])
-        total = 1
-        for n in shape:
-            total *= n
-        if len(held) < total:
-            import numpy as np
-
-            have = set(held)
+        total = int(np.prod(shape)) if shape else 1
+        if len(held) == total:
+            continue
+        have = set(held)
+        if "time" in lead and "step" in lead:
+            it, js = lead.index("time"), lead.index("step")
+            per_pair = total // (shape[it] * shape[js])
+            counts: dict = {}
+            for ix in have:
+                counts[ix[it], ix[js]] = counts.get((ix[it], ix[js]), 0) + 1
+            partial = [p for p, n in counts.items() if n != per_pair]
+            if not partial:
+                pairs = sorted(counts)
+                continue
+            first = next(ix for ix in np.ndindex(*shape) if ix not in have and (ix[it], ix[js]) in counts)
+        else:
             first = next(ix for ix in np.ndindex(*shape) if ix not in have)
-            where = ", ".join(f"{d}={_value(ds, d, i)}" for d, i in zip(lead, first))
-            raise IngestError(f"{path}: {name} has {len(held)} of the {total} fields of its {' x '.join(lead)} grid "
-                              f"(the first missing at {where}); the file lacks messages (a download cut short or "
-                              f"damaged): download it again")
+        where = ", ".join(f"{d}={_value(ds, d, i)}" for d, i in zip(lead, first))
+        raise IngestError(f"{path}: {name} has {len(held)} of the {total} fields of its {' x '.join(lead)} grid "
+                          f"(the first missing at {where}); the file lacks messages (a download cut short or "
+                          f"damaged): download it again")
+    return pairs
 
 
 def _value(ds, dim: str, i: int):

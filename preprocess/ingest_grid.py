@@ -290,7 +290,7 @@ def _statics(root, src: ClimateSource, fill: dict, tile: tuple[int, int]) -> tup
     T, H, W = src.shape
     maps, stats, missing = np.empty((len(src.statics), H, W), np.float32), {}, {}
     for k, f in enumerate(src.statics):
-        values, keys = read_static(f, src.reader.kind, src.reader.dims)
+        values, keys = read_static(f, src.reader.kind, src.reader.dims, src.reader.member)
         with np.errstate(over="ignore"):
             m = values.astype(np.float32)
         inf = np.isinf(m)

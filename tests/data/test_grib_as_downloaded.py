@@ -261,3 +261,80 @@ def test_variables_picks_hypercubes_and_leaves_the_others_unread(tmp_path):
         store = tmp_path / f"{name}.zarr"
         ingest_climate(str(path), store, progress=False, split=SPLIT, variables=(name,))
         np.testing.assert_array_equal(np.asarray(_store(store)["data"][:, 0]), _cubes(path)[name].values)
+
+
+def _era5_day(f, rng, day):
+    """One day of ERA5 single levels as the CDS delivers GRIB: hourly 2t analyses, and hourly tp accumulated by
+    the forecasts of the previous day's 18 UTC (steps 6..12: 00-06 UTC), 06 UTC (steps 1..12) and 18 UTC (steps
+    1..5). cfgrib puts tp on a 3 x 12 (time, step) grid of which 24 fields exist."""
+    prev = 20191231 if day == 1 else 20200100 + day - 1
+    for hour in range(24):
+        _message(f, "2t", 20200100 + day, 100 * hour, _field(rng))
+    for date, time, steps in ((prev, 1800, range(6, 13)), (20200100 + day, 600, range(1, 13)),
+                              (20200100 + day, 1800, range(1, 6))):
+        for step in steps:
+            _message(f, "tp", date, time, rng.random((H, W)) * 1e-3, step=step, accum=True)
+
+
+def test_era5_hourly_accumulations_from_two_forecasts_a_day(tmp_path):
+    """tp's (time, step) grid is legitimately sparse (not a damaged download): its 24 fields a day are a series of
+    hourly valid times next to 2t's analyses, day files after day files."""
+    rng = np.random.default_rng(8)
+    for day in (1, 2):
+        with open(tmp_path / f"era5_2020010{day}.grib", "wb") as f:
+            _era5_day(f, rng, day)
+    store = tmp_path / "g.zarr"
+    ingest_climate(str(tmp_path / "*.grib"), store, progress=False, split=SPLIT)
+    root = _store(store)
+    assert root.attrs["grid"]["variables"] == ["t2m", "tp"] and root.attrs["grid"]["shape"] == [48, H, W]
+    want_time, want = [], {"t2m": [], "tp": []}
+    for day in (1, 2):
+        cubes = _cubes(tmp_path / f"era5_2020010{day}.grib")
+        want["t2m"].append(cubes["t2m"].values)
+        tp = cubes["tp"].stack(k=("time", "step")).transpose("k", ...)
+        tp = tp.isel(k=np.flatnonzero(np.isfinite(tp.values).all(axis=(1, 2))))  # the pairs that exist (no NaN)
+        tp = tp.isel(k=np.argsort(tp.valid_time.values, kind="stable"))
+        want["tp"].append(tp.transpose("k", ...).values)
+        want_time.append(tp.valid_time.values)
+        np.testing.assert_array_equal(tp.valid_time.values, cubes["t2m"].valid_time.values)
+    np.testing.assert_array_equal(np.asarray(root["data"][:, 0]), np.concatenate(want["t2m"]))
+    np.testing.assert_array_equal(np.asarray(root["data"][:, 1]), np.concatenate(want["tp"]))
+    dates = xr.coding.times.decode_cf_datetime(np.asarray(root["time"][:]), root["time"].attrs["units"],
+                                               root["time"].attrs.get("calendar"))
+    np.testing.assert_array_equal(dates, np.concatenate(want_time))
+
+
+def test_a_file_of_one_message_continues_a_series_and_bad_picks_are_named(tmp_path, capsys):
+    """jan.grib (three daily analyses) and jan4.grib (one message, a scalar time) make one series; --variables
+    naming nothing, and --member on a source without an ensemble, are named in one line."""
+    rng = np.random.default_rng(9)
+    with open(tmp_path / "jan.grib", "wb") as f:
+        for day in (1, 2, 3):
+            _message(f, "2t", 20200100 + day, 0, _field(rng))
+    with open(tmp_path / "jan4.grib", "wb") as f:
+        _message(f, "2t", 20200104, 0, _field(rng))
+    store = tmp_path / "g.zarr"
+    ingest_climate(str(tmp_path / "*.grib"), store, progress=False, split=SPLIT)
+    want = np.concatenate([_cubes(tmp_path / "jan.grib")["t2m"].values, _cubes(tmp_path / "jan4.grib")["t2m"].values[None]])
+    np.testing.assert_array_equal(np.asarray(_store(store)["data"][:, 0]), want)
+    for extra, said in ((["--variables", "nosuch"], "its variables are ['t2m']"),
+                        (["--member", "3"], "--member 3: ")):
+        assert cli(["ingest", "climate", str(tmp_path / "*.grib"), str(tmp_path / "x.zarr"), "--quiet", *extra]) == 1
+        err = [x for x in capsys.readouterr().err.strip().splitlines() if x.strip()]
+        assert len(err) == 1 and said in err[0], err
+
+
+def test_a_static_field_of_an_ensemble_file_is_read_at_the_member(tmp_path):
+    rng = np.random.default_rng(10)
+    path = tmp_path / "ens.grib"
+    lsm = {n: rng.random((H, W)) for n in (0, 1)}
+    with open(path, "wb") as f:
+        for day in (1, 2, 3, 4):
+            for number in (0, 1):
+                _message(f, "2t", 20200100 + day, 0, _field(rng), number=number)
+                _message(f, "lsm", 20200100 + day, 0, lsm[number], number=number)
+    store = tmp_path / "g.zarr"
+    ingest_climate(str(path), store, progress=False, split=SPLIT, member=1, static=("lsm",))
+    root = _store(store)
+    np.testing.assert_array_equal(np.asarray(root["static"][0]), _cubes(path)["lsm"].sel(number=1).values[0])
+    np.testing.assert_array_equal(np.asarray(root["data"][:, 0]), _cubes(path)["t2m"].sel(number=1).values)
