@@ -220,8 +220,11 @@ def open_dataset(path, kind: str, only=None, coords_as_stored: bool = False, par
             raise IngestError(f"{path}: reading GRIB needs cfgrib and ecCodes: pip install 'domainflow[grib]' "
                               f"(or convert the files to netCDF)") from None
         kw.pop("mask_and_scale", None)
-        ds = xr.open_dataset(path, engine="cfgrib", backend_kwargs={"indexpath": "", "filter_by_keys": dict(part)},
-                             **kw)
+        from .grib_file import index_path
+
+        # errors="raise" as grib_file opens it: cfgrib's cached index is valid for one file stream mode
+        ds = xr.open_dataset(path, engine="cfgrib", backend_kwargs={"indexpath": index_path(path), "errors": "raise",
+                                                                    "filter_by_keys": dict(part)}, **kw)
         ds = _one_message_as_one_step(ds)
     else:
         import warnings

@@ -9,9 +9,26 @@ no message, name the file) and each hypercube must have every field of its (time
 
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
 
 from .errors import IngestError
+
+
+def index_path(path: str) -> str:
+    """Where cfgrib keeps the index of a file's message headers, so that each later open (every hypercube at
+    scan, every time block of every hypercube at ingest) reads it instead of scanning the whole file again: a
+    folder in the temporary directory, one index per file content (path, size and mtime), never stale. ""
+    (no index kept) where that folder cannot be made."""
+    st = os.stat(path)
+    key = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = os.path.join(tempfile.gettempdir(), f"domainflow-grib-index-{os.getuid()}")
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    except OSError:
+        return ""
+    return os.path.join(folder, key + ".{short_hash}.idx")
 
 
 def hypercubes(path: str) -> list[tuple]:
@@ -20,7 +37,7 @@ def hypercubes(path: str) -> list[tuple]:
     from cfgrib import cfmessage, messages
     from cfgrib.dataset import DatasetBuildError, open_fileindex
 
-    index = open_fileindex(messages.FileStream(path, errors="raise"), indexpath="",
+    index = open_fileindex(messages.FileStream(path, errors="raise"), indexpath=index_path(path),
                            computed_keys=cfmessage.COMPUTED_KEYS)
     found: list[tuple] = []
 
@@ -43,7 +60,7 @@ def open_cube(path: str, keys: dict):
     """One hypercube as cfgrib's own Dataset (lazy: headers read, values not)."""
     from cfgrib.dataset import open_file
 
-    return open_file(path, indexpath="", errors="raise", filter_by_keys=dict(keys))
+    return open_file(path, indexpath=index_path(path), errors="raise", filter_by_keys=dict(keys))
 
 
 def check_file(path: str) -> int:

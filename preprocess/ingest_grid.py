@@ -235,8 +235,8 @@ def _ingest_blocks(writer: StoreWriter, source: Path, store: Path, src: ClimateS
     summaries = dict(done)
     try:
         for out in run_tasks(ingest_block, todo, workers=opts.workers, scheduler=opts.scheduler,
-                             desc=f"ingest {Path(shown.split(' ')[0]).name} ({block} steps per block)",
-                             progress=opts.progress, unit="block"):
+                             desc=f"ingest {Path(shown.split(' ')[0]).name}", progress=opts.progress,
+                             unit="step", weights=[t[4] - t[3] for t in todo]):
             report.tasks.append(out)
             report.written.append(out["name"])
             summaries[out["name"]] = out

@@ -65,7 +65,7 @@ def _cell_counter(bar, context):
 
 
 def run_tasks(func: Callable, calls: Iterable[tuple], *, workers: int = 1, scheduler: str | None = None,
-              desc: str = "ingest", progress: bool = True, unit: str = "task") -> Iterator:
+              desc: str = "ingest", progress: bool = True, unit: str = "task", weights=None) -> Iterator:
     """Yield ``func(*args)`` for every ``args`` in ``calls`` as tasks finish, with a tqdm progress bar.
 
     An exception in a task propagates (after the tasks already running finish or are cancelled).
@@ -76,58 +76,59 @@ def run_tasks(func: Callable, calls: Iterable[tuple], *, workers: int = 1, sched
     if workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}")
     yield from run_graphs([dask.delayed(func, pure=False)(*args) for args in calls], workers=workers,
-                          scheduler=scheduler, desc=desc, progress=progress, unit=unit)
+                          scheduler=scheduler, desc=desc, progress=progress, unit=unit, weights=weights)
 
 
 def run_graphs(finals: list, *, workers: int = 1, scheduler: str | None = None, desc: str = "ingest",
-               progress: bool = True, unit: str = "task") -> Iterator:
+               progress: bool = True, unit: str = "task", weights=None) -> Iterator:
     """Compute dask graphs (one ``Delayed`` per item: a run's last task, with the tasks it depends on) and
-    yield each item's result; the bar counts items. ``workers == 1``: item after item in this process.
-    An exception in a task propagates (after the tasks already running finish or are cancelled)."""
+    yield each item's result; the bar counts items, or each item's weight in ``unit`` (a time block's steps).
+    ``workers == 1``: item after item in this process. An exception in a task propagates (after the tasks
+    already running finish or are cancelled)."""
     if workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}")
     if not finals:
         return
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(finals), desc=desc, unit=unit, disable=not progress, leave=progress)
+    weight = dict(zip((t.key for t in finals), weights or [1] * len(finals)))
+    bar = tqdm(total=sum(weight.values()), desc=desc, unit=unit, disable=not progress, leave=progress)
     try:
         if scheduler:
-            yield from _distributed(finals, scheduler, bar)
+            yield from _distributed(finals, scheduler, bar, weight)
         else:
-            yield from _local(finals, workers, bar)
+            yield from _local(finals, workers, bar, weight)
     finally:
         bar.close()
 
 
-def _local(finals, workers, bar):
+def _local(finals, workers, bar, weight):
     import multiprocessing
 
     context = multiprocessing.get_context(_start_method())
     with _cell_counter(bar, context) as counter:
-        yield from _local_counted(finals, workers, bar, counter)
+        yield from _local_counted(finals, workers, bar, counter, weight)
 
 
-def _local_counted(finals, workers, bar, counter):
+def _local_counted(finals, workers, bar, counter, weight):
     import dask
 
     if workers == 1:
         with one_core():
             for final in finals:
                 (out,) = dask.compute(final, scheduler="sync")
-                bar.update(1)
+                bar.update(weight[final.key])
                 yield out
         return
     from dask.callbacks import Callback
 
     class _Progress(Callback):
         def _posttask(self, key, result, dsk, state, worker_id):
-            if key in keys:
-                bar.update(1)
+            if key in weight:
+                bar.update(weight[key])
 
     from concurrent.futures.process import BrokenProcessPool
 
-    keys = {t.key for t in finals}
     with worker_pool(workers, counter) as pool, _Progress():
         fed = _Fed(pool, 2 * workers)
         try:
@@ -264,7 +265,7 @@ def worker_pool(workers: int, counter=None):
                                initargs=(counter,))
 
 
-def _distributed(finals, address, bar):
+def _distributed(finals, address, bar, weight):
     try:
         from distributed import Client, as_completed
     except ImportError:
@@ -279,7 +280,7 @@ def _distributed(finals, address, bar):
         try:
             for fut in as_completed(futures):
                 out = fut.result()
-                bar.update(1)
+                bar.update(weight.get(fut.key, 1))
                 yield out
         except BaseException:
             client.cancel(futures)  # no task of a failed ingest goes on writing after it has returned

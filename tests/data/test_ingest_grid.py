@@ -76,9 +76,13 @@ def test_stats_equal_numpy_over_the_train_time_range(raw, store):
         assert s["min"] == [x.min()] and s["max"] == [x.max()]
 
 
-def test_two_workers_give_the_identical_store(raw, store, tmp_path):
-    ingest_climate(raw, tmp_path / "p.zarr", workers=2, **OPTS)
+def test_two_workers_give_the_identical_store(raw, store, tmp_path, capfd):
+    ingest_climate(raw, tmp_path / "p.zarr", workers=2, **{**OPTS, "progress": True})
     assert_same_store(store, tmp_path / "p.zarr")
+    # the bar counts time steps and grid cells (grid points x steps; it used to say "0 cells, 0.00 cells/s")
+    shown = capfd.readouterr().err.replace("\r", "\n").strip().splitlines()
+    last = [line for line in shown if line.startswith("ingest ")][-1]
+    assert f"{T}/{T} [" in last and "step/s" in last and f"{T * H * W:,} cells" in last, last
 
 
 def test_resume_after_a_failed_block(raw, store, tmp_path, monkeypatch):
