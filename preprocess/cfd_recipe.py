@@ -11,6 +11,8 @@ NAME`` prints one as a template)::
                                         # bounded memory; a legacy .vtk or a .pvtu/.pvtp, read whole by VTK
       surface: boundary_{i}.vtp         # polygons: PolyData, or an UnstructuredGrid of 2-D cells
       volume: internal_{i}.vtu
+    blocks:                             # a location given as a .vtm (foamToVTK's VTK/<case>_<step>.vtm): the
+      surface: [movingWall, fixedWalls] # data sets or blocks that make it, read whole by VTK and merged in order
     csv:                                # optional one-row CSVs kept in the run's attrs (forces, geometry)
       forces_constref: forces_{i}.csv   # the constant-reference coefficients (cd, cl) the metrics compare with
       geometry: params_{i}.csv          # design parameters (the model's globals)
@@ -94,6 +96,7 @@ class Recipe:
     forces: dict = field(default_factory=lambda: dict(DEFAULT_FORCES))  # drag/lift axes, reference area
     source: str = ""  # where it was read from (a built-in's name or a file)
     openfoam: dict = field(default_factory=dict)  # run folders are OpenFOAM cases: {location: blocks, "time": t}
+    blocks: dict = field(default_factory=dict)  # location -> names of the .vtm data sets or blocks it is made of
 
     def openfoam_read(self, loc: str) -> tuple | None:
         """(VTK OpenFOAM reader blocks, time) of ``loc`` when the runs are OpenFOAM cases, else None."""
@@ -152,6 +155,7 @@ class Recipe:
         return {"name": self.name, "runs": self.runs, "files": dict(self.files), "csv": dict(self.csv),
                 "optional_csv": list(self.optional_csv), "cp_check": dict(self.cp_check), "forces": dict(self.forces),
                 **({"openfoam": dict(self.openfoam)} if self.openfoam else {}),
+                **({"blocks": {k: list(v) for k, v in self.blocks.items()}} if self.blocks else {}),
                 "fields": {loc: [{"name": s.name, "source": list(s.sources), "components": s.components,
                                   "quantity": s.quantity, "association": s.association,
                                   **({"units": s.units} if s.quantity == "as_read" else {})} for s in specs]
@@ -164,7 +168,7 @@ def parse_recipe(data: dict, where: str) -> Recipe:
     if not isinstance(data, dict):
         raise IngestError(f"recipe {where}: expected a mapping with keys runs, files, fields; got {type(data).__name__}")
     known = {"name", "runs", "files", "csv", "optional_csv", "data", "reference", "fields", "cp_check", "forces",
-             "openfoam"}
+             "openfoam", "blocks"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise IngestError(f"recipe {where}: unknown key(s) {unknown}; the keys are {sorted(known)}")
@@ -192,11 +196,7 @@ def parse_recipe(data: dict, where: str) -> Recipe:
         raise IngestError(f"recipe {where}: csv key(s) {clash} are names a run's attrs already use; rename them")
     for key, template in [*files.items(), *csv.items()]:
         _check_template(str(template), f"recipe {where}: {key} file", need_i=False, subfolders=True)
-    for key, template in files.items():
-        if str(template).lower().endswith(".vtm"):
-            raise IngestError(f"recipe {where}: {key} file {template!r} is a .vtm multi-block index; name the block "
-                              f"file to read (foamToVTK writes them beside it: <case>_<step>/internal.vtu, "
-                              f"<case>_<step>/boundary/<patch>.vtp)")
+    blocks = _blocks(data, files, where)
     optional = tuple(str(x) for x in data.get("optional_csv", []) or [])
     if set(optional) - set(csv):
         raise IngestError(f"recipe {where}: optional_csv {sorted(set(optional) - set(csv))} are not csv keys {sorted(csv)}")
@@ -234,7 +234,33 @@ def parse_recipe(data: dict, where: str) -> Recipe:
     _only_locations(cp_check, files, f"recipe {where}: cp_check")
     return Recipe(name=str(data.get("name", Path(where).stem)), runs=runs, files={k: str(v) for k, v in files.items()},
                   fields=fields, csv=csv, optional_csv=optional, reference=reference, cp_check=cp_check,
-                  forces=_forces(_mapping(data, "forces", where), where), source=where, openfoam=openfoam)
+                  forces=_forces(_mapping(data, "forces", where), where), source=where, openfoam=openfoam,
+                  blocks=blocks)
+
+
+def _blocks(data: dict, files: dict, where: str) -> dict:
+    """The recipe's ``blocks``: for each location given as a ``.vtm``, the names of the data sets or blocks it
+    is made of (a block's name takes every data set inside it); required for a .vtm, refused for other files."""
+    spec = _mapping(data, "blocks", where)
+    _only_locations(spec, files, f"recipe {where}: blocks")
+    out = {}
+    for loc, template in files.items():
+        vtm = str(template).lower().endswith(".vtm")
+        names = spec.get(loc)
+        if vtm and not names:
+            raise IngestError(f"recipe {where}: {loc} file {template!r} is a .vtm multi-block index; name the data "
+                              f"sets or blocks of the {loc} with blocks: {{{loc}: [...]}} (foamToVTK's: internal, "
+                              f"boundary, or patch names)")
+        if names and not vtm:
+            raise IngestError(f"recipe {where}: blocks.{loc} selects blocks of a .vtm, but the {loc} file is "
+                              f"{template!r}")
+        if names:
+            if isinstance(names, str):
+                names = [names]
+            if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+                raise IngestError(f"recipe {where}: blocks.{loc} must be a list of block names, got {names!r}")
+            out[loc] = tuple(names)
+    return out
 
 
 def _openfoam(data: dict, where: str) -> dict:

@@ -30,6 +30,7 @@ import numpy as np
 
 from domainflow import remote
 from domainflow.vtk.errors import VtkFileError
+from domainflow.vtk.partitioned import index_pieces
 from domainflow.vtk.pieces import locate, pieces_of, whole_file
 from domainflow.vtk.pyvista_io import cell_centres, read_cells, surface_geometry
 
@@ -401,11 +402,13 @@ def fingerprint(files: dict, opts: MeshOptions) -> dict:
             continue  # an optional CSV this run lacks
         try:
             found = [path] if path.exists() else pieces_of(path)
+            if key in opts.recipe.blocks and path.exists():  # a .vtm: its block files too
+                found += [Path(p) for p in index_pieces(str(path), list(opts.recipe.blocks[key]))[0]]
         except VtkFileError as exc:  # a resume's check of a published run: ingest's own error
             raise IngestError(str(exc)) from None
         for p in found:
             st = p.stat()
-            out[p.name] = [st.st_size, st.st_mtime_ns]
+            out[p.name if p.parent == path.parent else str(p.relative_to(path.parent))] = [st.st_size, st.st_mtime_ns]
     return out
 
 
@@ -416,7 +419,7 @@ def _read_location(loc, path, shown_as, run_id, opts, warnings):
     mesh, raw = read_cells(Path(path).parent.parent if openfoam else path,  # an OpenFOAM case: its folder
                            {a: s.association for s in specs for a in s.sources}, shown_as=shown_as,
                            optional=(cp_check,) if cp_check else (), fix="set the recipe's data: to match",
-                           openfoam=openfoam)
+                           openfoam=openfoam, blocks=opts.recipe.blocks.get(loc))
     rows = {}
     if loc == "surface":
         rows["coords"], rows["normals"], rows["areas"] = surface_geometry(mesh, shown_as)

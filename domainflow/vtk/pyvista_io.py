@@ -19,7 +19,7 @@ from .errors import MissingArraysError, VtkFileError, first_line, quiet_vtk, rai
 
 
 def read_dataset(path, arrays: dict | None = None, association: str | None = None, optional=(),
-                 shown_as=None, fix: str | None = None, openfoam: tuple | None = None):
+                 shown_as=None, fix: str | None = None, openfoam: tuple | None = None, blocks=None):
     """Read one data set file; returns (dataset, {name: "cell" | "point"} of the arrays asked for and found).
 
     ``arrays``: {name: "cell" | "point"} to read; where the file's reader can select arrays, only those and
@@ -27,8 +27,12 @@ def read_dataset(path, arrays: dict | None = None, association: str | None = Non
     :class:`MissingArraysError` (``fix``: what its hint tells the user to do). None: every array (every one of
     ``association`` only, where given and the reader can select). ``shown_as``: the name used in errors (the
     original file when ``path`` is a joined temporary). ``openfoam``: (blocks, time): ``path`` is an OpenFOAM case
-    folder, read by VTK's own OpenFOAM reader (:func:`openfoam_reader`)."""
+    folder, read by VTK's own OpenFOAM reader (:func:`openfoam_reader`). ``blocks``: ``path`` is a ``.vtm`` index,
+    of which the data sets with these names or inside blocks of these names are read and merged in order."""
     import pyvista as pv
+
+    if blocks is not None:
+        return _vtm_blocks(path, blocks, arrays, association, optional, shown_as, fix)
 
     quiet_vtk()
     name = shown_as or path
@@ -109,6 +113,25 @@ def openfoam_reader(case: Path, blocks, time=None):
     return reader
 
 
+def _vtm_blocks(path, blocks, arrays, association, optional, shown_as, fix):
+    """The data sets a .vtm lists under ``blocks``, each read as one file (its arrays checked), merged in the
+    index's order into one data set (the store's rows: data set after data set)."""
+    import pyvista as pv
+
+    from .partitioned import index_pieces
+
+    pieces, _, _ = index_pieces(str(path), list(blocks))
+    meshes, found = [], None
+    for piece in pieces:
+        mesh, wanted = read_dataset(piece, arrays, association, optional, fix=fix)
+        if found is not None and wanted != found:  # an optional array only some blocks hold
+            raise VtkFileError(f"{shown_as or path}: block file {piece} holds the arrays {sorted(wanted)}, an earlier "
+                               f"one {sorted(found)}; every block must hold the same")
+        found = wanted
+        meshes.append(mesh)
+    return _one_dataset(pv.MultiBlock(meshes), shown_as or path), found
+
+
 def _one_dataset(blocks, name):
     """The data sets an OpenFOAM read gave (a multi-block tree), as one: itself, or several patches combined into
     one unstructured grid of polygons (the store's surface rows, patch after patch)."""
@@ -145,7 +168,7 @@ def _resolve(name, wanted: dict, optional, present: dict, fix) -> dict:
 
 
 def read_cells(path: Path, arrays, shown_as: Path | None = None, optional: tuple[str, ...] = (),
-               fix: str | None = None, openfoam: tuple | None = None):
+               fix: str | None = None, openfoam: tuple | None = None, blocks=None):
     """Read a mesh keeping only the arrays ``arrays`` (names of CELL arrays, or {name: "cell" | "point"}; point
     arrays are averaged to cells by VTK's vtkPointDataToCellData) and those of ``optional`` that exist (cell
     data, or point data averaged); returns (mesh, {name: ndarray per cell}).
@@ -154,7 +177,8 @@ def read_cells(path: Path, arrays, shown_as: Path | None = None, optional: tuple
     ends the hint of a missing array's error (what the caller's user changes)."""
     name = shown_as or path
     wanted = dict(arrays) if isinstance(arrays, dict) else {a: "cell" for a in arrays}
-    mesh, wanted = read_dataset(path, wanted, optional=optional, shown_as=name, fix=fix, openfoam=openfoam)
+    mesh, wanted = read_dataset(path, wanted, optional=optional, shown_as=name, fix=fix, openfoam=openfoam,
+                                blocks=blocks)
     if mesh.n_cells == 0:
         raise VtkFileError(f"{name}: VTK read no cells; the file is empty, truncated or not a mesh")
     if any(kind == "point" for kind in wanted.values()):

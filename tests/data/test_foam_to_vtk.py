@@ -81,3 +81,37 @@ def test_run_folders_found_by_a_glob(tmp_path):
                                                                                       "run_1": "case_b"}
     for run, name in (("run_0", "case_a"), ("run_1", "case_b")):
         _same_as_vtk(root[f"runs/{run}/volume"], raw / name / "internal.vtk", ["p", "U"])
+
+
+def test_a_vtm_index_with_blocks_chosen_by_name(tmp_path, capsys):
+    """foamToVTK's VTK/<case>_<step>.vtm: the volume is its `internal` data set, the surface its `boundary`
+    block (every patch, merged in the index's order), read whole by VTK; a .vtm without blocks, or a block
+    it lacks, is a one-line error naming what it has."""
+    from domainflow.app.cli import main as cli
+
+    raw = tmp_path / "raw"
+    shutil.copytree(CASES / "cavity", raw / "cavity")
+    recipe = tmp_path / "recipe.yaml"
+    text = RECIPE.format(runs="cavity", volume="VTK/cavity_20.vtm", surface="VTK/cavity_20.vtm")
+    recipe.write_text(text + "blocks: {volume: [internal], surface: [boundary]}\n")
+    ingest_cfd(raw, tmp_path / "s.zarr", MeshOptions(recipe=recipe, parts=2, progress=False, split=(1.0, 0.0, 0.0)))
+    root = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
+    folder = raw / "cavity" / "VTK" / "cavity_20"
+    _same_as_vtk(root["runs/run_0/volume"], folder / "internal.vtu", ["p", "U"])
+    patches = [pv.read(str(folder / "boundary" / f"{p}.vtp")) for p in ("movingWall", "fixedWalls")]  # index order
+    surface = root["runs/run_0/surface"]
+    order = surface["order"][...]
+    centres = np.concatenate([np.asarray(m.cell_centers().points) for m in patches])
+    assert len(order) == len(centres) and sorted(order) == list(range(len(centres)))
+    np.testing.assert_allclose(surface["coords"][...], centres[order].astype(np.float32), rtol=1e-6, atol=1e-7)
+    p = np.concatenate([np.asarray(m.cell_data["p"], np.float32) for m in patches])
+    np.testing.assert_array_equal(surface["fields/p"][...][:, 0], p[order])
+    for extra, said in (("", "is a .vtm multi-block index; name the data sets or blocks"),
+                        ("blocks: {volume: [internal], surface: [walls]}\n",
+                         "has no block(s) named ['walls']; its blocks and data sets are ['boundary', 'fixedWalls', "
+                         "'internal', 'movingWall']")):
+        recipe.write_text(text + extra)
+        assert cli(["ingest", "cfd", str(raw), str(tmp_path / f"x{len(extra)}.zarr"), "--recipe", str(recipe),
+                    "--quiet"]) == 1
+        err = [x for x in capsys.readouterr().err.strip().splitlines() if x.strip()]
+        assert said in err[0] and "Traceback" not in "".join(err), err  # (a run's error: then how to resume)
