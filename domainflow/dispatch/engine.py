@@ -31,7 +31,8 @@ from domainflow.dispatch.elementwise import is_elementwise_call, is_tagged_eleme
 from domainflow.dispatch.registry import REGISTRY
 from domainflow.dispatch.toolkit import hook_plain_grads, run_replicated, shard_tensors, tracing as _tracing
 from domainflow.dispatch.toolkit import into_plain, is_sharded, op_name, plain_destination_error
-from domainflow.dispatch.toolkit import COPIED_VIEWS, refuse_write_into_copied_view, unsupported_or_fallback
+from domainflow.dispatch.toolkit import (COPIED_VIEWS, mark_copied_view, refuse_write_into_copied_view,
+                                        unsupported_or_fallback)
 from domainflow.errors import UnsupportedShardedOp
 from domainflow.tensor import consistency as _consistency
 from domainflow.tensor.shard_tensor import ShardTensor
@@ -185,6 +186,8 @@ def _route(func):
         route = _guard_destinations(route, func)  # the pointwise rule checks a plain self in its cached plan
     if _INPLACE in func.tags and route is not REGISTRY.pointwise:  # (the pointwise rule checks in its plan)
         route = _not_into_copied_views(route)
+    if getattr(func, "is_view", False):
+        route = _views_of_copies_are_copies(route)
     _routes[func] = route
     return route
 
@@ -247,6 +250,17 @@ def _not_into_copied_views(route):
             refuse_write_into_copied_view(func, args[0])
         return route(func, args, kwargs)
     return checked
+
+
+def _views_of_copies_are_copies(route):
+    """``route`` for a view op: a view of a ShardTensor that holds a copy (``x.conj()``) is a copy too, so a
+    write through it (``x.conj()[0].fill_(1)``) is refused as a write into the first would be."""
+    def viewed(func, args, kwargs):
+        out = route(func, args, kwargs)
+        if COPIED_VIEWS and args and COPIED_VIEWS.get(id(args[0])) is args[0]:
+            mark_copied_view(out)
+        return out
+    return viewed
 
 
 def _plain_list_destinations(func, args, kwargs, lists):

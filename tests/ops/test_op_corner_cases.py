@@ -625,6 +625,12 @@ def _conjugate_views():
     st = df.distribute_tensor(full, mesh, [Shard(1)], sharding_shapes=sizes)
     with pytest.raises(df.UnsupportedShardedOp, match="conjugate .*view"):
         st.conj().mul_(2j)  # torch would change st through the view; refused rather than silently not
+    for name, write in (("x.conj()[0].fill_(1)", lambda v: v[0].fill_(1)),  # through a view of the copy
+                        ("x.conj().T.mul_(2)", lambda v: v.T.mul_(2)),
+                        ("x.conj()[:, :2].zero_()", lambda v: v[:, :2].zero_())):
+        with pytest.raises(df.UnsupportedShardedOp, match="conjugate .*view"):
+            write(st.conj())
+            failures.append(f"{name} wrote into a copy of st.conj() without a word")
     return _ok(failures)
 
 
