@@ -399,7 +399,8 @@ def _gather_fallback_above_autograd(func, args, kwargs, mesh, first: ShardSpec):
 
 # ShardTensors that stand for a view of another but hold a copy: torch's lazy conjugate and negative views
 # (``x.conj()``, resolved so ops on chunks read values) and a view op's result under the gather fallback
-# (``x.diagonal()``, ``x.unfold(...)``): a write into one would not reach the viewed tensor, so in-place ops
+# (``x.diagonal()``, ``x.unfold(...)``) or of a reshape that re-sharded its input (``x.view(-1)`` of a tensor
+# sharded along its inner dim): a write into one would not reach the viewed tensor, so in-place ops
 # refuse it (by id: a WeakSet compares tensors with ==, elementwise)
 COPIED_VIEWS: "weakref.WeakValueDictionary[int, ShardTensor]" = weakref.WeakValueDictionary()
 
@@ -418,7 +419,8 @@ def refuse_write_into_copied_view(func, x) -> None:
     """Raise when in-place ``func`` would write into one of :data:`COPIED_VIEWS`."""
     if COPIED_VIEWS.get(id(x)) is x:
         raise UnsupportedShardedOp(func, "it writes into a ShardTensor that stands for a view of another (a conjugate "
-                                         "or negative view, or a view op's result under fallback('gather')) but "
+                                         "or negative view, a view op's result under fallback('gather'), or a "
+                                         "reshape that had to re-shard its input) but "
                                          "holds a copy: the write would not reach the viewed tensor; write into the "
                                          "tensor itself, or into a .clone() of the view")
 

@@ -15,7 +15,8 @@ import torch
 
 from domainflow import comm
 from domainflow.layout import shapes
-from domainflow.dispatch.toolkit import PLANS, layout_rule, local_exact, unsupported_or_fallback, to_spec, warn_relayout
+from domainflow.dispatch.toolkit import (PLANS, layout_rule, local_exact, mark_copied_view, unsupported_or_fallback,
+                                        to_spec, warn_relayout)
 from domainflow.memo import Memo
 from domainflow.errors import UnsupportedShardedOp
 from domainflow.layout.placements import Replicate, Shard
@@ -47,12 +48,13 @@ def view(func, args, kwargs):
     x, size = args[0], args[1]
     key = (_view_layouts, x._spec, tuple(size))
     out = PLANS.get(key)
+    copied = False  # the result views a re-laid-out copy of x, so a write into it would not reach x
     if out is None:
         out = _view_layout(x, size)
         if isinstance(out, ShardSpec):
             PLANS.put(key, out)
-        elif isinstance(out, tuple):  # (gathered input, its spec): a size-1 sharded dim was replicated
-            x, out = out
+        elif isinstance(out, tuple):  # (moved input, its spec): rows re-sharded, or a size-1 sharded dim replicated
+            (x, out), copied = out, True
         else:
             return unsupported_or_fallback(func, args, kwargs, out)
     local = x._local
@@ -63,12 +65,13 @@ def view(func, args, kwargs):
         try:
             res = local.view(out.local_shape)
         except RuntimeError:
-            res = local.reshape(out.local_shape)
+            res, copied = local.reshape(out.local_shape), True
     elif func is aten._reshape_alias.default:
         res = local.reshape(out.local_shape)
     else:
         res = func(local, out.local_shape)
-    return ShardTensor.from_spec(res, out)
+    result = ShardTensor.from_spec(res, out)
+    return mark_copied_view(result) if copied else result
 
 
 _view_layouts = "view layouts"  # the first part of their keys in toolkit.PLANS

@@ -631,6 +631,14 @@ def _conjugate_views():
         with pytest.raises(df.UnsupportedShardedOp, match="conjugate .*view"):
             write(st.conj())
             failures.append(f"{name} wrote into a copy of st.conj() without a word")
+    # x.view(-1) of x sharded along its inner dim re-shards a copy first: read right, a write through it refused
+    real = df.distribute_tensor(full.real.contiguous(), mesh, [Shard(1)], sharding_shapes=sizes)
+    if not torch.equal(real.view(-1).full_tensor(), full.real.reshape(-1)):
+        failures.append("x.view(-1) of a Shard(1) tensor")
+    for name, write in (("x.view(-1).mul_(0)", lambda v: v.mul_(0)), ("x.view(-1)[:4].zero_()", lambda v: v[:4].zero_())):
+        with pytest.raises(df.UnsupportedShardedOp, match="reshape that had to re-shard"):
+            write(real.view(-1))
+            failures.append(f"{name} wrote into a re-sharded copy of x without a word")
     return _ok(failures)
 
 
