@@ -11,8 +11,8 @@ NAME`` prints one as a template)::
                                         # bounded memory; a legacy .vtk or a .pvtu/.pvtp, read whole by VTK
       surface: boundary_{i}.vtp         # polygons: PolyData, or an UnstructuredGrid of 2-D cells
       volume: internal_{i}.vtu
-    blocks:                             # a location given as a .vtm (foamToVTK's VTK/<case>_<step>.vtm): the
-      surface: [movingWall, fixedWalls] # data sets or blocks that make it, read whole by VTK and merged in order
+    # blocks: {surface: [boundary]}     # a location given as a .vtm (foamToVTK's VTK/<case>_<step>.vtm): the data
+                                        # sets or blocks that make it, read whole by VTK and merged in order
     csv:                                # optional one-row CSVs kept in the run's attrs (forces, geometry)
       forces_constref: forces_{i}.csv   # the constant-reference coefficients (cd, cl) the metrics compare with
       geometry: params_{i}.csv          # design parameters (the model's globals)

@@ -10,6 +10,7 @@ no message, name the file) and each hypercube must have every field of its (time
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import tempfile
 
@@ -19,16 +20,55 @@ from .errors import IngestError
 def index_path(path: str) -> str:
     """Where cfgrib keeps the index of a file's message headers, so that each later open (every hypercube at
     scan, every time block of every hypercube at ingest) reads it instead of scanning the whole file again: a
-    folder in the temporary directory, one index per file content (path, size and mtime), never stale. ""
-    (no index kept) where that folder cannot be made."""
+    folder of this user's in the temporary directory, one index per file content (path, size and mtime), never
+    stale. cfgrib unpickles the index, so the folder is used only when it is this user's own and closed to
+    others; an index left cut short (an ingest killed while writing it) is removed. "" (no index kept) where
+    no such folder can be had."""
+    import glob
+    import stat
+
     st = os.stat(path)
     key = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     folder = os.path.join(tempfile.gettempdir(), f"domainflow-grib-index-{os.getuid()}")
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
+        own = os.lstat(folder)
     except OSError:
         return ""
+    if not stat.S_ISDIR(own.st_mode) or own.st_uid != os.getuid() or own.st_mode & 0o077:
+        return ""  # another user's, or open to others: an index there could be anyone's pickle
+    for old in glob.glob(os.path.join(folder, key + ".*.idx")):
+        if not _whole_pickle(old):
+            try:
+                os.unlink(old)
+            except OSError:
+                return ""
     return os.path.join(folder, key + ".{short_hash}.idx")
+
+
+def _whole_pickle(path: str) -> bool:
+    """Whether a file ends as a pickle does (its STOP opcode): one cut short by a killed writer does not."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) == b"."
+    except OSError:
+        return False
+
+
+class _QuietIndexErrors(logging.Filter):
+    """cfgrib logs a full traceback when it cannot write or read an index file (a full disk, a file another
+    ingest is writing at that moment), then scans the GRIB file itself, which is correct; the traceback would
+    bury the one-line messages of ingest, so it is dropped (the ingest is only slower)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("Can't create file", "Can't read index file"))
+
+
+logging.getLogger("cfgrib.messages").addFilter(_QuietIndexErrors())
 
 
 def hypercubes(path: str) -> list[tuple]:

@@ -382,6 +382,8 @@ def _ingest_run(run_dir: Path, run_id: str, writer: StoreWriter, opts: MeshOptio
     for loc in opts.locations:
         with whole_file(files[loc], scratch=writer.scratch) as path:
             raw_bytes += path.stat().st_size
+            if loc in opts.recipe.blocks:  # a .vtm: the block files it reads
+                raw_bytes += sum(os.path.getsize(p) for p in index_pieces(str(path), list(opts.recipe.blocks[loc]))[0])
             rows, arrays = _read_location(loc, path, files[loc], run_id, opts, warnings)
         cells[loc] = len(rows["coords"])
         count_cells(cells[loc])
@@ -408,7 +410,7 @@ def fingerprint(files: dict, opts: MeshOptions) -> dict:
             raise IngestError(str(exc)) from None
         for p in found:
             st = p.stat()
-            out[p.name if p.parent == path.parent else str(p.relative_to(path.parent))] = [st.st_size, st.st_mtime_ns]
+            out[p.name if p.parent == path.parent else os.path.relpath(p, path.parent)] = [st.st_size, st.st_mtime_ns]
     return out
 
 

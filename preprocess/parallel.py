@@ -6,9 +6,9 @@ Tasks return small summaries (statistics, sizes); the coordinator merges them in
 do not depend on the number of workers or on completion order. ``workers == 1`` runs in this process (no pickling, no start-up
 cost); more workers use dask's process pool, since VTK reading and compression hold the GIL.
 
-Progress: the bar counts tasks, and tasks report the cells they have gone through (``count_cells``, after
-every block) into one shared counter, so a single huge run shows cells and cells/s as it goes. On a
-``dask.distributed`` cluster the bar counts tasks only.
+Progress: the bar counts tasks (or what they weigh: a climate ingest's time steps), and tasks report the cells
+they have gone through (``count_cells``, after every block) into one shared counter, so a single huge run shows
+cells and cells/s as it goes. On a ``dask.distributed`` cluster the bar counts tasks (or weights) only.
 """
 
 from __future__ import annotations

@@ -338,3 +338,37 @@ def test_a_static_field_of_an_ensemble_file_is_read_at_the_member(tmp_path):
     root = _store(store)
     np.testing.assert_array_equal(np.asarray(root["static"][0]), _cubes(path)["lsm"].sel(number=1).values[0])
     np.testing.assert_array_equal(np.asarray(root["data"][:, 0]), _cubes(path)["t2m"].sel(number=1).values)
+
+
+def test_the_header_index_is_private_and_a_broken_one_is_rebuilt(tmp_path, monkeypatch, capfd):
+    """cfgrib's index of a file's headers (a pickle) is kept only in a folder of this user's closed to others; one
+    cut short (an ingest killed while writing it) is removed and rebuilt, without a traceback."""
+    import glob
+    import os
+    import tempfile
+
+    from domainflow.preprocess import grib_file
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    rng = np.random.default_rng(11)
+    path = tmp_path / "a.grib"
+    with open(path, "wb") as f:
+        for day in (1, 2, 3, 4):
+            _message(f, "2t", 20200100 + day, 0, _field(rng))
+    ingest_climate(str(path), tmp_path / "g1.zarr", progress=False, split=SPLIT)
+    folder = tmp_path / "tmp" / f"domainflow-grib-index-{os.getuid()}"
+    indexes = glob.glob(str(folder / "*.idx"))
+    assert indexes and oct(folder.stat().st_mode & 0o777) == "0o700"
+    for cut in indexes:  # as a kill while cfgrib writes them leaves them
+        data = open(cut, "rb").read()
+        open(cut, "wb").write(data[: len(data) // 2])
+    capfd.readouterr()
+    ingest_climate(str(path), tmp_path / "g2.zarr", progress=False, split=SPLIT)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "index file" not in err, err
+    np.testing.assert_array_equal(np.asarray(_store(tmp_path / "g2.zarr")["data"][...]),
+                                  np.asarray(_store(tmp_path / "g1.zarr")["data"][...]))
+    assert all(open(p, "rb").read()[-1:] == b"." for p in glob.glob(str(folder / "*.idx")))  # rebuilt whole
+    folder.chmod(0o755)  # open to others: not used
+    assert grib_file.index_path(str(path)) == ""

@@ -78,11 +78,18 @@ def test_estimate_prints_memory_per_rank_at_every_domain_size_and_the_smallest_t
     assert "over the domain) of which" in text
     # data.sample_points caps the points a training step takes; evaluation still sees the whole sample
     r = _estimate_here(f"data.store={store}", *MODEL, "data.sample_points=5000", "--points", "100000", "--sizes",
-                       "512,1024", "--json", str(out))
+                       "512,1024", "--memory", "200MiB", "--json", str(out))
     assert r.returncode == 0, r.stderr
     estimate = json.loads(out.read_text())
     assert estimate["points"] == 100000 and estimate["step_points"] == 5000 and "5,000 per training step" in r.stdout
     assert estimate["rows"][0]["train_points"] == 5000 and estimate["rows"][0]["eval_points"] == 100000
+    m = estimate["model"]  # without block inference: each row is the larger of its step's and its evaluation's peak
+    model = MemoryModel(train=Line(**m["train"]), eval=Line(**m["eval"]), parts=m["parts"])
+    for row_ in estimate["rows"]:
+        assert row_["bytes"] == pytest.approx(max(model.train.bytes_at(row_["train_points"]),
+                                                  model.eval.bytes_at(row_["eval_points"])))
+    assert estimate["smallest_domain"] == next(
+        (w for w in range(1, 65) if fits(row(model, 100000, 5000, w), 200 * 2**20)), None)
 
 
 def test_block_inference_estimates_the_resident_points_and_one_block_of_the_ranks_share():

@@ -96,7 +96,7 @@ def test_python_example_runs(where, started_examples):
 
 # -- shell tours: every block whose lines are all `.venv/bin/domainflow ...` commands runs, in its page's order ---
 # a launcher variable of an enclosing job must not reach the commands
-NO_JOB = {k: None for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+NO_JOB = {k: None for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
 
 
 def _tours() -> list[tuple[str, list[str]]]:
