@@ -32,9 +32,12 @@ def bands(H: int, hc: int, W: int, slots: int, budget: int = TASK_BYTES) -> list
     return [(a, min(a + step, H)) for a in range(0, H, step)]
 
 
-def climatology_band(store: str, channel: int, r0: int, r1: int, train_ranges, window: int, block: int = 64) -> dict:
+def climatology_band(store: str, channel: int, r0: int, r1: int, train_ranges, window: int, hour: int | None = None,
+                     block: int = 64) -> dict:
     """Compute and write ``climatology[:, :, channel, r0:r1, :]`` from the steps of ``train_ranges`` (a dask
-    task; the days and hours come from the store's own time axis)."""
+    task; the days and hours come from the store's own time axis). ``hour``: that hour slot's entries only, from its
+    steps only (its sums are 1/hours of all of them: an hourly 0.25-degree series needs 34 GiB for a band's
+    sums of every hour, 1.4 GiB for one hour's); None: every hour (stores whose chunks hold every hour)."""
     import zarr
 
     from .splits import time_mask
@@ -47,26 +50,39 @@ def climatology_band(store: str, channel: int, r0: int, r1: int, train_ranges, w
     train = time_mask(train_ranges, data.shape[0])
     W = data.shape[3]
     dated = out.shape[0] == DAYS
-    S = max(len(hours), 1)
+    S = max(len(hours), 1) if hour is None else 1
     sums = np.zeros((DAYS if dated else 1, S, r1 - r0, W), np.float64)
     counts = np.zeros((DAYS if dated else 1, S), np.int64)
     steps = np.flatnonzero(train)
-    for a in range(0, len(steps), block):  # contiguous stretches of train steps, a block at a time
-        idx = steps[a:a + block]
-        values = read_checked(store, data, (idx, channel, slice(r0, r1), slice(None)), orthogonal=True)
-        values = values.astype(np.float64)
+    mine = steps if hour is None else steps[slot[steps] == hour]
+    for a in range(0, len(mine), block):  # contiguous stretches of train steps, a block at a time
+        idx = mine[a:a + block]
+        values = _band(store, data, idx, channel, r0, r1)
         d = day[idx] if dated else np.zeros(len(idx), np.int64)
-        np.add.at(sums, (d, slot[idx]), values)
-        np.add.at(counts, (d, slot[idx]), 1)
+        np.add.at(sums, (d, slot[idx] if hour is None else 0), values)
+        np.add.at(counts, (d, slot[idx] if hour is None else 0), 1)
     if dated:
         sums, counts = _windowed(sums, window), _windowed(counts, window)
     per_slot = sums.sum(0) / np.maximum(counts.sum(0), 1)[:, None, None]   # the train mean of each hour
-    overall = sums.sum((0, 1)) / max(int(counts.sum()), 1)
-    per_slot[counts.sum(0) == 0] = overall
+    if (counts.sum(0) == 0).any():  # an hour no train step has: the train mean of every hour
+        if hour is None:
+            overall = sums.sum((0, 1)) / max(int(counts.sum()), 1)
+        else:
+            overall = np.zeros((r1 - r0, W), np.float64)
+            for a in range(0, len(steps), block):
+                overall += _band(store, data, steps[a:a + block], channel, r0, r1).sum(0)
+            overall /= max(len(steps), 1)
+        per_slot[counts.sum(0) == 0] = overall
     empty = counts == 0
     clim = np.where(empty[:, :, None, None], per_slot[None], sums / np.maximum(counts, 1)[:, :, None, None])
-    out[:, :, channel, r0:r1, :] = clim.astype(np.float32)
+    hours_out = slice(None) if hour is None else slice(hour, hour + 1)
+    out[:, hours_out, channel, r0:r1, :] = clim.astype(np.float32)
     return {"channel": channel, "rows": [r0, r1], "filled": int(empty.sum())}
+
+
+def _band(store, data, idx, channel: int, r0: int, r1: int) -> np.ndarray:
+    """Steps ``idx`` of one channel's rows ``[r0, r1)`` as float64."""
+    return read_checked(store, data, (idx, channel, slice(r0, r1), slice(None)), orthogonal=True).astype(np.float64)
 
 
 def _windowed(x: np.ndarray, window: int) -> np.ndarray:

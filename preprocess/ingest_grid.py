@@ -389,14 +389,19 @@ def _climatology(writer: StoreWriter, root, store: Path, src: ClimateSource, opt
     _, _, hours = day_and_slot(src.time, src.time_attrs)
     days, slots = (DAYS, len(hours)) if hours else (1, 1)
     if "climatology" not in root:
-        # a chunk holds a channel's tile for as many days as make ~1 MiB: one day of a big grid's tile, the
-        # whole year of a small one (a day of a small tile per chunk would be thousands of tiny files)
-        per_day = slots * hc * wc * 4
+        # a chunk holds a channel's tile at one hour for as many days as make ~1 MiB: one day of a big grid's
+        # tile, the whole year of a small one (a day of a small tile per chunk would be thousands of tiny files);
+        # one hour per chunk, so that each hour is a task of its own (see climatology_band)
+        per_day = hc * wc * 4
         chunk_days = max(1, min(days, (1 << 20) // per_day))
-        create_array(root, "climatology", shape=(days, slots, C, H, W), chunks=(chunk_days, slots, 1, hc, wc),
+        create_array(root, "climatology", shape=(days, slots, C, H, W), chunks=(chunk_days, 1, 1, hc, wc),
                      dtype="float32", dimension_names=["dayofyear", "hour", "channel", "lat", "lon"])
-    tasks = {f"clim-{c:05d}-{a:07d}": (str(store), c, a, b, splits["train"], opts.climatology_window)
-             for c in range(C) for a, b in bands(H, hc, W, slots)}
+    if root["climatology"].chunks[1] == 1:  # a task per channel, band of rows and hour
+        tasks = {f"clim-{c:05d}-{a:07d}-{h:03d}": (str(store), c, a, b, splits["train"], opts.climatology_window, h)
+                 for c in range(C) for a, b in bands(H, hc, W, 1) for h in range(slots)}
+    else:  # a store begun before: its chunks hold every hour, so one task writes them all
+        tasks = {f"clim-{c:05d}-{a:07d}": (str(store), c, a, b, splits["train"], opts.climatology_window)
+                 for c in range(C) for a, b in bands(H, hc, W, slots)}
     results = {n: done[n] for n in tasks if n in done}
     todo = [(n, *args) for n, args in tasks.items() if n not in done]
     for out in run_tasks(climatology_task, todo, workers=opts.workers, scheduler=opts.scheduler,
@@ -410,10 +415,11 @@ def _climatology(writer: StoreWriter, root, store: Path, src: ClimateSource, opt
             "filled_entries": filled, "entries_per_channel": days * slots}
 
 
-def climatology_task(name: str, store: str, channel: int, r0: int, r1: int, train, window: int) -> dict:
-    """One channel's climatology over rows ``[r0, r1)``, marked done (a dask task)."""
+def climatology_task(name: str, store: str, channel: int, r0: int, r1: int, train, window: int,
+                     hour: int | None = None) -> dict:
+    """One channel's climatology over rows ``[r0, r1)`` (at one hour slot, or all), marked done (a dask task)."""
     start, rss0 = time.perf_counter(), reset_peak_memory()
-    info = climatology_band(store, channel, r0, r1, train, window)
+    info = climatology_band(store, channel, r0, r1, train, window, hour)
     info = {**info, "name": name}
     StoreWriter(store).mark_block(name, info)
     return {**info, "seconds": time.perf_counter() - start, "cells": {}, "raw_bytes": 0, "peak_rss": peak_memory(),

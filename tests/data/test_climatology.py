@@ -12,7 +12,7 @@ zarr = pytest.importorskip("zarr")
 xr = pytest.importorskip("xarray")
 pd = pytest.importorskip("pandas")
 
-from test_climate_sources import STARTS, pressure_levels  # noqa: E402
+from test_climate_sources import STARTS, STEPS, pressure_levels  # noqa: E402
 
 from domainflow.preprocess.ingest_grid import ingest_climate  # noqa: E402
 
@@ -98,3 +98,25 @@ def test_an_interrupted_climatology_resumes(tmp_path, monkeypatch):
     assert report.state == "resume" and len(report.kept) == 3  # the data blocks are not read again
     np.testing.assert_array_equal(zarr.open_group(store, mode="r")["climatology"][...],
                                   zarr.open_group(ref, mode="r")["climatology"][...])
+
+
+def test_an_hour_without_train_steps_takes_the_train_mean(tmp_path):
+    """Each hour is a task of its own (an hourly 0.25-degree series' sums of every hour do not fit a worker); an
+    hour no train step has gets the train mean of every hour, per grid point."""
+    for k, start in enumerate(STARTS):
+        pressure_levels(tmp_path / f"pl_{k}.nc", start, seed=k)
+    store = tmp_path / "g.zarr"
+    T = len(STARTS) * STEPS
+    train_steps = 2  # 00 and 06 UTC of the first day: no 12 or 18 UTC step in the train split
+    ingest_climate(str(tmp_path / "*.nc"), store, progress=False, split=(train_steps / T, 0.5 - train_steps / T, 0.5),
+                   chunk_bytes=256)
+    root = zarr.open_group(store, mode="r")
+    assert root.attrs["splits"]["train"] == [[0, train_steps]]
+    assert root["climatology"].chunks[1] == 1  # one hour per chunk
+    data = np.asarray(root["data"][...], np.float64)
+    clim = np.asarray(root["climatology"][...])
+    mean = data[:train_steps].mean(0)
+    for slot in (2, 3):  # 12 and 18 UTC
+        np.testing.assert_allclose(clim[:, slot], np.broadcast_to(mean, clim[:, slot].shape).astype(np.float32),
+                                   rtol=2e-6)
+    np.testing.assert_allclose(clim[0, 0], data[0].astype(np.float32), rtol=2e-6)  # day 1, 00 UTC: its one step
