@@ -30,10 +30,9 @@ $(VENV)/.stamp: pyproject.toml Makefile | $(PY)
 	@# __init__.py becomes a namespace package there for good, so refuse to install then.
 	@for f in $(PKG_INITS); do [ -f "$$f" ] || { echo "error: $$f is missing; not installing" >&2; exit 1; }; done
 	@# torch first, with an exact pin: a CPU wheel of exactly 2.13.0 lies on this
-	@# machine's disk; any looser spec may pull a multi-GB CUDA build.
-	$(PIP) install --no-compile torch==2.13.0
-	@# setuptools/wheel: build backend for --no-build-isolation and for the wheel test.
-	$(PIP) install 'setuptools>=68' wheel
+	@# machine's disk; any looser spec may pull a multi-GB CUDA build. setuptools/wheel (in the same
+	@# pip run): build backend for --no-build-isolation and for the wheel test.
+	$(PIP) install --no-compile torch==2.13.0 'setuptools>=68' wheel
 	@# --no-compile: a module is compiled when first imported, not the thousands no test imports
 	$(PIP) install --no-compile --no-build-isolation -e '.[test]'
 	@# --no-deps: neuraloperator declares wandb, h5py, configmypy, zencfg... that it does not import (tests/models/)
