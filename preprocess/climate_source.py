@@ -25,11 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from domainflow.store import time_axis
+from .climate_series import (CF_MASK_KEYS, SERIES_NAMES, coord_values, series_dims, series_steps,
+                             valid_times)
 from .errors import IngestError
 
-TIME_NAMES = ("time", "valid_time")
-STEP_NAMES = ("step",)       # a forecast's lead: valid time = time + step
-SERIES_NAMES = TIME_NAMES + STEP_NAMES
 MEMBER_NAMES = ("number", "realization", "member")   # an ensemble's members (cfgrib calls them number)
 DEFAULT_FILL_ATTR = "domainflow_netcdf_default_fill"  # a netCDF variable's _FillValue is its type's default
 ENSEMBLE_ATTR = "domainflow_member_dim"   # set on a dataset whose ensemble was read at one member
@@ -37,7 +36,6 @@ LAT_NAMES = ("latitude", "lat")
 LON_NAMES = ("longitude", "lon")
 LEVEL_NAMES = ("level", "pressure_level", "isobaricInhPa", "isobaricInPa", "plev", "lev")
 COORD_NAMES = SERIES_NAMES + LAT_NAMES + LON_NAMES
-CF_MASK_KEYS = ("_FillValue", "missing_value")
 NETCDF_SUFFIXES = (".nc", ".nc4", ".netcdf", ".cdf", ".h5", ".hdf5")
 GRIB_SUFFIXES = (".grib", ".grb", ".grib1", ".grib2", ".grb2")
 WHAT = ("ingest climate reads netCDF or GRIB files (files, folders or globs of them) or one Zarr store of "
@@ -267,16 +265,6 @@ def _one_member(ds, path, member):
     return ds
 
 
-def series_steps(da, tdims: tuple, a: int, b: int, grid: tuple, order: tuple = ()) -> np.ndarray:
-    """Steps ``[a, b)`` of a variable's series as float64 ``(b - a, lat, lon)``, level already selected: a slice
-    of its one series dim, or a forecast's (time, step) pairs in valid-time order (``order``)."""
-    if len(tdims) == 1:
-        return np.asarray(da.isel({tdims[0]: slice(a, b)}).transpose(tdims[0], *grid).values, dtype=np.float64)
-    steps = [da.isel(dict(zip(tdims, (int(i) for i in order[k])))).transpose(*grid).values for k in range(a, b)]
-    return np.asarray(np.stack(steps) if steps else np.empty((0,) + tuple(da.sizes[g] for g in grid)),
-                      dtype=np.float64)
-
-
 def _with_netcdf_default_fills(raw, path):
     """A netCDF dataset opened undecoded, made to decode as netCDF4 reads it: a data variable without a
     ``_FillValue`` has its type's default fill (9.97e36 for float32: what unwritten values hold) as one,
@@ -312,17 +300,6 @@ def _zarr_array_names(path) -> list[str]:
 
 
 # -- what a file holds --------------------------------------------------------------------------------------
-def series_dims(dims) -> tuple:
-    """The leading dims of a variable that make its series: time, step, valid_time (one, or a forecast's time
-    and step)."""
-    out = []
-    for d in dims:
-        if d not in SERIES_NAMES:
-            break
-        out.append(d)
-    return tuple(out)
-
-
 def gridded_variables(ds) -> dict[str, tuple[str | None, object]]:
     """{variable: (level dim or None, variable)} of a dataset's (series, lat, lon) and (series, level, lat, lon)
     variables, the series being time, valid_time, step, or a forecast's time and step."""
@@ -421,8 +398,8 @@ def _scan_dataset(ds, path: str, part: tuple) -> _FileInfo:
     if not found:  # only constant fields (an "invariant" download): named with --static
         var = next(iter(flat.values()))
         latd, lond = var.dims
-        lat = _coord_values(ds, path, latd, var.shape[0])[0]
-        lon = _coord_values(ds, path, lond, var.shape[1])[0]
+        lat = coord_values(ds, path, latd, var.shape[0])[0]
+        lon = coord_values(ds, path, lond, var.shape[1])[0]
         if lat is None or lon is None:
             raise IngestError(f"{path}: coordinate arrays {latd!r} and {lond!r} are required")
         return _FileInfo(path, {}, {}, None, {}, lat.astype(np.float64), lon.astype(np.float64),
@@ -436,10 +413,10 @@ def _scan_dataset(ds, path: str, part: tuple) -> _FileInfo:
     T, H, W = int(np.prod([first.sizes[d] for d in tdims])), first.shape[-2], first.shape[-1]
 
     def coord(name, n):
-        return _coord_values(ds, path, name, n)
+        return coord_values(ds, path, name, n)
 
     (lat, _), (lon, _) = coord(latd, H), coord(lond, W)
-    t, t_attrs = _valid_times(ds, path, tdims)
+    t, t_attrs = valid_times(ds, path, tdims)
     order = ()
     if len(tdims) > 1:  # (time, step): the pairs the file holds, in valid-time order
         from .grib_file import present_steps
@@ -474,56 +451,6 @@ def _scan_dataset(ds, path: str, part: tuple) -> _FileInfo:
                      order)
 
 
-def _valid_times(ds, path, tdims: tuple) -> tuple[np.ndarray | None, dict]:
-    """A series' times flattened in its dims' order, and their attrs with ``meaning``: the valid time (the
-    reference time plus the step) when the file has a step or a valid_time, else its time coordinate as it is
-    (None when it has none). A forecast file's ``time`` is when the forecast started, never the data's date."""
-    shape = tuple(ds.sizes[d] for d in tdims)
-    has_step = "step" in ds.variables
-    if "valid_time" in ds.variables and set(ds["valid_time"].dims) <= set(tdims):
-        vt = ds["valid_time"]
-        vt = vt.expand_dims({d: ds.sizes[d] for d in tdims if d not in vt.dims}).transpose(*tdims)
-        values = np.asarray(vt.values).reshape(-1)
-        attrs = {k: v for k, v in vt.attrs.items() if k not in CF_MASK_KEYS}
-        meaning = "valid time (reference time + step)" if has_step else "valid time"
-        return values, {**attrs, "meaning": meaning}
-    names = [d for d in tdims if d in TIME_NAMES]
-    if has_step and "time" in ds.variables:
-        return _time_plus_step(ds, path, tdims)
-    if len(tdims) != 1 or not names:
-        raise IngestError(f"{path}: its series dims {tdims} have no valid_time coordinate and no time to add "
-                          f"the steps to; give the file a valid_time (or a time) coordinate")
-    values, attrs = _coord_values(ds, path, names[0], shape[0])
-    if values is None:
-        return None, attrs
-    return values, {**attrs, "meaning": "valid time" if names[0] == "valid_time" else f"the source's {names[0]!r}"}
-
-
-def _time_plus_step(ds, path, tdims: tuple) -> tuple[np.ndarray, dict]:
-    """Valid times of a (time, step) file that has no valid_time coordinate: the reference times decoded,
-    the steps added (in their CF units), encoded back in the time's units."""
-    import pandas as pd
-
-    t_attrs = {k: v for k, v in ds["time"].attrs.items() if k not in CF_MASK_KEYS}
-    ref = time_axis.decode(np.atleast_1d(np.asarray(ds["time"].values)), t_attrs)
-    units = str(ds["step"].attrs.get("units", "")).strip().lower()
-    unit = {"hours": "h", "hour": "h", "h": "h", "minutes": "min", "seconds": "s", "s": "s", "days": "D",
-            "day": "D"}.get(units)
-    if ref is None or unit is None:
-        raise IngestError(f"{path}: a forecast's valid time needs a dated time and steps in hours, minutes, "
-                          f"seconds or days; time units {t_attrs.get('units')!r}, step units {units!r}")
-    step = pd.to_timedelta(np.atleast_1d(np.asarray(ds["step"].values, dtype=np.float64)), unit=unit).to_numpy()
-    grid = {"time": ref, "step": step}
-    order = [d for d in tdims if d in grid] or ["time"]
-    if order == ["step", "time"]:
-        values = ref[None, :] + step[:, None]
-    elif order == ["step"]:
-        values = ref[0] + step
-    else:
-        values = ref[:, None] + step[None, :]
-    return time_axis.encode(values.reshape(-1), t_attrs), {**t_attrs, "meaning": "valid time (reference time + step)"}
-
-
 def _refuse_other_grids(ds, path) -> None:
     """A variable on a grid other than a regular latitude-longitude one (reduced Gaussian, Lambert, a
     projection's x/y) is refused with what the grid is and how to regrid it."""
@@ -538,20 +465,6 @@ def _refuse_other_grids(ds, path) -> None:
         raise IngestError(f"{path}: {name} is {what}, not a regular latitude-longitude grid; ingest climate reads "
                           f"regular latitude-longitude grids: regrid it first (e.g. `cdo remapbil,r1440x721 in out`, "
                           f"or earthkit-regrid / xESMF)")
-
-
-def _coord_values(ds, path, name, n):
-    """(values, attrs) of a 1-D coordinate of length ``n`` (None when absent); CF-packed ones are refused."""
-    if name not in ds.variables:
-        return None, {}
-    var = ds.variables[name]
-    values = np.asarray(var.values)
-    if values.shape != (n,):
-        raise IngestError(f"{path}: coordinate {name!r} has shape {values.shape}, expected ({n},)")
-    packed = [k for k in ("scale_factor", "add_offset") if k in var.attrs]
-    if packed:
-        raise IngestError(f"{path}: coordinate {name!r} is CF-packed ({', '.join(packed)}); store it unpacked")
-    return values, {k: v for k, v in var.attrs.items() if k not in CF_MASK_KEYS}
 
 
 def _zarr_shapes(path) -> dict:
