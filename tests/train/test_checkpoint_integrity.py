@@ -123,9 +123,8 @@ def test_a_shared_checkpoint_folder_publishes_latest_and_resumes(store, trained,
     from domainflow.train import checkpoint as ckpt
 
     assert ckpt.problems(ckpts / "step_00000002") == []
-    # what two nodes published resumes (here on two local ranks: the folder, not the launcher, is under test)
-    rc, log = _cli(store, out, ["train.steps=3", "train.checkpoint_every=1", "--resume"])
-    assert rc == 0, log[-3000:]
+    for rc, log in _two_nodes(store, [out, out], ["train.steps=3", "train.checkpoint_every=1", "--resume"]):
+        assert rc == 0, log[-3000:]
     assert (ckpts / "latest").read_text() == "step_00000003"
     _assert_same_losses(_losses(out), _losses(trained))
 
