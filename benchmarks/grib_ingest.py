@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure import write_results  # noqa: E402
 H, W = 9, 16
 
 
@@ -121,15 +122,11 @@ def main() -> None:
     for r in memory:
         print(f"{r['messages']:>9}{r['file_bytes'] / 2**20:>10.0f}{r['peak_rss'] / 2**20:>10.0f}"
               f"{(r['peak_rss'] - r['base_rss']) / 2**20:>17.0f}{r['seconds']:>7.1f}")
-    RESULTS.mkdir(exist_ok=True)
     out = {"messages": messages, "time_block": args.time_block, "blocks": blocks,
            "seconds": {k: round(v, 2) for k, v in rows.items()},
            "ratio_no_index_over_cached": round(rows["no index"] / rows["cached index"], 2),
            "memory_721x1440": memory}
-    tmp_json = RESULTS / "grib_ingest.json.tmp"
-    tmp_json.write_text(json.dumps(out, indent=2))
-    tmp_json.replace(RESULTS / "grib_ingest.json")
-    print(f"wrote {RESULTS / 'grib_ingest.json'}")
+    write_results("grib_ingest", out)
 
 
 if __name__ == "__main__":
