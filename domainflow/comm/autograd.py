@@ -1,4 +1,6 @@
-"""Autograd-aware collectives for handlers that work on local tensors."""
+"""Autograd-aware collectives for handlers that work on local tensors. Each backward is itself made of these
+differentiable collectives, so gradients taken with ``create_graph=True`` (gradient penalties, PINN residuals)
+keep their graph through them."""
 
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ class _AllReduceSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # y = sum_k x_k on every rank: dL/dx_k = sum over ranks of dL/dy_r
-        return all_reduce(grad, "sum", ctx.mesh, ctx.mesh_dim), None, None
+        # y = sum_k x_k on every rank: dL/dx_k = sum over ranks of dL/dy_r (itself a sum: differentiable)
+        return _AllReduceSum.apply(grad, ctx.mesh, ctx.mesh_dim), None, None
 
 
 class _AllGather(torch.autograd.Function):
@@ -36,7 +38,7 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx, grad):
         dim, sizes, mesh, mesh_dim = ctx.args
         k = mesh_coordinate(mesh)[mesh_dim]
-        grad = all_reduce(grad, "sum", mesh, mesh_dim)
+        grad = _AllReduceSum.apply(grad, mesh, mesh_dim)
         return grad.narrow(dim, sum(sizes[:k]), sizes[k]), None, None, None, None
 
 
@@ -67,7 +69,7 @@ class _AllToAll(torch.autograd.Function):
             s = list(in_shape)
             s[split_dim] = k
             back_recv.append(s)
-        g = all_to_all_dims(grad.contiguous(), cat_dim, back_send, split_dim, back_recv, mesh, mesh_dim)
+        g = _AllToAll.apply(grad.contiguous(), cat_dim, back_send, split_dim, back_recv, mesh, mesh_dim)
         return g, None, None, None, None, None, None
 
 

@@ -402,3 +402,19 @@ def row_fetch_plan(sizes: Sequence[int], wanted: Sequence[Sequence[int]], me: in
         if mine:
             send[r] = tuple(mine)
     return RowFetch(len(wanted[me]), (tuple(own_pos), tuple(own_rows)), {k: tuple(v) for k, v in recv.items()}, send)
+
+
+def diagonal_runs(sizes: Sequence[int], rows: int, cols: int, offset: int, sharded_rows: bool) -> tuple[Sizes, Sizes]:
+    """(how many diagonal elements each part holds, each part's diagonal offset within its chunk) for the
+    diagonal ``offset`` of a ``rows`` x ``cols`` matrix whose rows (``sharded_rows``) or columns are split in
+    ``sizes``: each part holds one contiguous run of the diagonal, in part order."""
+    first, last = max(0, -offset), min(rows, cols - offset)  # the diagonal's row range [first, last)
+    counts, local = [], []
+    for lo, n in zip(offsets(sizes), sizes):
+        if sharded_rows:  # rows [lo, lo + n)
+            counts.append(max(0, min(lo + n, last) - max(lo, first)))
+            local.append(offset + lo)
+        else:  # columns [lo, lo + n): rows [lo - offset, lo + n - offset)
+            counts.append(max(0, min(lo + n - offset, last) - max(lo - offset, first)))
+            local.append(offset - lo)
+    return tuple(counts), tuple(local)

@@ -1,5 +1,5 @@
 """Ops that work along one dim (or trailing dims) independently of the others: softmax, cumsum,
-sort, topk, flip, roll, layer_norm (FFTs: ``fft.py``). When the dims they work along are not sharded they run on local
+sort, topk, layer_norm (flip and roll: ``along_sharded.py``) (FFTs: ``fft.py``). When the dims they work along are not sharded they run on local
 chunks (rule 2: no communication); along a sharded dim they need a dedicated handler."""
 
 from __future__ import annotations
@@ -36,10 +36,14 @@ _DIM_OPS = {
     aten.sort.default: (1, -1, 1),
     aten.sort.stable: ("dim", -1, 1),
     aten.topk.default: (2, -1, 1),
-    aten.flip.default: (1, None, 1),
-    aten.roll.default: (2, (), 1),
     aten.logsumexp.default: (1, None, 1),
+    aten.kthvalue.default: (2, -1, 1),
+    aten.mode.default: (1, -1, 1),
+    aten.median.dim: (1, None, 1),
+    aten.nanmedian.dim: (1, None, 1),
 }
+# ops among them that drop their dim unless keepdim: op -> index of keepdim
+_KEEPDIM = {aten.kthvalue.default: 3, aten.mode.default: 2, aten.median.dim: 2, aten.nanmedian.dim: 2}
 
 
 def _dims_of(func, args, kwargs, ndim):
@@ -52,8 +56,6 @@ def _dims_of(func, args, kwargs, ndim):
         return list(range(ndim))
     if isinstance(val, int):
         val = [val]
-    if func is aten.roll.default and len(val) == 0:
-        return list(range(ndim))  # roll without dims works on the flattened tensor
     return [d % ndim for d in val] if ndim else []
 
 
@@ -130,10 +132,26 @@ def dim_local(func, args, kwargs):
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
         return ShardTensor.from_spec(torch.logsumexp(locs[0], dims, keepdim),
                                      _logsumexp_layout(ref, tuple(dims), bool(keepdim)))
+    if func in _KEEPDIM and dims:  # run with keepdim, then drop the dim (unsharded in ``ref``) from the layout
+        k = _KEEPDIM[func]
+        keepdim = bool(args[k] if len(args) > k else kwargs.get("keepdim", False))
+        lead = [args[1] if len(args) > 1 else kwargs["k"]] if func is aten.kthvalue.default else []
+        outs = func(*locs, *lead, dims[0], True)
+        spec = _kept_or_dropped(ref, dims[0], keepdim)
+        return type(outs)(ShardTensor.from_spec(o if keepdim else o.squeeze(dims[0]), spec) for o in outs)
     out = func(*locs, *args[n_t:], **kwargs)
     if isinstance(out, torch.Tensor):
         return ShardTensor.from_spec(out, _global_spec(ref, out.shape))
     return type(out)(ShardTensor.from_spec(o, _global_spec(ref, o.shape)) for o in out)
+
+
+@layout_rule
+def _kept_or_dropped(ref: ShardSpec, dim: int, keepdim: bool) -> ShardSpec:
+    """The layout of a reduction over ``dim`` (unsharded in ``ref``), with the dim kept as 1 or dropped."""
+    if keepdim:
+        return ref.with_(shape=[1 if d == dim else n for d, n in enumerate(ref.shape)])
+    pl = [Shard(p.dim - (p.dim > dim)) if isinstance(p, Shard) else p for p in ref.placements]
+    return ref.with_(placements=pl, shape=[n for d, n in enumerate(ref.shape) if d != dim])
 
 
 @layout_rule

@@ -23,7 +23,7 @@ import math
 import torch
 
 from domainflow import comm
-from domainflow.dispatch.toolkit import Schema, into_plain, run_function_default
+from domainflow.dispatch.toolkit import Schema, into_plain, run_function_default, unsupported_or_fallback
 from domainflow.errors import ShardingMismatchError
 from domainflow.layout.placements import Partial, Replicate, Shard
 from domainflow.dispatch.registry import register_function
@@ -478,3 +478,40 @@ for _name, _fs in {
 }.items():
     for _f in _fs:
         register_function(_f)(_scatter(_name))
+
+
+_EMBEDDING_ARGS = Schema("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse",
+                         padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
+
+
+def _embedding(func, args, kwargs):
+    """A table sharded by rows (vocabulary-parallel, as Megatron's embedding) looked up with an index whole on
+    every rank: each rank looks up the rows it holds, zeros for the others, and the result is a pending sum
+    over the table's ranks; each rank's rows get their gradients locally."""
+    a = _EMBEDDING_ARGS.bind(args, kwargs)
+    ids, weight = a["input"], a["weight"]
+    if not isinstance(weight, ShardTensor) or isinstance(ids, ShardTensor):
+        return run_function_default(func, args, kwargs)
+    weight = without_partial(weight)
+    spec = weight._spec
+    sharded = [m for m, p in enumerate(spec.placements) if isinstance(p, Shard)]
+    if sharded != [spec.mesh_dim_of(0)] or sharded == [None]:
+        return run_function_default(func, args, kwargs)
+    if a["max_norm"] is not None or a["scale_grad_by_freq"] or a["sparse"]:
+        return unsupported_or_fallback(func, args, kwargs, "max_norm, scale_grad_by_freq or sparse with the table's "
+                                       "rows sharded")
+    (m,) = sharded
+    lo, n = spec.offsets[0], spec.local_shape[0]
+    table = weight.to_local()
+    own = (ids >= lo) & (ids < lo + n)
+    if n:
+        pad = a["padding_idx"]
+        pad = (pad % spec.shape[0]) - lo if pad is not None and lo <= pad % spec.shape[0] < lo + n else None
+        out = torch.nn.functional.embedding(torch.where(own, ids - lo, 0), table, pad) * own.unsqueeze(-1)
+    else:  # no rows here: zeros, still from the table (every rank's backward then runs)
+        out = table.new_zeros((*ids.shape, table.shape[1])) + table.sum() * 0
+    placements = [Partial("sum") if k == m else p for k, p in enumerate(spec.placements)]
+    return ShardTensor.from_spec(out, spec_from_sizes(out.shape, spec.mesh, placements, {}))
+
+
+register_function(torch.nn.functional.embedding)(_embedding)

@@ -22,12 +22,15 @@ import torch
 import torch.nn.functional as F
 
 from domainflow import comm
-from domainflow.dispatch.toolkit import Schema, layout_rule, run_function_default, unsupported_or_fallback
+from domainflow.dispatch.toolkit import Schema, layout_rule, local_as, run_function_default, spec_like, unsupported_or_fallback
 from domainflow.layout import shapes
 from domainflow.layout.placements import Shard
-from domainflow.dispatch.registry import register_function
+from domainflow.dispatch.registry import register_aten, register_function
+from domainflow.ops.windows import on_chunks
 from domainflow.tensor.shard_tensor import ShardTensor
 from domainflow.dispatch.toolkit import spec_from_sizes, without_partial
+
+aten = torch.ops.aten
 
 _MODES = {"nearest": 1, "nearest-exact": 1, "linear": 2, "bilinear": 2, "trilinear": 2, "bicubic": 4}
 _A = -0.75  # torch's cubic convolution coefficient
@@ -155,9 +158,9 @@ def _interpolate(func, args, kwargs):
         return run_function_default(func, args, kwargs)
     mode = a["mode"]
     nd = x.ndim - 2
+    if not any(isinstance(p, Shard) and p.dim >= 2 for p in x._spec.placements) and x.ndim >= 3:
+        return on_chunks(func, without_partial(x), args, kwargs)  # only batch or channels sharded: local
     if mode not in _MODES or a["antialias"]:
-        if not any(isinstance(p, Shard) and p.dim >= 2 for p in x._spec.placements):
-            return run_function_default(func, args, kwargs)
         return unsupported_or_fallback(func, args, kwargs, f"interpolate mode {mode!r}"
                                         + (" with antialias" if a["antialias"] else "") + " along a sharded dim")
     x = without_partial(x)
@@ -255,3 +258,34 @@ def _wrap(local, spec, sizes_out) -> ShardTensor:
 
 
 register_function(F.interpolate)(_interpolate)
+
+
+# aten ops that treat each batch row (and, for resampling, each channel) alone: op -> how many leading dims may
+# be sharded; an ``input_size`` argument (their backward's) is made this rank's
+_PER_SAMPLE = {aten.grid_sampler_2d.default: 1, aten.grid_sampler_3d.default: 1,
+               aten.grid_sampler_2d_backward.default: 1, aten.grid_sampler_3d_backward.default: 1,
+               aten._upsample_bilinear2d_aa.default: 2, aten._upsample_bicubic2d_aa.default: 2,
+               aten._upsample_bilinear2d_aa_backward.default: 2, aten._upsample_bicubic2d_aa_backward.default: 2}
+
+
+@register_aten(*_PER_SAMPLE)
+def per_sample(func, args, kwargs):
+    """Sampling a grid per batch row, antialiased resampling per channel: every tensor argument laid out like
+    the first sharded one on the leading dims (a plain grid sliced to this rank's rows), the op on the chunks."""
+    lead = _PER_SAMPLE[func]
+    sts = [a for a in args if isinstance(a, ShardTensor)]
+    ref = sts[0]._spec.reduced()
+    if any(isinstance(p, Shard) and p.dim >= lead for s in sts for p in s._spec.placements):
+        return unsupported_or_fallback(func, args, kwargs, f"a dim past the first {lead} is sharded")
+    local_args = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            a = local_as(a, ref.with_(shape=a.shape) if isinstance(a, ShardTensor) else ref)
+        elif isinstance(a, (list, tuple)) and len(a) == ref.ndim and tuple(a[:lead]) == tuple(ref.shape[:lead]):
+            a = [*ref.local_shape[:lead], *a[lead:]]  # input_size
+        local_args.append(a)
+    out = func(*local_args, **kwargs)
+
+    def wrap(o):
+        return ShardTensor.from_spec(o, spec_like(ref.with_(shape=(*ref.shape[:lead], *o.shape[lead:])), o.shape))
+    return tuple(wrap(o) if o is not None else None for o in out) if isinstance(out, tuple) else wrap(out)

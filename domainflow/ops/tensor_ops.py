@@ -197,3 +197,17 @@ def requires_grad(func, args, kwargs):
     if isinstance(x, ShardTensor) and x.requires_grad and x.is_leaf:
         keep_leaf_layout(x)
     return out
+
+
+@register_aten(aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar)
+def isin(func, args, kwargs):
+    """Elementwise in ``elements`` when the values tested against are whole on every rank (plain or
+    replicated): local, laid out like ``elements``."""
+    elements, test = args[0], args[1]
+    if isinstance(test, ShardTensor) and not test._spec.reduced().is_replicated:
+        return unsupported_or_fallback(func, args, kwargs, "the values tested against are sharded")
+    if not isinstance(elements, ShardTensor):
+        return unsupported_or_fallback(func, args, kwargs, "only the values tested against are sharded")
+    spec = elements._spec.reduced()
+    test = to_spec(test, test._spec.reduced()) if isinstance(test, ShardTensor) else test
+    return ShardTensor.from_spec(func(to_spec(elements, spec), test, *args[2:], **kwargs), spec)

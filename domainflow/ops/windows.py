@@ -20,11 +20,12 @@ import torch.nn.functional as F
 
 from domainflow import comm
 from domainflow.layout import shapes
-from domainflow.dispatch.toolkit import Schema, layout_rule, params_for, run_function_default, unsupported_or_fallback
+from domainflow.dispatch.toolkit import Schema, layout_rule, local_as, params_for, run_function_default, unsupported_or_fallback
 from domainflow.dispatch.toolkit import spec_from_sizes, spec_like, without_partial
 from domainflow.layout.placements import Shard
 from domainflow.layout.spec import mesh_shape
 from domainflow.dispatch.registry import register_function
+from domainflow.ops.channel_conv import channel_conv, channel_sharded
 from domainflow.tensor.shard_tensor import ShardTensor
 
 
@@ -140,8 +141,11 @@ def _make_conv(nd: int, func):
         if not isinstance(x, ShardTensor) or any(isinstance(t, ShardTensor) for t in (weight, bias)):
             return run_function_default(func, args, kwargs)
         if x.ndim != nd + 2:
-            return func(x.unsqueeze(0), weight, bias, a["stride"], a["padding"], a["dilation"],
-                        a["groups"]).squeeze(0)
+            return handler(func, (x.unsqueeze(0), weight, bias, a["stride"], a["padding"], a["dilation"],
+                                  a["groups"]), {}).squeeze(0)  # unbatched: this handler again, batched
+        if channel_sharded(x):
+            return channel_conv(func, x, weight, bias, False, (a["stride"], a["padding"], a["dilation"], a["groups"]),
+                                args, kwargs)
         kernel = tuple(weight.shape[2:])
         stride, dilation = _tuple(a["stride"], nd, "stride"), _tuple(a["dilation"], nd, "dilation")
         pads = _conv_padding(a["padding"], kernel, dilation, stride, nd)
@@ -309,8 +313,11 @@ def _make_conv_transpose(nd: int, func, conv):
         if not isinstance(x, ShardTensor) or any(isinstance(t, ShardTensor) for t in (weight, bias)):
             return run_function_default(func, args, kwargs)
         if x.ndim != nd + 2:
-            return func(x.unsqueeze(0), weight, bias, a["stride"], a["padding"], a["output_padding"], a["groups"],
-                        a["dilation"]).squeeze(0)
+            return handler(func, (x.unsqueeze(0), weight, bias, a["stride"], a["padding"], a["output_padding"],
+                                  a["groups"], a["dilation"]), {}).squeeze(0)  # unbatched: batched
+        if channel_sharded(x):
+            return channel_conv(func, x, weight, bias, True, (a["stride"], a["padding"], a["output_padding"],
+                                                              a["groups"], a["dilation"]), args, kwargs)
         x = without_partial(x)
         sharded, why = _sharded_spatial(x, 2, func, args, kwargs)
         if sharded is None:
@@ -386,6 +393,39 @@ def _pad(func, args, kwargs):
 register_function(F.pad)(_pad)
 
 
+@register_function(torch.constant_pad_nd)
+def _constant_pad_nd(func, args, kwargs):
+    a = Schema("self", "pad", "value", value=0).bind(args, kwargs)
+    return _pad(F.pad, (a["self"], a["pad"], "constant", a["value"]), {})
+
+
+_UNPOOL_ARGS = Schema("self", "indices", "kernel_size", "stride", "padding", "output_size", stride=None, padding=0,
+                      output_size=None)
+
+
+def _make_unpool(nd: int, func):
+    def handler(_func, args, kwargs):
+        """Max unpooling with only batch or channel dims sharded: each chunk with its indices, locally."""
+        a = _UNPOOL_ARGS.bind(args, kwargs)
+        x, indices = a["self"], a["indices"]
+        if not isinstance(x, ShardTensor):
+            return run_function_default(func, args, kwargs)
+        x = without_partial(x)
+        first_spatial = x.ndim - nd
+        if any(isinstance(p, Shard) and p.dim >= first_spatial for p in x._spec.placements):
+            return unsupported_or_fallback(func, args, kwargs, "max unpooling along a sharded spatial dim")
+        rest = {k: a[k] for k in ("kernel_size", "stride", "padding", "output_size")}
+        idx = local_as(indices, x._spec)
+        # (on_chunks probes an empty chunk's output shape on the meta device: indices to match)
+        return on_chunks(lambda t: func(t, idx if t.device == idx.device else torch.zeros_like(t, dtype=idx.dtype),
+                                        **rest), x, (x,), {})
+    return handler
+
+
+for _nd, _f in ((1, F.max_unpool1d), (2, F.max_unpool2d), (3, F.max_unpool3d)):
+    register_function(_f)(_make_unpool(_nd, _f))
+
+
 @layout_rule
 def _pad_fetch(s, lo, hi, mode, me):
     """Padding ``lo`` / ``hi`` rows onto a dim sharded in sizes ``s``: this rank's row fetch, which of its
@@ -426,7 +466,7 @@ def _make_pool(nd: int, func, kind: str):
         if sharded is None:
             return unsupported_or_fallback(func, args, kwargs, why)
         if not sharded:  # only batch or channel dims sharded: every window lies in this rank's chunk
-            return _on_chunks(func, x, args, kwargs)
+            return on_chunks(func, x, args, kwargs)
         if a["return_indices"] or func in (F.max_pool1d_with_indices, F.max_pool2d_with_indices,
                                            F.max_pool3d_with_indices):
             return unsupported_or_fallback(func, args, kwargs, "return_indices on a sharded input")
@@ -488,9 +528,9 @@ for _nd, _f in ((1, F.avg_pool1d), (2, F.avg_pool2d), (3, F.avg_pool3d)):
     register_function(_f)(_make_pool(_nd, _f, "avg"))
 
 
-def _on_chunks(func, x: ShardTensor, args, kwargs):
-    """A pooling op whose windows never cross a rank (only batch or channel dims sharded): torch's op on this
-    rank's chunk, each output laid out like the input on the batch and channel dims."""
+def on_chunks(func, x: ShardTensor, args, kwargs):
+    """A pooling or resampling op whose windows never cross a rank (only batch or channel dims sharded): torch's
+    op on this rank's chunk, each output laid out like the input on the batch and channel dims."""
     local = x.to_local()
 
     def call(t):
@@ -534,11 +574,15 @@ def _adaptive(func, mean: bool):
         sizes = list(size) if isinstance(size, (tuple, list)) else [size] * nd  # None: that dim's input size
         if not isinstance(x, ShardTensor):
             return run_function_default(func, args, kwargs)
+        if x.ndim == nd + 1:  # unbatched: this handler on the batch of one, whose dim is then dropped
+            rest = {k: v for k, v in kwargs.items() if k not in ("input", "self")}
+            out = handler(_func, (x.unsqueeze(0), *args[1:]), rest)
+            return tuple(o.squeeze(0) for o in out) if isinstance(out, tuple) else out.squeeze(0)
         spatial = tuple(range(x.ndim - nd, x.ndim))
         if mean and all(s == 1 for s in sizes):
             return x.mean(dim=spatial, keepdim=True)  # global pooling: a Partial sum, reduced when needed
         if x.ndim == nd + 2 and not any(isinstance(p, Shard) and p.dim in spatial for p in x._spec.placements):
-            return _on_chunks(func, without_partial(x), args, kwargs)  # batch or channels sharded: local
+            return on_chunks(func, without_partial(x), args, kwargs)  # batch or channels sharded: local
         if not any(isinstance(p, Shard) and p.dim in spatial for p in x._spec.placements):
             return run_function_default(func, args, kwargs)
         return unsupported_or_fallback(func, args, kwargs, f"adaptive pooling to {size} over a sharded dim "

@@ -527,7 +527,7 @@ class _FromLocal(torch.autograd.Function):
         g = _as_shard(grad, target)
         if g._spec != target:
             g = _redistribute_to(g, target)
-        local = g._local
+        local = g.to_local() if g.requires_grad else g._local  # (a graph under create_graph=True: kept)
         if ctx.saved_tensors:
             local = local * _term_derivative(ctx.saved_tensors[0], spec)
         return local, None
@@ -611,7 +611,8 @@ class _ToLocal(torch.autograd.Function):
     def backward(ctx, grad):
         if isinstance(grad, ShardTensor):
             raise TypeError("the gradient of to_local() must be a plain tensor")
-        return ShardTensor(grad, ctx.gspec), None
+        # differentiable when the gradient has a graph (create_graph=True): double backward goes through
+        return ShardTensor.from_spec(grad, ctx.gspec), None
 
 
 def _redistribute_to(st: ShardTensor, dst: ShardSpec) -> ShardTensor:
