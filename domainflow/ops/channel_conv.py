@@ -31,7 +31,8 @@ def channel_conv(func, x: ShardTensor, weight, bias, transposed: bool, conv_args
     m = spec.mesh_dim_of(1)
     me = spec.coord[m]
     lo, n = spec.offsets[1], spec.sizes[m][me]
-    (w,) = params_for(spec.mesh, [k for k, p in enumerate(spec.placements) if isinstance(p, Shard)], weight)
+    sharded = [k for k, p in enumerate(spec.placements) if isinstance(p, Shard)]  # channels, and batch if any
+    (w,) = params_for(spec.mesh, sharded, weight)
     w_part = w[lo:lo + n] if transposed else w[:, lo:lo + n]
     local = x.to_local()
     out_shape = func(torch.empty(local.shape[0], weight.shape[1 if not transposed else 0], *local.shape[2:],
@@ -41,7 +42,7 @@ def channel_conv(func, x: ShardTensor, weight, bias, transposed: bool, conv_args
     else:  # no channels here: zeros, still from the weight and input (every rank's backward then runs)
         out = local.new_zeros(out_shape) + 0 * (local.sum() + w_part.sum())
     if bias is not None:
-        (b,) = params_for(spec.mesh, [m], bias)
+        (b,) = params_for(spec.mesh, sharded, bias)  # one rank of m adds it; every batch shard's gradient counts
         b = b.reshape(-1, *([1] * (out.ndim - 2)))
         out = out + (b if me == 0 else 0 * b)
     placements = [Partial("sum") if k == m else p for k, p in enumerate(spec.placements)]

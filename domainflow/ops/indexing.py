@@ -501,13 +501,17 @@ def _embedding(func, args, kwargs):
         return unsupported_or_fallback(func, args, kwargs, "max_norm, scale_grad_by_freq or sparse with the table's "
                                        "rows sharded")
     (m,) = sharded
+    rows = spec.shape[0]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):  # ids are whole on every rank: all raise
+        raise IndexError(f"F.embedding: ids must be in [0, {rows}), got {int(ids.min())}..{int(ids.max())}")
     lo, n = spec.offsets[0], spec.local_shape[0]
     table = weight.to_local()
     own = (ids >= lo) & (ids < lo + n)
     if n:
         pad = a["padding_idx"]
-        pad = (pad % spec.shape[0]) - lo if pad is not None and lo <= pad % spec.shape[0] < lo + n else None
-        out = torch.nn.functional.embedding(torch.where(own, ids - lo, 0), table, pad) * own.unsqueeze(-1)
+        pad = (pad % rows) - lo if pad is not None and lo <= pad % rows < lo + n else None
+        found = torch.nn.functional.embedding(torch.where(own, ids - lo, 0), table, pad)
+        out = torch.where(own.unsqueeze(-1), found, 0)  # (not a product: an inf in a looked-up row is no NaN)
     else:  # no rows here: zeros, still from the table (every rank's backward then runs)
         out = table.new_zeros((*ids.shape, table.shape[1])) + table.sum() * 0
     placements = [Partial("sum") if k == m else p for k, p in enumerate(spec.placements)]

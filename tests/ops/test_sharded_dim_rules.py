@@ -34,6 +34,22 @@ def _conv_rank(seed):
     return True
 
 
+def _conv_2d_mesh_rank(seed):
+    """Batch sharded over "dp", channels over "domain" (review: the bias gradient was summed over the channel
+    ranks only, so each data-parallel replica kept its own)."""
+    rank, world = rank_and_world()
+    mesh = get_mesh((2, world // 2), ("dp", "domain"))
+    torch.manual_seed(seed)
+    x = torch.randn(4, 5, 6, 7, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    for layer in (torch.nn.Conv2d(5, 3, 3, padding=1), torch.nn.ConvTranspose2d(5, 2, 3)):
+        check_sharded(lambda t, m: m(t), [Sharded(x, [Shard(0), Shard(1)])], mesh, module=layer.double())
+    return True
+
+
+def test_a_convolution_over_sharded_channels_with_the_batch_sharded_too(dist):
+    assert all(dist.run(2, _conv_2d_mesh_rank, 8))
+
+
 @pytest.mark.filterwarnings("ignore:domainflow")
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_convolution_over_sharded_channels_is_a_pending_sum_with_exact_gradients(dist, world):
@@ -81,6 +97,13 @@ def _along_rank(seed):
     for pad in (None, 3, -1):
         check_sharded(lambda w: torch.nn.functional.embedding(ids, w, padding_idx=pad) * 2,
                       [Sharded(a, [Shard(0)], {0: SIZES[world]})], mesh)
+    table = a.clone()
+    table[2] = float("inf")  # a row no id looks up (review: the other ranks' lookups were inf * 0 = NaN)
+    check_sharded(lambda w: torch.nn.functional.embedding(torch.tensor([0, 1, 4]), w),
+                  [Sharded(table, [Shard(0)], {0: SIZES[world]})], mesh)
+    x, _ = shard(a, mesh, [Shard(0)], {0: SIZES[world]})
+    with pytest.raises(IndexError, match=r"ids must be in \[0, 5\)"):  # as one process raises
+        torch.nn.functional.embedding(torch.tensor([1, 5]), x)
     # per-sample ops with the batch sharded and a plain grid: grid sampling, antialiased and area resampling
     img = torch.randn(5, 2, 6, 7, generator=gen, dtype=torch.float64)
     grid = torch.rand(5, 3, 4, 2, generator=gen, dtype=torch.float64) * 2 - 1
