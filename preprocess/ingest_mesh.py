@@ -32,7 +32,7 @@ from domainflow import remote
 from domainflow.vtk.errors import VtkFileError
 from domainflow.vtk.partitioned import index_pieces
 from domainflow.vtk.pieces import locate, pieces_of, whole_file
-from domainflow.vtk.pyvista_io import cell_centres, read_cells, surface_geometry
+from domainflow.vtk.pyvista_io import cell_centres, openfoam_pieces, read_cells, surface_geometry
 
 from .errors import IngestError, RunError
 from .parallel import count_cells, peak_memory, release_free_memory, reset_peak_memory, run_graphs
@@ -418,20 +418,14 @@ def _read_location(loc, path, shown_as, run_id, opts, warnings):
     specs = opts.recipe.fields[loc]
     cp_check = opts.recipe.cp_check.get(loc)
     openfoam = opts.recipe.openfoam_read(loc)
-    mesh, raw = read_cells(Path(path).parent.parent if openfoam else path,  # an OpenFOAM case: its folder
-                           {a: s.association for s in specs for a in s.sources}, shown_as=shown_as,
-                           optional=(cp_check,) if cp_check else (), fix="set the recipe's data: to match",
-                           openfoam=openfoam, blocks=opts.recipe.blocks.get(loc))
-    rows = {}
-    if loc == "surface":
-        rows["coords"], rows["normals"], rows["areas"] = surface_geometry(mesh, shown_as)
-    else:
-        rows["coords"] = cell_centres(mesh)
-    rows = {k: v.astype(np.float32) for k, v in rows.items()}  # the store's dtype; halves memory traffic
-    rows["order"] = np.arange(mesh.n_cells, dtype=np.int64)
+    arrays = {a: s.association for s in specs for a in s.sources}
+    optional = (cp_check,) if cp_check else ()
+    rows, raw = _cells(loc, path, shown_as, arrays, optional, openfoam, opts)
+    n_cells = len(rows["coords"])
+    rows["order"] = np.arange(n_cells, dtype=np.int64)
     fields = {}
     for spec in specs:
-        values = np.column_stack([np.asarray(raw[a], dtype=np.float32).reshape(mesh.n_cells, -1)
+        values = np.column_stack([np.asarray(raw[a], dtype=np.float32).reshape(n_cells, -1)
                                   for a in spec.sources])
         if values.shape[1] != spec.components:
             raise IngestError(f"{shown_as}: array {spec.source!r} has {values.shape[1]} components, "
@@ -446,12 +440,53 @@ def _read_location(loc, path, shown_as, run_id, opts, warnings):
     if cp is not None and cp_check in raw:
         _compare_cp(fields[cp.name][:, 0], np.asarray(raw[cp_check], dtype=np.float64), shown_as, opts, warnings,
                     cp.source, cp_check)
-    if loc == "volume" and opts.volume_points and mesh.n_cells > opts.volume_points:
+    if loc == "volume" and opts.volume_points and n_cells > opts.volume_points:
         keep = np.sort(np.random.default_rng([opts.seed, int(run_id[4:])])
-                       .choice(mesh.n_cells, opts.volume_points, replace=False))
+                       .choice(n_cells, opts.volume_points, replace=False))
         rows = {k: v[keep] for k, v in rows.items()}
         fields = {k: v[keep] for k, v in fields.items()}
     return rows, fields
+
+
+def _cells(loc, path, shown_as, arrays, optional, openfoam, opts):
+    """(geometry rows, {array: values per cell}) of one location. A decomposed OpenFOAM case is read processor by
+    processor and block by block, so one processor's block is in VTK's memory at a time, its rows in the order
+    VTK's merged read gives (each block's processors in turn, block after block); anything else in one read."""
+    fix = "set the recipe's data: to match"
+    case = Path(path).parent.parent if openfoam else None  # an OpenFOAM case: its folder
+    pieces = openfoam_pieces(case) if openfoam else []
+    if not pieces:
+        mesh, raw = read_cells(case or path, arrays, shown_as=shown_as, optional=optional, fix=fix, openfoam=openfoam,
+                               blocks=opts.recipe.blocks.get(loc))
+        return _geometry(loc, mesh, shown_as), raw
+    blocks, time = openfoam
+    parts = []
+    for block in blocks:
+        for piece in pieces:
+            name = f"{shown_as} ({piece.name}, {block})"
+            mesh, raw = read_cells(piece, arrays, shown_as=name, optional=optional, fix=fix,
+                                   openfoam=((block,), time), allow_empty=True)
+            if mesh.n_cells:
+                parts.append((_geometry(loc, mesh, name), raw))
+            del mesh
+    if not parts:
+        raise IngestError(f"{shown_as}: the OpenFOAM blocks {list(blocks)} hold no cells in any processor")
+    found = set(parts[0][1])
+    if any(set(raw) != found for _, raw in parts):
+        raise IngestError(f"{shown_as}: the processors' blocks hold different arrays; every one must hold "
+                          f"{sorted(found)}")
+    return ({k: np.concatenate([rows[k] for rows, _ in parts]) for k in parts[0][0]},
+            {a: np.concatenate([np.asarray(raw[a]) for _, raw in parts]) for a in found})
+
+
+def _geometry(loc, mesh, name) -> dict:
+    """The store's geometry rows of one location's cells (float32, the store's dtype)."""
+    if loc == "surface":
+        coords, normals, areas = surface_geometry(mesh, name)
+        rows = {"coords": coords, "normals": normals, "areas": areas}
+    else:
+        rows = {"coords": cell_centres(mesh)}
+    return {k: v.astype(np.float32) for k, v in rows.items()}
 
 
 def _compare_cp(ours, theirs, name, opts, warnings, source: str, check: str):

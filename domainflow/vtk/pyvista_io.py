@@ -19,7 +19,8 @@ from .errors import MissingArraysError, VtkFileError, first_line, quiet_vtk, rai
 
 
 def read_dataset(path, arrays: dict | None = None, association: str | None = None, optional=(),
-                 shown_as=None, fix: str | None = None, openfoam: tuple | None = None, blocks=None):
+                 shown_as=None, fix: str | None = None, openfoam: tuple | None = None, blocks=None,
+                 allow_empty: bool = False):
     """Read one data set file; returns (dataset, {name: "cell" | "point"} of the arrays asked for and found).
 
     ``arrays``: {name: "cell" | "point"} to read; where the file's reader can select arrays, only those and
@@ -28,7 +29,8 @@ def read_dataset(path, arrays: dict | None = None, association: str | None = Non
     ``association`` only, where given and the reader can select). ``shown_as``: the name used in errors (the
     original file when ``path`` is a joined temporary). ``openfoam``: (blocks, time): ``path`` is an OpenFOAM case
     folder, read by VTK's own OpenFOAM reader (:func:`openfoam_reader`). ``blocks``: ``path`` is a ``.vtm`` index,
-    of which the data sets with these names or inside blocks of these names are read and merged in order."""
+    of which the data sets with these names or inside blocks of these names are read and merged in order.
+    ``allow_empty``: blocks without cells are no error (a patch one processor of a decomposed case lacks)."""
     import pyvista as pv
 
     if blocks is not None:
@@ -66,7 +68,7 @@ def read_dataset(path, arrays: dict | None = None, association: str | None = Non
             raise VtkFileError(f"{name}: corrupt or truncated VTK file ({first_line(exc)})") from None
         raise_caught(caught, name)
         if openfoam is not None:
-            mesh = _one_dataset(mesh, name)
+            mesh = _one_dataset(mesh, name, allow_empty)
     if mesh is None:
         raise VtkFileError(f"{name}: VTK read no cells; the file is empty, truncated or not a mesh")
     if not hasattr(mesh, "n_cells") or not hasattr(mesh, "points"):
@@ -78,24 +80,57 @@ def read_dataset(path, arrays: dict | None = None, association: str | None = Non
     return mesh, wanted
 
 
+def openfoam_pieces(case: Path) -> list[Path]:
+    """The ``processorN/`` folders of a decomposed OpenFOAM case, in processor order, when its times are there
+    (``decomposePar`` and a parallel run, no ``reconstructPar``: the processors hold a later time than the case
+    folder); [] for a case read as one."""
+    procs = sorted(case.glob("processor[0-9]*"), key=lambda p: int(p.name[len("processor"):]))
+    return procs if procs and _latest_time(procs[0]) > _latest_time(case) else []
+
+
+def _latest_time(folder: Path) -> float:
+    """The latest OpenFOAM time folder's time (-1 without one)."""
+    times = [-1.0]
+    for p in folder.iterdir():
+        try:
+            times.append(float(p.name))
+        except ValueError:
+            continue
+    return max(times)
+
+
+def _is_piece(case: Path) -> bool:
+    return case.name.startswith("processor") and (case.parent / "system" / "controlDict").is_file()
+
+
 def openfoam_reader(case: Path, blocks, time=None):
     """VTK's OpenFOAM reader (pyvista's ``POpenFOAMReader``) of the case folder ``case`` (its
     ``system/controlDict``; no ``.foam`` file needed), set to read ``blocks`` (``internalMesh``, or
     ``patch/<name>``: several patches give one surface), cell data only, at ``time`` (None: the latest). A
-    decomposed case (``processor*/`` holding times the case folder lacks) is read through its processors, merged
-    by VTK (the whole mesh in memory, as a reconstructed case)."""
+    decomposed case (:func:`openfoam_pieces`) is read through its processors, merged by VTK (the whole mesh in
+    memory); ``case`` may also be one ``processorN/`` folder of it, read alone (VTK reads it as a case of its own,
+    through a scratch folder of links beside a ``.foam`` file, which lives as long as the reader)."""
+    import tempfile
+    import weakref
+
     import pyvista as pv
 
     control = case / "system" / "controlDict"
-    if not control.is_file():
+    scratch = None
+    if _is_piece(case):
+        scratch = tempfile.TemporaryDirectory(prefix="domainflow-foam-")
+        for entry in case.iterdir():
+            (Path(scratch.name) / entry.name).symlink_to(entry.resolve())
+        control = Path(scratch.name) / "piece.foam"
+        control.touch()
+    elif not control.is_file():
         raise VtkFileError(f"{case}: not an OpenFOAM case (no system/controlDict)")
     reader = pv.POpenFOAMReader(str(control))
-    times = list(reader.time_values)
-    if any(case.glob("processor[0-9]*")):
+    if scratch is not None:  # the links live as long as the reader (pyvista's readers take no attributes)
+        weakref.finalize(reader, scratch.cleanup)
+    if scratch is None and openfoam_pieces(case):
         reader.case_type = "decomposed"
-        if max(reader.time_values, default=-1.0) <= max(times, default=-1.0):
-            reader.case_type = "reconstructed"  # reconstructed times cover the processors' (reconstructPar ran)
-        times = list(reader.time_values)
+    times = list(reader.time_values)
     if not times:
         raise VtkFileError(f"{case}: OpenFOAM case without time folders")
     when = times[-1] if time in (None, "latest") else float(time)
@@ -132,7 +167,7 @@ def _vtm_blocks(path, blocks, arrays, association, optional, shown_as, fix):
     return _one_dataset(pv.MultiBlock(meshes), shown_as or path), found
 
 
-def _one_dataset(blocks, name):
+def _one_dataset(blocks, name, allow_empty: bool = False):
     """The data sets an OpenFOAM read gave (a multi-block tree), as one: itself, or several patches combined into
     one unstructured grid of polygons (the store's surface rows, patch after patch)."""
     import pyvista as pv
@@ -148,6 +183,8 @@ def _one_dataset(blocks, name):
             leaves.append(b)
 
     walk(blocks)
+    if not leaves and allow_empty:
+        return pv.PolyData()
     if not leaves:
         raise VtkFileError(f"{name}: the OpenFOAM blocks read hold no cells")
     return leaves[0] if len(leaves) == 1 else pv.MultiBlock(leaves).combine(merge_points=False)
@@ -168,7 +205,7 @@ def _resolve(name, wanted: dict, optional, present: dict, fix) -> dict:
 
 
 def read_cells(path: Path, arrays, shown_as: Path | None = None, optional: tuple[str, ...] = (),
-               fix: str | None = None, openfoam: tuple | None = None, blocks=None):
+               fix: str | None = None, openfoam: tuple | None = None, blocks=None, allow_empty: bool = False):
     """Read a mesh keeping only the arrays ``arrays`` (names of CELL arrays, or {name: "cell" | "point"}; point
     arrays are averaged to cells by VTK's vtkPointDataToCellData) and those of ``optional`` that exist (cell
     data, or point data averaged); returns (mesh, {name: ndarray per cell}).
@@ -178,7 +215,9 @@ def read_cells(path: Path, arrays, shown_as: Path | None = None, optional: tuple
     name = shown_as or path
     wanted = dict(arrays) if isinstance(arrays, dict) else {a: "cell" for a in arrays}
     mesh, wanted = read_dataset(path, wanted, optional=optional, shown_as=name, fix=fix, openfoam=openfoam,
-                                blocks=blocks)
+                                blocks=blocks, allow_empty=allow_empty)
+    if mesh.n_cells == 0 and allow_empty:
+        return mesh, {}
     if mesh.n_cells == 0:
         raise VtkFileError(f"{name}: VTK read no cells; the file is empty, truncated or not a mesh")
     if any(kind == "point" for kind in wanted.values()):

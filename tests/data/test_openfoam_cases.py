@@ -149,3 +149,30 @@ def test_the_built_in_openfoam_recipe_reads_every_case_folder(tmp_path):
     order = g["order"][...]
     np.testing.assert_allclose(g["fields/Cp"][...][:, 0], (np.asarray(walls.cell_data["p"]) / (0.5 * 10.0 ** 2))[order],
                                rtol=1e-5, atol=1e-6)
+
+
+def test_a_decomposed_case_is_read_one_processor_and_block_at_a_time(tmp_path, monkeypatch):
+    """As ``decomposePar`` and a parallel run leave it (no ``.foam`` files): VTK opens one ``processorN/`` folder
+    for one block at a time (never the whole case), and the rows equal VTK's merged reading of the case."""
+    from domainflow.vtk import pyvista_io
+
+    raw = tmp_path / "raw"
+    shutil.copytree(CASES / "cavity_decomposed", raw / "cavity_decomposed")
+    for foam in (raw / "cavity_decomposed").rglob("*.foam"):
+        foam.unlink()
+    opened = []
+    real = pyvista_io.openfoam_reader
+
+    def spy(case, blocks, time=None):
+        opened.append((case.name, tuple(blocks)))
+        return real(case, blocks, time)
+
+    monkeypatch.setattr(pyvista_io, "openfoam_reader", spy)
+    root = _ingest(tmp_path, raw, CAVITY)
+    assert sorted(opened) == sorted((f"processor{k}", (b,)) for k in (0, 1)
+                                    for b in ("patch/movingWall", "patch/fixedWalls", "internalMesh"))
+    monkeypatch.undo()
+    g = root["runs/run_0"]
+    _check(g["volume"], _vtk(raw / "cavity_decomposed", ["internalMesh"], decomposed=True), ["p", "U"])
+    _check(g["surface"], _vtk(raw / "cavity_decomposed", ["patch/movingWall", "patch/fixedWalls"], decomposed=True),
+           ["p"])
