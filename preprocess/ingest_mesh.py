@@ -32,7 +32,8 @@ from domainflow import remote
 from domainflow.vtk.errors import VtkFileError
 from domainflow.vtk.partitioned import index_pieces
 from domainflow.vtk.pieces import locate, pieces_of, whole_file
-from domainflow.vtk.pyvista_io import cell_centres, openfoam_pieces, read_cells, surface_geometry
+from domainflow.vtk.pyvista_io import (cell_centres, openfoam_group_patches, openfoam_pieces, openfoam_pieces_time,
+                                       read_cells, surface_geometry)
 
 from .errors import IngestError, RunError
 from .parallel import count_cells, peak_memory, release_free_memory, reset_peak_memory, run_graphs
@@ -460,6 +461,13 @@ def _cells(loc, path, shown_as, arrays, optional, openfoam, opts):
                                blocks=opts.recipe.blocks.get(loc))
         return _geometry(loc, mesh, shown_as), raw
     blocks, time = openfoam
+    try:
+        time = openfoam_pieces_time(case, pieces, time)
+        # a group (group/wall) patch by patch, as VTK's merged reading orders it: each patch's processors in turn
+        blocks = [p for b in blocks for p in (openfoam_group_patches(pieces, b, time) if b.startswith("group/")
+                                              else [b])]
+    except VtkFileError as exc:
+        raise IngestError(str(exc)) from None
     parts = []
     for block in blocks:
         for piece in pieces:

@@ -84,8 +84,47 @@ def openfoam_pieces(case: Path) -> list[Path]:
     """The ``processorN/`` folders of a decomposed OpenFOAM case, in processor order, when its times are there
     (``decomposePar`` and a parallel run, no ``reconstructPar``: the processors hold a later time than the case
     folder); [] for a case read as one."""
-    procs = sorted(case.glob("processor[0-9]*"), key=lambda p: int(p.name[len("processor"):]))
+    procs = sorted((p for p in case.glob("processor[0-9]*") if p.is_dir() and p.name[len("processor"):].isdigit()),
+                   key=lambda p: int(p.name[len("processor"):]))  # (not a stray processor1.bak)
     return procs if procs and _latest_time(procs[0]) > _latest_time(case) else []
+
+
+def openfoam_pieces_time(case: Path, pieces: list[Path], time=None) -> float:
+    """The time to read every processor of a decomposed case at: ``time``, or the latest, which every processor
+    must hold (processors whose latest times differ are a parallel run's last write left incomplete)."""
+    if time not in (None, "latest"):
+        return float(time)
+    latest = {p.name: _latest_time(p) for p in pieces}
+    if len(set(latest.values())) > 1:
+        listed = ", ".join(f"{k}: {v:g}" for k, v in latest.items())
+        raise VtkFileError(f"{case}: the processors' latest times differ ({listed}); the parallel run's last write "
+                           f"is incomplete. Set the recipe's openfoam time: to a time every processor holds")
+    return next(iter(latest.values()))
+
+
+def openfoam_group_patches(pieces: list[Path], group: str, time: float) -> list[str]:
+    """The patches (``patch/<name>``) of ``group`` (``group/wall``) with cells on any processor, in the case's
+    patch order (what VTK's merged reading of the group gives, patch after patch)."""
+    import pyvista as pv
+
+    names = set()
+    order = None
+    for piece in pieces:
+        reader = openfoam_reader(piece, [group], time)
+        order = order or [n[len("patch/"):] for n in reader.patch_array_names if n.startswith("patch/")]
+        quiet_vtk()
+        with pv.VtkErrorCatcher(raise_errors=False, send_to_logging=False) as caught:
+            blocks = reader.read()
+        raise_caught(caught, piece)
+
+        def walk(b, name):
+            if isinstance(b, pv.MultiBlock):
+                for k in range(b.n_blocks):
+                    walk(b[k], b.get_block_name(k))
+            elif b is not None and b.n_cells:
+                names.add(name)
+        walk(blocks, None)
+    return [f"patch/{n}" for n in order if n in names]
 
 
 def _latest_time(folder: Path) -> float:
@@ -137,7 +176,7 @@ def openfoam_reader(case: Path, blocks, time=None):
     if not any(abs(t - when) <= 1e-9 * max(1.0, abs(when)) for t in times):
         raise VtkFileError(f"{case}: no time {time!r}; the case holds times {times}")
     reader.set_active_time_value(when)
-    known = list(reader.patch_array_names)
+    known = [n for n in reader.patch_array_names if "procBoundary" not in n]  # the processors' shared faces
     absent = [b for b in blocks if b not in known]
     if absent:
         raise VtkFileError(f"{case}: OpenFOAM case has no {absent}; it has {known}")
