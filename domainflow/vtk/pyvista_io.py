@@ -92,6 +92,12 @@ def openfoam_pieces(case: Path) -> list[Path]:
 def openfoam_pieces_time(case: Path, pieces: list[Path], time=None) -> float:
     """The time to read every processor of a decomposed case at: ``time``, or the latest, which every processor
     must hold (processors whose latest times differ are a parallel run's last write left incomplete)."""
+    numbers = [int(p.name[len("processor"):]) for p in pieces]
+    wanted = _subdomains(case)
+    if numbers != list(range(len(numbers))) or wanted not in (None, len(numbers)):
+        raise VtkFileError(f"{case}: processor folders {numbers} are not processor0..processor{(wanted or len(numbers)) - 1}"
+                           f"{f' (decomposeParDict: numberOfSubdomains {wanted})' if wanted else ''}; a processor "
+                           f"folder is missing, so would its cells be")
     if time not in (None, "latest"):
         return float(time)
     latest = {p.name: _latest_time(p) for p in pieces}
@@ -100,6 +106,18 @@ def openfoam_pieces_time(case: Path, pieces: list[Path], time=None) -> float:
         raise VtkFileError(f"{case}: the processors' latest times differ ({listed}); the parallel run's last write "
                            f"is incomplete. Set the recipe's openfoam time: to a time every processor holds")
     return next(iter(latest.values()))
+
+
+def _subdomains(case: Path):
+    """``numberOfSubdomains`` of the case's ``system/decomposeParDict`` (None without one)."""
+    import re
+
+    try:
+        found = re.search(r"^\s*numberOfSubdomains\s+(\d+)\s*;", (case / "system" / "decomposeParDict").read_text(),
+                          re.MULTILINE)
+    except OSError:
+        return None
+    return int(found.group(1)) if found else None
 
 
 def openfoam_group_patches(pieces: list[Path], group: str, time: float) -> list[str]:

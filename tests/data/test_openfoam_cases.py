@@ -181,14 +181,20 @@ def test_a_decomposed_case_is_read_one_processor_and_block_at_a_time(tmp_path, m
 def test_a_decomposed_case_by_wall_group_in_vtks_order_and_at_one_time(tmp_path):
     """``group/wall`` is read patch by patch (each patch's processors in turn, VTK's merged order, so ``order`` indexes
     VTK's reading); a stray ``processor1.bak`` is no processor; processors whose latest times differ (a parallel
-    run's last write cut short) are refused by name instead of mixing two times (review findings)."""
+    run's last write cut short) are refused by name instead of mixing two times, and so is a missing processor folder
+    (review findings)."""
     raw = tmp_path / "raw"
     case = raw / "cavity_decomposed"
     shutil.copytree(CASES / "cavity_decomposed", case)
     shutil.copytree(case / "processor1", case / "processor1.bak")
     root = _ingest(tmp_path, raw, CAVITY.replace("surface: [movingWall, fixedWalls]", "surface: group/wall"))
     _check(root["runs/run_0/surface"], _vtk(case, ["group/wall"], decomposed=True), ["p"])
-    shutil.rmtree(case / "processor1" / "0.1")
     (tmp_path / "again").mkdir()
+    shutil.move(case / "processor1", tmp_path / "processor1")  # a processor folder missing: its cells would be
+    with pytest.raises(IngestError, match=r"processor folders \[0\] are not processor0..processor1 "
+                                          r"\(decomposeParDict: numberOfSubdomains 2\)"):
+        _ingest(tmp_path / "again", raw, CAVITY)
+    shutil.move(tmp_path / "processor1", case / "processor1")
+    shutil.rmtree(case / "processor1" / "0.1")
     with pytest.raises(IngestError, match=r"the processors' latest times differ \(processor0: 0.1, processor1: 0.05\)"):
         _ingest(tmp_path / "again", raw, CAVITY)
