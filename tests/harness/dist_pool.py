@@ -518,6 +518,9 @@ def _free_port() -> int:
 
 _FORKSERVER_LOCK = threading.Lock()
 _STARTED_FORKSERVER = False  # this module started the fork server (stop it at exit)
+# model libraries the model-zoo tests import on every rank (MONAI: about 4 s each): imported once by the fork
+# server instead, where installed (multiprocessing skips a preload that fails to import)
+_MODEL_LIBRARIES = ("monai.networks.nets", "neuralop")
 
 
 def _get_context(method: str):
@@ -530,7 +533,8 @@ def _get_context(method: str):
                 from domainflow.train.run import RANK_MODULES
 
                 # what the workers and the ranks of launch_local (which uses this server too) import, once
-                preload = ["__main__", "torch", "torch.distributed", "faulthandler", *RANK_MODULES]
+                preload = ["__main__", "torch", "torch.distributed", "faulthandler", *RANK_MODULES,
+                           *_MODEL_LIBRARIES]
                 if __name__ != "__main__":
                     preload.append(__name__)
                 ctx.set_forkserver_preload(preload)
