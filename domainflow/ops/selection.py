@@ -12,7 +12,7 @@ from domainflow.dispatch.registry import register_aten
 from domainflow.dispatch.toolkit import layout_rule, local_as, unsupported_or_fallback
 from domainflow.layout import shapes
 from domainflow.layout.placements import Replicate, Shard
-from domainflow.layout.spec import ShardSpec, mesh_shape
+from domainflow.layout.spec import ShardSpec
 from domainflow.tensor.shard_tensor import ShardTensor
 
 aten = torch.ops.aten
@@ -29,12 +29,9 @@ def _outer_mesh_dim(spec: ShardSpec):
 
 
 def _counts(count: int, spec: ShardSpec, m: int) -> tuple:
-    """Every rank's ``count`` along mesh dim ``m`` (this rank's coordinates on the others)."""
-    got = comm.all_gather_ints([count], spec.mesh)
-    grid = torch.tensor([g[0] for g in got]).reshape(mesh_shape(spec.mesh))
-    index = list(spec.coord)
-    index[m] = slice(None)
-    return tuple(int(v) for v in grid[tuple(index)].tolist())
+    """Every rank's ``count`` along mesh dim ``m``: a gather over that mesh dim only (data-parallel replicas on
+    another mesh dim hold other samples and need not be at the same op)."""
+    return tuple(int(c) for c in comm.all_gather_object(int(count), spec.mesh, m))
 
 
 @layout_rule
