@@ -70,27 +70,36 @@ _RANK = {"skip": 0, "exact": 1, "gather": 2, "refused": 3, "wrong": 4, "crash": 
 KINDS = tuple(_RANK)
 
 
-def _run_op(op, mesh, world: int, seed: int) -> str:
+def sharded_samples(op, seed: int):
+    """(the op's cases: [(sample number, sample, the dim to shard)], None), or ([], why it is skipped). The same
+    samples on every rank and in every harness (sample functions draw from torch, numpy and Python's random)."""
     import random
 
     import numpy as np
 
-    # the same samples on every rank (sample functions draw from torch, numpy and Python's random)
     torch.manual_seed(zlib.crc32(case_name(op).encode()) + seed)
     np.random.seed(zlib.crc32(case_name(op).encode()) % 2**32)
     random.seed(zlib.crc32(case_name(op).encode()) + seed)
     try:
         samples = list(op.sample_inputs("cpu", DTYPE, requires_grad=op.supports_autograd))[:SAMPLES]
     except Exception as e:  # noqa: BLE001
-        return f"skip: no samples ({type(e).__name__})"
-    worst = "skip: no sample with a tensor input of a dim of length >= 2"
+        return [], f"skip: no samples ({type(e).__name__})"
+    cases = []
     for k, sample in enumerate(samples):
         x = sample.input
         if not isinstance(x, torch.Tensor) or x.layout != torch.strided:
             continue
         dim = next((d for d, n in enumerate(x.shape) if n >= 2), None)
-        if dim is None:
-            continue
+        if dim is not None:
+            cases.append((k, sample, dim))
+    return cases, None if cases else "skip: no sample with a tensor input of a dim of length >= 2"
+
+
+def _run_op(op, mesh, world: int, seed: int) -> str:
+    cases, skipped = sharded_samples(op, seed)
+    worst = skipped or "skip: no sample with a tensor input of a dim of length >= 2"
+    for k, sample, dim in cases:
+        x = sample.input
         if _random_on_any_rank(op, sample, mesh):
             return "skip: random"
         for sizes in layouts(x.shape[dim], world):

@@ -17,10 +17,9 @@ its worst case's (crash > wrong > refused > exact > skip)."""
 from __future__ import annotations
 
 import json
-import zlib
 
 import torch
-from op_db_cases import DTYPE, SAMPLES, TOL, _clone, _line, _random, candidate_ops, case_name
+from op_db_cases import TOL, _clone, _line, _random, candidate_ops, case_name, sharded_samples
 from sharded_check import _assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -101,26 +100,11 @@ def run_cases(names: list[str], progress: str | None = None, agree_timeout: floa
 
 
 def _run_op(op, mesh, world: int, group, seed: int) -> str:
-    import random
-
-    import numpy as np
-
-    # exactly op_db_cases._run_op's seeding and sampling: the same samples on every rank and as domainflow's sweep
-    torch.manual_seed(zlib.crc32(case_name(op).encode()) + seed)
-    np.random.seed(zlib.crc32(case_name(op).encode()) % 2**32)
-    random.seed(zlib.crc32(case_name(op).encode()) + seed)
-    try:
-        samples = list(op.sample_inputs("cpu", DTYPE, requires_grad=op.supports_autograd))[:SAMPLES]
-    except Exception as e:  # noqa: BLE001
-        return f"skip: no samples ({type(e).__name__})"
-    worst = "skip: no sample with a tensor input of a dim of length >= 2"
-    for k, sample in enumerate(samples):
+    # op_db_cases' seeding and sampling: the same samples on every rank and as domainflow's sweep
+    cases, skipped = sharded_samples(op, seed)
+    worst = skipped or "skip: no sample with a tensor input of a dim of length >= 2"
+    for k, sample, dim in cases:
         x = sample.input
-        if not isinstance(x, torch.Tensor) or x.layout != torch.strided:
-            continue
-        dim = next((d for d, n in enumerate(x.shape) if n >= 2), None)
-        if dim is None:
-            continue
         if _random(op, sample):
             return "skip: random"
         where = f"sample {k} dim {dim} sizes {chunk_sizes(x.shape[dim], world)}"
