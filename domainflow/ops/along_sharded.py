@@ -100,31 +100,6 @@ def _logsumexp(func, args, kwargs):
     return ShardTensor.from_spec(y, spec_from_sizes(y.shape, spec.mesh, placements, mapping))
 
 
-_ROLL_ARGS = Schema("self", "shifts", "dims", dims=None)
-
-
-def _roll(func, args, kwargs):
-    a = _ROLL_ARGS.bind(args, kwargs)
-    x = a["self"]
-    if not isinstance(x, ShardTensor) or a["dims"] in (None, (), []):
-        return run_function_default(func, args, kwargs)
-    shifts = (a["shifts"],) if isinstance(a["shifts"], int) else tuple(a["shifts"])
-    dims = (a["dims"],) if isinstance(a["dims"], int) else tuple(a["dims"])
-    if len(shifts) != len(dims) or not any(x._spec.mesh_dim_of(_norm_dim(d, x.ndim)) is not None for d in dims):
-        return run_function_default(func, args, kwargs)
-    x = without_partial(x)
-    spec = x._spec
-    local = x.to_local()
-    for shift, d in zip(shifts, dims):
-        d = _norm_dim(d, x.ndim)
-        m = spec.mesh_dim_of(d)
-        if m is None:
-            local = torch.roll(local, shift, d)
-            continue
-        local = comm.fetch(local, d, _roll_fetch(tuple(spec.sizes[m]), shift, spec.coord[m]), spec.mesh, m)
-    return ShardTensor.from_spec(local, spec_like(spec, local.shape))
-
-
 @layout_rule
 def _roll_fetch(sizes: tuple, shift: int, me: int):
     """This rank's row fetch for a roll by ``shift`` along a dim split in ``sizes`` (periodic), once per
@@ -233,5 +208,3 @@ for _f in (torch.cumsum, torch.Tensor.cumsum):
     register_function(_f)(_scan(product=False))
 for _f in (torch.cumprod, torch.Tensor.cumprod):
     register_function(_f)(_scan(product=True))
-for _f in (torch.roll, torch.Tensor.roll):
-    register_function(_f)(_roll)
