@@ -79,7 +79,7 @@ def _ingest(args) -> int:
         opts = MeshOptions(parts=args.parts, method=args.partition, recipe=recipe,
                            reference=replace(recipe.reference, **given), locations=locations,
                            volume_points=args.volume_points, seed=args.seed, on_error=args.on_error,
-                           memory_limit=args.memory_limit, task_bytes=args.task_bytes, **common)
+                           memory_limit=args.memory_limit, task_bytes=args.task_bytes, edges=args.edges, **common)
         report = ingest_cfd(args.raw, args.store, opts)
     else:
         from .errors import IngestError
@@ -143,6 +143,9 @@ def _add_mesh_ingest_options(d):
     d.add_argument("--locations", default=None, help="surface,volume or one of them (default: the recipe's)")
     d.add_argument("--volume-points", type=int, default=None,
                    help="cap volume cells per run (a seeded random subset; only these cells are read and checked)")
+    d.add_argument("--edges", action="store_true",
+                   help="also store each run's cell adjacency (cells sharing a face; on a surface an edge) as graph "
+                        "edges, partitioned with the cells, for graph models such as model.name=meshgraphnet")
     d.add_argument("--memory-limit", type=parse_bytes, default=2 << 30,
                    help="memory per worker, e.g. 2GiB (default): sets the streaming block size")
     d.add_argument("--task-bytes", type=parse_bytes, default=256 << 20,

@@ -29,13 +29,15 @@ from typing import Any
 import numpy as np
 
 from domainflow import remote
+from domainflow.store.format import EDGE_PARTS, EDGES
 from domainflow.vtk.errors import VtkFileError
 from domainflow.vtk.partitioned import index_pieces
 from domainflow.vtk.pieces import locate, pieces_of, whole_file
-from domainflow.vtk.pyvista_io import (cell_centres, openfoam_group_patches, openfoam_pieces, openfoam_pieces_time,
-                                       read_cells, surface_geometry)
+from domainflow.vtk.pyvista_io import (cell_centres, cell_connectivity, openfoam_group_patches, openfoam_pieces,
+                                       openfoam_pieces_time, read_cells, surface_geometry)
 
 from .errors import IngestError, RunError
+from .mesh_edges import location_edges, side_keys
 from .parallel import count_cells, peak_memory, release_free_memory, reset_peak_memory, run_graphs
 from .partition import METHODS, check_parts, partition
 from .cfd_recipe import LOCATIONS, FieldSpec, Recipe, load_recipe
@@ -44,7 +46,7 @@ from .report import IngestReport
 from .splits import check_fractions, read_split_file, split_runs
 from .stats import RunningStats, merge_all
 from .mesh_stream import (_warn_cp, block_cells_for, merge_subtrees, partition_location, partition_subtree,
-                          remove_files, scan_cells, scan_tasks_for, write_column)
+                          remove_files, scan_cells, scan_tasks_for, write_column, write_edges)
 from .store_writer import StoreWriter, write_array
 from .raw_values import check_finite, read_csv_row
 
@@ -71,6 +73,7 @@ class MeshOptions:
     memory_limit: int = 2 << 30  # per worker: sets the streaming block size
     task_bytes: int = 256 << 20  # a raw file larger than this is scanned by several tasks (same store)
     reader: str = "stream"       # "stream" (bounded memory) or "vtk" (whole file through VTK)
+    edges: bool = False          # also store each location's cell adjacency (mesh_edges) for graph models
 
     def validate(self):
         self.recipe = load_recipe(self.recipe)
@@ -100,6 +103,9 @@ class MeshOptions:
             raise IngestError(f"--task-bytes must be at least 1 MiB (default 256 MiB), got {self.task_bytes} bytes")
         if self.reader not in ("stream", "vtk"):
             raise IngestError(f"reader must be 'stream' or 'vtk', got {self.reader!r}")
+        if self.edges and self.volume_points and "volume" in self.locations:
+            raise IngestError(f"--edges with --volume-points {self.volume_points}: a random subset of the volume's "
+                              f"cells has no mesh adjacency; drop one of them (or --locations surface)")
         if self.on_error not in ("stop", "skip"):
             raise IngestError(f"--on-error must be 'stop' or 'skip', got {self.on_error!r}")
         self.split = check_fractions(self.split)
@@ -113,7 +119,7 @@ class MeshOptions:
         return {"parts": self.parts, "partition": self.method, "reference": self.reference.to_attrs(), **recipe,
                 "locations": list(self.locations), "volume_points": self.volume_points, "seed": self.seed,
                 "split": list(self.split), "split_file": read_split_file(self.split_file),
-                "chunk_bytes": self.chunk_bytes}
+                "chunk_bytes": self.chunk_bytes, **({"edges": True} if self.edges else {})}
 
 
 # -- discovery ---------------------------------------------------------------------------------------
@@ -153,6 +159,9 @@ def run_graph(run_dir: Path, run_id: str, store: Path, opts: MeshOptions):
             subtrees = [stage(_subtree, run_id, o, parted, j, o) for j in range(1 << depth)]
             partition_tasks += subtrees + [stage(_merge, run_id, o, start, parted, subtrees, tag, o)]
         columns = [stage(_column, run_id, o, partition_tasks[-1], key, loc, o) for key in column_keys(loc, opts)]
+        if opts.edges:  # after the order column: the edges are numbered by the rows it gives each cell
+            columns.append(stage(_edges, run_id, o, partition_tasks[-1], columns[column_keys(loc, opts).index("order")],
+                                 start, tag, o))
         locations.append((loc, tag, scans, partition_tasks, columns))
     return dask.delayed(_finish_run, pure=False)(run_id, str(store), o, start, locations)
 
@@ -273,6 +282,10 @@ def _column(parted: dict, key: str, loc: str, opts: MeshOptions) -> dict:
     return write_column(parted["out"], key, opts, field, _cp_check(loc, field, opts))
 
 
+def _edges(parted: dict, order_written: dict, start: dict, tag: str, opts: MeshOptions) -> dict:
+    return write_edges(parted["out"], opts, Path(start["out"]["columns"]), tag)
+
+
 def _cp_check(loc: str, field: FieldSpec | None, opts: MeshOptions) -> str | None:
     """The file's own Cp array that this field's values are compared with (the recipe's cp_check)."""
     check = opts.recipe.cp_check.get(loc)
@@ -300,7 +313,7 @@ def _publish_run(run_id: str, store: str, start: dict, locations: list, stages: 
 
     begun = start["out"]
     group = zarr.open_group(begun["folder"], mode="r+")
-    stats, cells, warnings, raw_bytes = {}, {}, [], 0
+    stats, cells, edges, warnings, raw_bytes = {}, {}, {}, [], 0
     for loc, _, scans, partition_tasks, columns in locations:
         p = partition_tasks[-1]["out"]
         cells[loc], raw_bytes = p["rows"], raw_bytes + p["raw_bytes"]
@@ -308,6 +321,10 @@ def _publish_run(run_id: str, store: str, start: dict, locations: list, stages: 
         for c in columns:
             stats.update({f"{loc}/{k}": v for k, v in c["out"]["stats"].items()})
             warnings += c["out"]["warnings"]
+            if "edges" in c["out"]:
+                edges[loc] = c["out"]["edges"]
+        if opts.edges:
+            _check_edges(Path(begun["folder"]) / loc, edges.get(loc), len(p["offsets"]))
         for key in column_keys(loc, opts) + ["part_boxes"]:  # every column written, in full, before it is published
             try:  # opened by its path: one metadata read
                 rows = zarr.open_array(str(Path(begun["folder"]) / loc / key.replace("field/", "fields/")),
@@ -319,13 +336,27 @@ def _publish_run(run_id: str, store: str, start: dict, locations: list, stages: 
                                   f"on the next ingest")
         remove_files([p[k] for k in ("take", "group_of", "perm", "inner") if p.get(k)] + p.get("scratch", []) +
                      [f for s in scans for f in s["out"]["files"].values()])
-    group.attrs.update({**begun["attrs"], "cells": cells, "stats": stats, "complete": True})
+    group.attrs.update({**begun["attrs"], "cells": cells, **({"edges": edges} if opts.edges else {}), "stats": stats,
+                        "complete": True})
     StoreWriter(store).publish_run(Path(begun["folder"]), run_id)
     return {"run": run_id, "stats": stats, "cells": cells, "raw_bytes": raw_bytes, "warnings": warnings,
             "seconds": sum(x["seconds"] for x in stages), "started": min(x["started"] for x in stages),
             "pid": stages[0]["pid"], "pids": sorted({x["pid"] for x in stages}),
             "peak_rss": max(x["peak_rss"] for x in stages), "start_rss": min(x["start_rss"] for x in stages),
             "tasks": len(stages)}
+
+
+def _check_edges(folder: Path, count: int | None, offsets: int) -> None:
+    """A location's ``edges`` (``count`` rows) and ``edge_parts`` (one per part offset) are written in full."""
+    import zarr
+
+    try:
+        shapes = [zarr.open_array(str(folder / name), mode="r").shape[0] for name in (EDGES, EDGE_PARTS)]
+    except (FileNotFoundError, KeyError, ValueError, zarr.errors.BaseZarrError):
+        shapes = None
+    if count is None or shapes != [count, offsets]:
+        raise IngestError(f"{folder.name} edges of the run group are missing or short; the run is redone on the "
+                          f"next ingest")
 
 
 def _drop_run_scratch(start: dict, locations: list) -> None:
@@ -379,18 +410,19 @@ def _ingest_run(run_dir: Path, run_id: str, writer: StoreWriter, opts: MeshOptio
     raw_bytes = 0
     folder = writer.new_run_folder(run_id)
     group = zarr.open_group(folder, mode="w", zarr_format=3)
-    stats, cells, warnings = {}, {}, []
+    stats, cells, edges, warnings = {}, {}, {}, []
     for loc in opts.locations:
         with whole_file(files[loc], scratch=writer.scratch) as path:
             raw_bytes += path.stat().st_size
             if loc in opts.recipe.blocks:  # a .vtm: the block files it reads
                 raw_bytes += sum(os.path.getsize(p) for p in index_pieces(str(path), list(opts.recipe.blocks[loc]))[0])
-            rows, arrays = _read_location(loc, path, files[loc], run_id, opts, warnings)
+            rows, arrays, sides = _read_location(loc, path, files[loc], run_id, opts, warnings)
         cells[loc] = len(rows["coords"])
         count_cells(cells[loc])
-        loc_stats = _write_location(group, loc, rows, arrays, opts)
+        loc_stats = _write_location(group, loc, rows, arrays, opts, sides, edges)
         stats.update({f"{loc}/{k}": v for k, v in loc_stats.items()})
-    group.attrs.update({**attrs, "cells": cells, "stats": stats, "complete": True})
+    group.attrs.update({**attrs, "cells": cells, **({"edges": edges} if opts.edges else {}), "stats": stats,
+                        "complete": True})
     writer.publish_run(folder, run_id)
     return {"run": run_id, "stats": stats, "cells": cells, "raw_bytes": raw_bytes, "warnings": warnings}
 
@@ -421,7 +453,7 @@ def _read_location(loc, path, shown_as, run_id, opts, warnings):
     openfoam = opts.recipe.openfoam_read(loc)
     arrays = {a: s.association for s in specs for a in s.sources}
     optional = (cp_check,) if cp_check else ()
-    rows, raw = _cells(loc, path, shown_as, arrays, optional, openfoam, opts)
+    rows, raw, sides = _cells(loc, path, shown_as, arrays, optional, openfoam, opts)
     n_cells = len(rows["coords"])
     rows["order"] = np.arange(n_cells, dtype=np.int64)
     fields = {}
@@ -446,7 +478,7 @@ def _read_location(loc, path, shown_as, run_id, opts, warnings):
                        .choice(n_cells, opts.volume_points, replace=False))
         rows = {k: v[keep] for k, v in rows.items()}
         fields = {k: v[keep] for k, v in fields.items()}
-    return rows, fields
+    return rows, fields, sides
 
 
 def _cells(loc, path, shown_as, arrays, optional, openfoam, opts):
@@ -459,7 +491,7 @@ def _cells(loc, path, shown_as, arrays, optional, openfoam, opts):
     if not pieces:
         mesh, raw = read_cells(case or path, arrays, shown_as=shown_as, optional=optional, fix=fix, openfoam=openfoam,
                                blocks=opts.recipe.blocks.get(loc))
-        return _geometry(loc, mesh, shown_as), raw
+        return _geometry(loc, mesh, shown_as), raw, _sides(loc, mesh, shown_as, 0, opts)
     blocks, time = openfoam
     try:
         time = openfoam_pieces_time(case, pieces, time)
@@ -475,16 +507,27 @@ def _cells(loc, path, shown_as, arrays, optional, openfoam, opts):
             mesh, raw = read_cells(piece, arrays, shown_as=name, optional=optional, fix=fix,
                                    openfoam=((block,), time), allow_empty=True)
             if mesh.n_cells:
-                parts.append((_geometry(loc, mesh, name), raw))
+                first = sum(len(rows["coords"]) for rows, _, _ in parts)
+                parts.append((_geometry(loc, mesh, name), raw, _sides(loc, mesh, name, first, opts)))
             del mesh
     if not parts:
         raise IngestError(f"{shown_as}: the OpenFOAM blocks {list(blocks)} hold no cells in any processor")
     found = set(parts[0][1])
-    if any(set(raw) != found for _, raw in parts):
+    if any(set(raw) != found for _, raw, _ in parts):
         raise IngestError(f"{shown_as}: the processors' blocks hold different arrays; every one must hold "
                           f"{sorted(found)}")
-    return ({k: np.concatenate([rows[k] for rows, _ in parts]) for k in parts[0][0]},
-            {a: np.concatenate([np.asarray(raw[a]) for _, raw in parts]) for a in found})
+    return ({k: np.concatenate([rows[k] for rows, _, _ in parts]) for k in parts[0][0]},
+            {a: np.concatenate([np.asarray(raw[a]) for _, raw, _ in parts]) for a in found},
+            [s for _, _, piece in parts for s in piece])
+
+
+def _sides(loc, mesh, name, first: int, opts) -> list[dict]:
+    """With ``--edges``: the side keys of a mesh's cells (``mesh_edges``), its cells numbered from ``first``."""
+    if not opts.edges:
+        return []
+    sizes, conn, points, types = cell_connectivity(mesh, loc == "surface", name)
+    sides = side_keys(sizes, conn, points, types, loc == "surface", name)
+    return [{k: (keys, cells + first) for k, (keys, cells) in sides.items()}]
 
 
 def _geometry(loc, mesh, name) -> dict:
@@ -504,11 +547,19 @@ def _compare_cp(ours, theirs, name, opts, warnings, source: str, check: str):
     _warn_cp(float(np.dot(theirs, ours) / np.dot(ours, ours)), name, opts, warnings, source, check)
 
 
-def _write_location(group, loc, rows, fields, opts) -> dict:
-    """Partition, reorder and write one location; returns its per-array statistics."""
+def _write_location(group, loc, rows, fields, opts, sides=(), edges=None) -> dict:
+    """Partition, reorder and write one location (with ``--edges`` its adjacency, its count into ``edges``);
+    returns its per-array statistics."""
     part = partition(rows["coords"], opts.parts, opts.method)
     order = part.order
     sub = group.create_group(loc)
+    if opts.edges:
+        row_of = np.empty(len(order), np.int64)
+        row_of[order] = np.arange(len(order))
+        pairs, offsets = location_edges(list(sides), row_of, part.offsets)
+        write_array(sub, EDGES, pairs, opts.chunk_bytes)
+        write_array(sub, EDGE_PARTS, offsets, opts.chunk_bytes)
+        edges[loc] = len(pairs)
     stats = {}
     for name in ("coords", "normals", "areas"):
         if name in rows:

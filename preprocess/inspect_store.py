@@ -117,6 +117,10 @@ def _describe_mesh(root, head, config, domains, read) -> list[str]:
             continue
         cells = np.array([o[-1] for o in offsets.values()])
         lines.append(f"  {loc} cells per run: min {cells.min():,} mean {cells.mean():,.0f} max {cells.max():,}")
+        edges = [root["runs"][r].attrs.get("edges", {}).get(loc) for r in offsets]
+        if all(e is not None for e in edges):
+            lines.append(f"  {loc} edges per run (cells that touch, both directions): min {min(edges):,} max "
+                         f"{max(edges):,}")
         lines.append(f"  {loc} partition balance (rows per rank over all runs; imbalance = max / mean):")
         for W in domains:
             if W > P:

@@ -42,6 +42,7 @@ import numpy as np
 from domainflow.vtk.xml_reader import VtkXmlFile
 
 from .errors import IngestError
+from .mesh_edges import StreamedEdges, side_keys
 from .mesh_geometry import cell_centres, polygon_normals_areas
 from .parallel import count_cells
 from .partition import group_perm, group_rows, key_order_streaming, partition, rcb_streaming
@@ -495,6 +496,37 @@ def write_column(parted: dict, key: str, opts, field=None, cp_check: str | None 
             write_array(zarr.open_group(parted["group"], mode="r+"), "part_boxes", boxes.boxes(), opts.chunk_bytes,
                         overwrite=True)  # a rerun too
         return {"stats": {name: merged.to_attrs()} if merged is not None else {}, "warnings": warnings}
+
+
+def write_edges(parted: dict, opts, scratch: Path, tag: str) -> dict:
+    """Stage 3b (``--edges``): the location's cell adjacency (``mesh_edges``) from its raw file, block by block,
+    into ``edges`` and ``edge_parts`` of its store group, rows numbered by the ``order`` column (written first);
+    memory: the cell -> row map (4 bytes per cell) and one bucket of sides at a time."""
+    import zarr
+
+    n, block_cells, name = parted["rows"], parted["block_cells"], parted["source"]
+    group = Path(parted["group"])
+    order = zarr.open_array(str(group / "order"), mode="r")
+    row_of = np.empty(n, np.uint32 if n < (1 << 32) else np.int64)
+    for lo, hi in row_blocks(n, block_cells):
+        row_of[order[lo:hi]] = np.arange(lo, hi, dtype=row_of.dtype)
+    streamed = StreamedEdges(scratch, f"{tag}-edges", n, block_cells * BYTES_PER_CELL // 4)
+    try:
+        with VtkXmlFile(name) as f:
+            section = _check_mesh(f, parted["location"], name)
+            if f.src.size != parted["raw_bytes"] or f.cell_counts() != parted["cell_counts"]:
+                raise IngestError(f"{name} changed while the run was ingested; rerun the ingest once the file is "
+                                  f"complete")
+            for c0 in range(0, n, block_cells):
+                c1 = min(c0 + block_cells, n)
+                sizes, conn = f.cell_block(c0, c1, section)
+                pts, local = f.points_of(conn)
+                types = f.cell_types(c0, c1) if section == "Cells" else None
+                streamed.add(side_keys(sizes, local, pts, types, parted["location"] == "surface", name), c0, c1 - c0)
+        count = streamed.write(group, row_of, parted["offsets"], chunk_rows(16, opts.chunk_bytes))
+    finally:
+        streamed.close()
+    return {"stats": {}, "warnings": [], "edges": count}
 
 
 class _PartBoxes:

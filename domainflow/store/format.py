@@ -21,6 +21,10 @@ HEAD = "domainflow"       # the root attribute holding the head
 KINDS = ("mesh", "grid")
 LOCATIONS = ("surface", "volume")
 GEOMETRY = ("coords", "normals", "areas", "order")  # a mesh location's per-row geometry arrays
+# optional (ingest --edges): the cells' adjacency as directed edges (sender, receiver) in the run's row numbers,
+# sorted by (receiver, sender), so part p's edges (receivers in its rows) are EDGES[EDGE_PARTS[p]:EDGE_PARTS[p + 1]]
+EDGES = "edges"
+EDGE_PARTS = "edge_parts"
 RUNS = "runs"
 FIELDS = "fields"
 GRID_ARRAYS = ("data", "time", "lat", "lon", "static", "missing", "climatology")

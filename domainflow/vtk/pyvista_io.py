@@ -334,6 +334,22 @@ def surface_geometry(mesh, name) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return centres, normals, areas
 
 
+def cell_connectivity(mesh, surface: bool, name) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """(points per cell, their point ids, the points, VTK cell types or None for polygons) of the cells that
+    are a location's rows: a surface's polygons in :func:`as_polydata`'s order, a volume's cells."""
+    from vtkmodules.util.numpy_support import vtk_to_numpy
+
+    if surface:
+        mesh = as_polydata(mesh, name)
+        polys = mesh.GetPolys()
+        offsets = vtk_to_numpy(polys.GetOffsetsArray()).astype(np.int64)
+        return np.diff(offsets), vtk_to_numpy(polys.GetConnectivityArray()).astype(np.int64), \
+            np.asarray(mesh.points), None
+    offsets = np.asarray(mesh.cell_offsets if hasattr(type(mesh), "cell_offsets") else mesh.offset, dtype=np.int64)
+    return np.diff(offsets), np.asarray(mesh.cell_connectivity, dtype=np.int64), np.asarray(mesh.points), \
+        np.asarray(mesh.celltypes)
+
+
 def cell_centres(mesh, dtype=np.float64) -> np.ndarray:
     """VTK's cell centres (its ``cell_centers`` filter) as an (N, 3) array of ``dtype``."""
     return np.asarray(mesh.cell_centers().points).astype(dtype, copy=False)
