@@ -74,7 +74,12 @@ def side_keys(sizes: np.ndarray, conn: np.ndarray, points: np.ndarray, types: np
     for k, parts in sides.items():
         ids = np.concatenate([p for p, _ in parts])
         cells = np.concatenate([c for _, c in parts]).astype(np.int64)
-        out[k] = (_sorted_points(points[ids]).reshape(len(ids), 3 * k), cells)
+        p = _sorted_points(points[ids])
+        # a side collapsed by repeated points (an edge of length 0, a face of fewer than 3 distinct points) is no
+        # side: two cells meeting only at such a point or line do not touch
+        distinct = 1 + (p[:, 1:] != p[:, :-1]).any(axis=2).sum(axis=1)
+        keep = distinct >= min(k, 3)
+        out[k] = (p[keep].reshape(int(keep.sum()), 3 * k), cells[keep])
     return out
 
 

@@ -342,6 +342,9 @@ def cell_connectivity(mesh, surface: bool, name) -> tuple[np.ndarray, np.ndarray
     if surface:
         mesh = as_polydata(mesh, name)
         polys = mesh.GetPolys()
+        if polys.GetNumberOfCells() != mesh.n_cells:
+            raise VtkFileError(f"{name}: a surface must consist of polygons only; it holds {mesh.n_cells} cells of "
+                               f"which {polys.GetNumberOfCells()} are polygons (triangle strips, lines or vertices)")
         offsets = vtk_to_numpy(polys.GetOffsetsArray()).astype(np.int64)
         return np.diff(offsets), vtk_to_numpy(polys.GetConnectivityArray()).astype(np.int64), \
             np.asarray(mesh.points), None

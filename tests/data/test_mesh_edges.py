@@ -195,3 +195,19 @@ def test_a_hash_collision_falls_back_to_sorting_the_keys(synth, monkeypatch):
     got = mesh_edges.shared_pairs(keys, cells)
     assert len(want[0]) > len(sizes)
     assert sorted(zip(*got)) == sorted(zip(*want))
+
+
+def test_cells_meeting_at_a_point_of_collapsed_sides_do_not_touch():
+    """Quads with a repeated point (a triangle written as a quad, common in CFD output) have an edge of length 0;
+    two such cells meeting only at that point share no edge, and a face of fewer than 3 distinct points is none."""
+    pts = np.array([[0, 0, 0], [1, 0, 0], [1, 1, 0], [2, 1, 0], [2, 2, 0]], dtype=np.float64)
+    sizes, conn = np.array([4, 4]), np.array([0, 1, 2, 2, 2, 2, 3, 4])
+    keys, cells = side_keys(sizes, conn, pts, None, True, "s")[2]
+    from domainflow.preprocess.mesh_edges import shared_pairs
+
+    assert len(keys) == 6 and len(shared_pairs(keys, cells)[0]) == 0
+    # two hexahedra collapsed into wedges along a common line touch through no face
+    hexes = np.array([[0, 1, 2, 2, 5, 6, 7, 7], [2, 2, 3, 4, 7, 7, 8, 9]])
+    cube = np.array([[x, y, z] for z in (0, 1) for x, y in ((0, 0), (1, 0), (1, 1), (2, 1), (2, 2))], np.float64)
+    sides = side_keys(np.array([8, 8]), hexes.ravel(), cube, np.array([12, 12]), False, "v")
+    assert all(len(shared_pairs(k, c)[0]) == 0 for k, c in sides.values())
