@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from domainflow.layout.shapes import rows_per_rank
+from domainflow.store.format import EDGE_PARTS, EDGES
 
 from .axes import resolve_axes
 from .normalize import Normalizer
@@ -46,12 +47,19 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
     holds, in store order. Every domain size reads the same rows, so the union over ranks is the one-device
     draw; a rank's count follows its share of rows (hypergeometric, not fixed), and only the chunks that hold
     drawn rows are read.
+
+    ``edges``: each sample also holds ``"edges"``, the run's directed edges ``(sender, receiver)`` whose receiver
+    is one of this rank's rows, (E_r, 2) int64 sharded on dim 0 (every rank's count from the store's
+    ``edge_parts``, so no communication), in the run's global row numbers: senders may be other ranks' rows, which
+    the row exchange (``x[senders]``) fetches. A store ingested without ``--edges`` is refused, and so is
+    ``sample_points`` (a drawn subset of the points has no graph).
     """
 
     def __init__(self, store, mesh, split: str | None = "train", location: str = "surface",
                  fields=("Cp", "Cf"), inputs=("coords", "normals"), normalize: bool = True, shuffle: bool = True,
                  seed: int = 0, prefetch: int = 2, domain_axis: str = "domain", dp_axis: str = "dp",
-                 dtype: torch.dtype = torch.float32, runs=None, sample_points: int = 0, stats=None):
+                 dtype: torch.dtype = torch.float32, runs=None, sample_points: int = 0, stats=None,
+                 edges: bool = False):
         torch.utils.data.IterableDataset.__init__(self)
         EpochStream.__init__(self)
         self.store = store if isinstance(store, Store) else open_store(store)
@@ -62,6 +70,7 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
         if sample_points < 0:
             raise ValueError(f"sample_points must be >= 0 (0: every point), got {sample_points}")
         self.sample_points = int(sample_points)
+        self.edges = bool(edges)
         self.runs = list(runs) if runs is not None else self.store.runs(split)
         self._check()
         self.stats = {**self.store.stats, **(stats or {})}
@@ -79,11 +88,12 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
                     std = np.asarray(s["std"], np.float64)
                     self._moments[name] = (np.asarray(s["mean"], self._np_dtype),
                                            (1.0 / np.where(std > 0, std, 1.0)).astype(self._np_dtype))
-        self._runs_open = {}  # run id -> (offsets, {name: zarr array}, attrs): metadata read once per run
+        self._runs_open = {}  # run id -> (offsets, arrays, attrs, boxes, edges): metadata read once per run
 
     # -- checks (metadata only: every rank raises the same error, before any collective) -------------------
     def _check(self):
-        check_request(self.store, self.location, self.fields, self.inputs, self.runs, self.axes.sizes[0])
+        check_request(self.store, self.location, self.fields, self.inputs, self.runs, self.axes.sizes[0],
+                      edges=self.edges, sample_points=self.sample_points)
 
     # -- iteration ---------------------------------------------------------------------------------------
     def steps(self, epoch: int | None = None) -> list[tuple[str, float]]:
@@ -119,8 +129,16 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
                                  f"(`domainflow ingest ... --overwrite`)") from None
             offsets = tuple(int(x) for x in self.store.read(arrays.pop("parts")))
             boxes = self.store.read(arrays.pop("part_boxes")).astype(np.float64)
-            hit = self._runs_open[run_id] = (offsets, arrays, dict(group.attrs), boxes)
+            graph = self._open_edges(run_id, group) if self.edges else None
+            hit = self._runs_open[run_id] = (offsets, arrays, dict(group.attrs), boxes, graph)
         return hit
+
+    def _open_edges(self, run_id: str, group):
+        """(edge offsets per part, the edges array) of a run, or a StoreError naming the run and the fix."""
+        loc = group[self.location]
+        if EDGES not in loc or EDGE_PARTS not in loc:
+            raise StoreError(no_edges(self.store, self.location, run_id))
+        return tuple(int(x) for x in self.store.read(loc[EDGE_PARTS])), loc[EDGES]
 
     def read_region(self, run_id: str, weight: float = 1.0, rank: int | None = None, epoch: int | None = None) -> dict:
         """Rows of one run for this rank (or domain coordinate ``rank``) as numpy arrays, already cast and
@@ -128,7 +146,7 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
         ``epoch`` (default: the current one; ``row_ids`` says which). No torch and no communication: it runs on
         the prefetch thread, so the training loop only wraps the arrays."""
         self.store.check_unchanged()
-        offsets, arrays, attrs, part_boxes = self._open_run(run_id)
+        offsets, arrays, attrs, part_boxes, graph = self._open_run(run_id)
         rank = self.axes.coords[0] if rank is None else rank
         world = self.axes.sizes[0]
         a, b = mesh_rows(offsets, rank, world)
@@ -156,9 +174,17 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
                     values -= mean
                     values *= inv_std
             out[name] = values
+        edges = self._read_edges(graph, rank, world) if graph is not None else None
         self.store.check_unchanged()  # a store replaced mid-read would mix two stores in one sample
         return {"run": run_id, "weight": weight, "arrays": out, "rows": (a, b), "row_ids": row_ids,
-                "sizes": sizes, "attrs": attrs, "boxes": self._rank_boxes(part_boxes)}
+                "sizes": sizes, "attrs": attrs, "boxes": self._rank_boxes(part_boxes), "edges": edges}
+
+    def _read_edges(self, graph, rank: int, world: int) -> tuple[np.ndarray, tuple[int, ...]]:
+        """This rank's edges (those whose receiver is one of its rows: the same part range as its rows) and
+        every rank's edge count, from the run's edge offsets per part."""
+        edge_offsets, arr = graph
+        a, b = mesh_rows(edge_offsets, rank, world)
+        return self.store.read(arr, slice(a, b)).astype(np.int64, copy=False), rows_per_rank(edge_offsets, world)
 
     def point_draw(self, run_id: str, n_rows: int, epoch: int) -> PointDraw | None:
         """The rows ``sample_points`` draws of ``run_id`` in ``epoch`` (None: every row is read)."""
@@ -188,6 +214,10 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
         for name, values in raw["arrays"].items():
             t = torch.from_numpy(values).to(self.device)
             out[name] = ShardTensor.from_local(t, self.axes.domain, [Shard(0)], sharding_shapes=sizes)
+        if raw.get("edges") is not None:
+            edges, counts = raw["edges"]
+            out["edges"] = ShardTensor.from_local(torch.from_numpy(edges).to(self.device), self.axes.domain,
+                                                  [Shard(0)], sharding_shapes={self.axes.names[0]: list(counts)})
         attrs = raw["attrs"]
         as_t = lambda v: torch.tensor(v, dtype=self.dtype, device=self.device)  # noqa: E731
         out["boxes"] = torch.from_numpy(raw["boxes"]).to(self.device)
@@ -203,11 +233,16 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
         return self.normalizer.denormalize(f"{self.location}/{name}", x)
 
 
-def check_request(store: Store, location: str, fields, inputs, runs, world: int) -> None:
+def check_request(store: Store, location: str, fields, inputs, runs, world: int, edges: bool = False,
+                  sample_points: int = 0) -> None:
     """What a MeshDataset checks before reading: the store serves ``world`` domain ranks and holds the runs,
-    location, fields and inputs asked for. Metadata only and needs no process group, so a launcher runs it
-    before it starts any rank."""
+    location, fields and inputs asked for (and, with ``edges``, the runs' edges, read whole: no
+    ``sample_points``). Metadata only and needs no process group, so a launcher runs it before it starts any
+    rank."""
     loc = location
+    if edges and sample_points:
+        raise ValueError(f"sample_points={sample_points} draws a subset of the points, which has no graph; a sample "
+                         f"read with edges is read whole (sample_points=0)")
     if world > store.parts:
         raise StoreError(f"{store.path} has {store.parts} spatial parts per run, so it serves domains of up to "
                          f"{store.parts} ranks, not {world}; re-ingest with --parts {_pow2_at_least(world)} "
@@ -231,6 +266,20 @@ def check_request(store: Store, location: str, fields, inputs, runs, world: int)
     if bad:
         raise StoreError(f"{store.path}: no {loc} input(s) {bad}; inputs are the geometry arrays {geometry} "
                          f"(fields go in fields=)")
+    if edges and not has_edges(store, loc, runs[0]):
+        raise StoreError(no_edges(store, loc, runs[0]))
+
+
+def has_edges(store: Store, location: str, run: str) -> bool:
+    """Whether ``run``'s ``location`` holds the cells' edges (a store ingested with ``--edges``)."""
+    group = store.run(run)[location]
+    return EDGES in group and EDGE_PARTS in group
+
+
+def no_edges(store: Store, location: str, run: str) -> str:
+    """The message for a run without edges: what is missing and how to get it."""
+    return (f"{store.path}: run {run} has no {location} edges (the cells' adjacency a graph model reads); the store "
+            f"was ingested without them: re-ingest it with edges (`domainflow ingest cfd ... --edges --overwrite`)")
 
 
 def _pow2_at_least(n: int) -> int:

@@ -5,7 +5,7 @@ Installed as ``domainflow.train``; always import it by that name, never as bare 
 - ``load_config(path, overrides)``: the YAML/TOML config, checked against its schema.
 - ``Trainer(cfg)``: one rank's side of a job: ``fit(resume=False)`` trains, checkpoints, evaluates.
 - ``run_training(cfg, nproc)``: start the ranks (torch's elastic launcher) unless already under torchrun.
-- ``models``: Transolver (surface fields) and a periodic UNet (gridded forecasting).
+- ``models``: Transolver and MeshGraphNet (surface fields) and a periodic UNet (gridded forecasting).
 """
 
 from .config import Config, ConfigError, load_config

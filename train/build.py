@@ -33,9 +33,11 @@ def build_model(cfg: Config, ds) -> torch.nn.Module:
             raise ConfigError(f"model.target={m.target}: its forward takes one input, but the store's {io.global_dim} "
                               f"design parameters are passed as a second (globals); set data.use_params=false or "
                               f"accept forward(x, globals)")
+        model_target.check_edges_fit(cfg, model.forward)
     else:  # the built-ins through the same path, sized by their config keys
         own = {"transolver": {"dim": m.dim, "layers": m.layers, "heads": m.heads, "slices": m.slices,
                               "mlp_ratio": m.mlp_ratio, "dropout": m.dropout},
+               "meshgraphnet": {"dim": m.dim, "layers": m.layers},
                "unet": {"base": m.base, "levels": m.levels}}[m.name]
         model = model_target.build(model_target.BUILTIN[m.name], {**own, **m.kwargs}, sizes, f"model.name={m.name!r}")
     return model.to(dtype=dtype_of(cfg), device=comm.mesh_device(ds.axes.domain))

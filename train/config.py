@@ -38,15 +38,16 @@ class DataConfig:
     static: bool = True                  # grid: the store's static fields (land-sea mask, ...) as extra inputs
     prefetch: int = 2
     sample_points: int = 0               # mesh: points of each sample per training step, drawn uniformly (0: all)
+    edges: bool = False                  # mesh: each sample's edges for a graph model (on by itself for meshgraphnet)
 
 
 @dataclass
 class ModelConfig:
-    name: str = "transolver"             # transolver | unet (built-in; ignored when target is set)
+    name: str = "transolver"             # transolver | meshgraphnet | unet (built-in; ignored when target is set)
     target: str = ""                     # your own model: "package.module:Class" or "path/to/file.py:Class"
     kwargs: dict = field(default_factory=dict)   # passed to the model (target's, or a built-in's extra ones)
-    dim: int = 64
-    layers: int = 4
+    dim: int = 64                        # transolver, meshgraphnet: latent width
+    layers: int = 4                      # transolver: blocks; meshgraphnet: message-passing (processor) blocks
     heads: int = 4
     slices: int = 32
     mlp_ratio: int = 2
@@ -115,10 +116,13 @@ class Config:
         return dataclasses.asdict(self)
 
 
+GRAPH_MODELS = ("meshgraphnet",)  # the built-ins whose forward takes the sample's edges (data.edges)
+MESH_MODELS = ("transolver", "meshgraphnet")
+
 _CHOICES = {
     ("data", "kind"): ("mesh", "grid"),
     ("data", "location"): ("surface", "volume"),
-    ("model", "name"): ("transolver", "unet"),
+    ("model", "name"): ("transolver", "meshgraphnet", "unet"),
     ("train", "schedule"): ("cosine", "constant"),
     ("train", "dtype"): ("float32", "float64"),
     ("train", "autocast"): ("none", "bf16"),
@@ -187,7 +191,7 @@ def from_dict(raw: dict) -> Config:
                 raise ConfigError(f"unknown key {name}.{key}{_did_you_mean(key, keys)}; valid keys of [{name}] are "
                                   f"{sorted(keys)}")
             setattr(section, key, _convert(name, key, value, getattr(section, key)))
-    _check(cfg)
+    _check(cfg, {(name, key) for name, values in raw.items() for key in values})
     return cfg
 
 
@@ -232,7 +236,8 @@ def _convert(section: str, key: str, value, default):
     return value
 
 
-def _check(cfg: Config) -> None:
+def _check(cfg: Config, given=frozenset()) -> None:
+    """The rules between keys (``given``: the (section, key) pairs the config set itself)."""
     t = cfg.train
     for key in ("steps", "eval_every", "checkpoint_every", "warmup", "batch"):
         if getattr(t, key) < 0:
@@ -248,9 +253,7 @@ def _check(cfg: Config) -> None:
         module, sep, name = cfg.model.target.rpartition(":")
         if sep and module.endswith(".py"):  # a checkpoint must rebuild it from any working folder
             cfg.model.target = f"{Path(module).resolve()}:{name}"
-    if cfg.eval.block_points and cfg.model.name != "transolver" and not cfg.model.target:
-        raise ConfigError(f"eval.block_points={cfg.eval.block_points}: model {cfg.model.name!r} has no block "
-                          f"inference (only transolver does); set eval.block_points=0")
+    check_block_points(cfg)
     try:
         leads = sorted({int(k) for k in cfg.eval.lead_steps})
     except (TypeError, ValueError):
@@ -282,9 +285,47 @@ def _check(cfg: Config) -> None:
                           f"batch/dp samples per step)")
     if cfg.model.target:
         pass  # the user's model: its sizes come from the data, its contract is checked when it is built
-    elif cfg.data.kind == "grid" and cfg.model.name != "unet" or cfg.data.kind == "mesh" and cfg.model.name != "transolver":
-        raise ConfigError(f"model.name={cfg.model.name!r} does not fit data.kind={cfg.data.kind!r}: use transolver for "
-                          f"mesh stores and unet for grid stores, or your own with model.target=package.module:Class")
+    elif cfg.model.name not in (("unet",) if cfg.data.kind == "grid" else MESH_MODELS):
+        raise ConfigError(f"model.name={cfg.model.name!r} does not fit data.kind={cfg.data.kind!r}: use transolver or "
+                          f"meshgraphnet for mesh stores and unet for grid stores, or your own with "
+                          f"model.target=package.module:Class")
+    _check_edges(cfg, given)
+
+
+def check_block_points(cfg: Config) -> None:
+    """Block inference (``eval.block_points``, ``predict --block-points``) only for a model that has it: the
+    Transolver, or a model.target's ``forward_blocks``, never across a graph's edges."""
+    b, m = cfg.eval.block_points, cfg.model
+    if b and m.name != "transolver" and not m.target:
+        raise ConfigError(f"eval.block_points={b}: model {m.name!r} has no block inference (only transolver does); "
+                          f"set eval.block_points=0")
+    if b and cfg.data.edges:
+        raise ConfigError(f"eval.block_points={b} cuts each sample into blocks of points, and data.edges=true passes "
+                          f"messages across them; set eval.block_points=0")
+
+
+def _check_edges(cfg: Config, given) -> None:
+    """``data.edges``: on by itself for a built-in graph model; refused where no model takes the edges, on a grid
+    and with a points budget (a drawn subset of the points has no graph)."""
+    d, m = cfg.data, cfg.model
+    graph = not m.target and m.name in GRAPH_MODELS
+    if graph:
+        if ("data", "edges") in given and not d.edges:
+            raise ConfigError(f"data.edges=false: model.name={m.name} passes messages along the store's edges, so it "
+                              f"reads them; remove data.edges=false")
+        d.edges = True
+    if not d.edges:
+        return
+    if d.kind != "mesh":
+        raise ConfigError("data.edges=true reads a mesh store's edges; a grid store has none (set data.edges=false)")
+    if not m.target and not graph:
+        raise ConfigError(f"data.edges=true: model.name={m.name!r} takes no edges (its forward has no edges= "
+                          f"keyword); set data.edges=false, or use model.name=meshgraphnet or a model.target whose "
+                          f"forward takes edges=")
+    if d.sample_points:
+        raise ConfigError(f"data.sample_points={d.sample_points} draws a subset of each sample's points, which has "
+                          f"no graph, and data.edges=true{' (model.name=' + m.name + ')' if graph else ''} reads "
+                          f"the sample's edges; set data.sample_points=0")
 
 
 def _parse_scalar(text: str):

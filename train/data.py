@@ -2,8 +2,9 @@
 
 Mesh (surface) samples: per-point inputs (e.g. cell centre and normal, z-scored by the store's train
 statistics) concatenated to (1, N, C_in), the run's design parameters z-scored over the training runs as
-per-sample globals, and the fields to predict concatenated to (1, N, C_out). Grid samples: the readers'
-(1, history * C + S, H, W) window (S static fields last) and (1, C, H, W) target as they are.
+per-sample globals, the fields to predict concatenated to (1, N, C_out), and with ``data.edges`` the sample's
+edges (E, 2) for a graph model. Grid samples: the readers' (1, history * C + S, H, W) window (S static fields
+last) and (1, C, H, W) target as they are. ``call_model`` is the one spelling of the forward contract.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ class Batch:
     x: torch.Tensor
     globals: torch.Tensor | None
     target: torch.Tensor
+    edges: torch.Tensor | None = None    # (E, 2) (sender, receiver) global row numbers, with data.edges
+
+
+def call_model(model, batch: Batch):
+    """The model's forward on ``batch``: ``model(x)``, ``model(x, globals)`` when the batch has globals, with
+    ``edges=`` when it has edges. Training, evaluation and prediction all call a model through this."""
+    args = (batch.x,) if batch.globals is None else (batch.x, batch.globals)
+    return model(*args) if batch.edges is None else model(*args, edges=batch.edges)
 
 
 def build_dataset(cfg: Config, mesh, split: str, shuffle: bool, runs=None, extra_inputs=(), sample_points: int = 0,
@@ -49,14 +58,46 @@ def build_dataset(cfg: Config, mesh, split: str, shuffle: bool, runs=None, extra
         if bad:
             raise ConfigError(f"data.inputs {bad} are not per-point geometry inputs; choose from {sorted(_WIDTH)}")
         inputs = tuple(d.inputs) + tuple(i for i in extra_inputs if i not in d.inputs)
-        return MeshDataset(d.store, mesh, split=split if runs is None else None, location=d.location,
+        store = _with_edges(cfg, runs) if d.edges else d.store
+        return MeshDataset(store, mesh, split=split if runs is None else None, location=d.location,
                            fields=tuple(d.fields), inputs=inputs, shuffle=shuffle, seed=cfg.train.seed,
                            prefetch=d.prefetch, dtype=dtype, runs=runs, sample_points=sample_points,
-                           stats=normalization.stats(norm))
+                           stats=normalization.stats(norm), edges=d.edges)
     axes = ("domain",) if len(d.shard_dims) == 1 else ("domain", "lon")
     return GridDataset(d.store, mesh, split=split, shard_dims=tuple(d.shard_dims), lead=d.lead, history=d.history,
                        shuffle=shuffle, seed=cfg.train.seed, prefetch=d.prefetch, dtype=dtype, domain_axes=axes,
                        static=d.static, stats=normalization.stats(norm))
+
+
+def _with_edges(cfg: Config, runs=None):
+    """``data.store`` opened, refused (ConfigError) when it holds no edges for the graph model (``check_edges``)."""
+    from domainflow.readers import open_store
+
+    store = open_store(cfg.data.store)
+    try:
+        check_edges(cfg, store, runs)
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def check_edges(cfg: Config, store, runs=None) -> None:
+    """With ``data.edges``, the store holds the edges of ``runs`` (default: its first training run), ingested with
+    ``--edges``: else a ConfigError naming the key, the model that needs them and the fix. Metadata only (the
+    launcher runs it before any rank)."""
+    from domainflow.readers.mesh_dataset import has_edges
+
+    d = cfg.data
+    if not d.edges:
+        return
+    runs = list(runs) if runs is not None else list(store.splits.get("train") or store.runs())[:1]
+    missing = [r for r in runs if not has_edges(store, d.location, r)]
+    if missing:
+        who = f"model.name={cfg.model.name}" if not cfg.model.target else f"model.target={cfg.model.target}"
+        raise ConfigError(f"data.edges=true ({who}) reads each sample's edges, but {store.path} holds no {d.location} "
+                          f"edges (run(s) {missing[:5]}): re-ingest it with edges (`domainflow ingest cfd ... --edges "
+                          f"--overwrite`), or use a model without edges (data.edges=false)")
 
 
 def model_io(cfg: Config, ds) -> ModelIO:
@@ -102,4 +143,4 @@ def make_batch(cfg: Config, ds, sample: dict, stats) -> Batch:
     if cfg.data.use_params and stats is not None:
         mean, std = (torch.as_tensor(v, dtype=sample["params"].dtype, device=sample["params"].device) for v in stats)
         g = ((sample["params"] - mean) / std).unsqueeze(0)
-    return Batch(x, g, y)
+    return Batch(x, g, y, sample["edges"] if cfg.data.edges else None)

@@ -105,12 +105,17 @@ def parts_for(domain: int, parts: int) -> int:
 
 def check_measurable(cfg: Config) -> tuple[int, int, int]:
     """(points of the smallest and of the largest training run, parts per run) of the config's mesh store; a
-    grid config or a store without a train split is refused with what to do instead."""
+    grid config, a graph model's (whole samples only) or a store without a train split is refused with what to do
+    instead."""
     from domainflow.readers import open_store
 
     if cfg.data.kind != "mesh":
         raise EstimateError("domainflow estimate measures memory per point of a mesh sample; a grid config splits rows of "
                         "a fixed grid (measure a step with domainflow train --domain 1 instead)")
+    if cfg.data.edges:
+        raise EstimateError(f"domainflow estimate measures draws of a sample's points (data.sample_points), which have "
+                            f"no graph; data.edges=true ({cfg.model.target or cfg.model.name}) trains on whole samples: "
+                            f"measure a step with domainflow train --domain 1 instead")
     if not cfg.data.store:
         raise ConfigError("data.store is not set; give the path of an ingested store (domainflow ingest ...)")
     store = open_store(cfg.data.store)

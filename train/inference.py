@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .config import Config, ConfigError
+from .data import call_model
 
 
 @torch.no_grad()
@@ -18,7 +19,7 @@ def infer(model, batch, cfg: Config):
     model.eval()
     try:
         if not block:
-            return model(batch.x, batch.globals) if batch.globals is not None else model(batch.x)
+            return call_model(model, batch)
         blocks = getattr(model, "forward_blocks", None)
         if blocks is None:
             raise ConfigError(f"eval.block_points={block}: {type(model).__name__} has no forward_blocks (block "

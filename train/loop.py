@@ -28,7 +28,7 @@ from domainflow import comm
 from . import checkpoint as ckpt
 from . import fsdp, normalization, output_folder, run_identity
 from .config import Config, ConfigError
-from .data import Batch, build_dataset
+from .data import Batch, build_dataset, call_model
 from .loggers import Loggers
 from .metrics import evaluate
 from .build import build_mesh, build_model
@@ -134,7 +134,7 @@ class Trainer:
     def _call_model(self, batch):
         if self.cfg.train.checkpoint_activations:
             return _checkpointed(self.model, batch)
-        return self.model(batch.x, batch.globals) if batch.globals is not None else self.model(batch.x)
+        return call_model(self.model, batch)
 
     def _autocast(self):
         if self.cfg.train.autocast == "bf16":
@@ -316,7 +316,7 @@ class Trainer:
         sample = next(ds.samples([(t, 1.0)]))
         batch = make_batch(self.cfg, ds, sample, None)
         self.model.eval()
-        pred = ds.denormalize(self.model(batch.x)).full_tensor()
+        pred = ds.denormalize(call_model(self.model, batch)).full_tensor()
         self.model.train()
         true = ds.denormalize(batch.target).full_tensor()
         if self.rank != 0:
@@ -400,17 +400,18 @@ class Trainer:
 
 
 def _checkpointed(model, batch):
-    """Activation checkpointing of each block of the model (recomputed in backward)."""
+    """Activation checkpointing of each block of the model (``model.blocks``: recomputed in backward, whatever
+    its arguments), or of the whole forward for a model without blocks."""
     from domainflow import checkpoint_activations as checkpoint
 
     blocks = getattr(model, "blocks", None)
     if blocks is None:
-        return checkpoint(lambda x: model(x), batch.x)
+        return checkpoint(lambda b: call_model(model, b), batch)
     originals = [b.forward for b in blocks]
     try:
         for b, f in zip(blocks, originals):
-            b.forward = (lambda f: lambda x: checkpoint(f, x))(f)
-        return model(batch.x, batch.globals) if batch.globals is not None else model(batch.x)
+            b.forward = (lambda f: lambda *args, **kwargs: checkpoint(f, *args, **kwargs))(f)
+        return call_model(model, batch)
     finally:
         for b, f in zip(blocks, originals):
             b.forward = f

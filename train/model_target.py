@@ -7,7 +7,8 @@ width as ``in_dim``, ``in_channels`` or ``in_features``, the output width as ``o
 ``statics``. So ``torch.nn:Conv2d`` with ``{"kernel_size": 3, "padding": 1}`` is a (tiny) grid model.
 
 The forward contract (docs/architecture.md has an example): a mesh model gets ``x`` (1, N, C_in) and, when
-the store's design parameters are used (``data.use_params``), ``globals`` (1, G), and returns (1, N, C_out);
+the store's design parameters are used (``data.use_params``), ``globals`` (1, G), and with ``data.edges`` the
+keyword ``edges`` (E, 2): directed edges (sender, receiver) in global row numbers; it returns (1, N, C_out);
 a grid model gets (1, history * C + S, H, W) and returns (1, C, H, W). Inputs are ShardTensors: plain torch
 code runs on them, domainflow supplies the halos and collectives.
 """
@@ -25,6 +26,7 @@ from torch import nn
 from .config import ConfigError
 
 BUILTIN = {"transolver": "domainflow.train.models.transolver:Transolver",
+           "meshgraphnet": "domainflow.train.models.meshgraphnet:MeshGraphNet",
            "unet": "domainflow.train.models.unet:UNet"}
 SIZE_NAMES = {"in": ("in_dim", "in_channels", "in_features"), "out": ("out_dim", "out_channels", "out_features"),
               "global": ("global_dim",), "statics": ("statics",)}
@@ -128,3 +130,28 @@ def takes_globals(model: nn.Module) -> bool:
     if any(p.kind == p.VAR_POSITIONAL for p in params):
         return True
     return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 2
+
+
+def edges_keyword(forward) -> str:
+    """How ``forward`` takes the sample's edges: "required" (an ``edges`` parameter without a default), "optional"
+    (with one, or ``**kwargs``) or "no"."""
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return "optional"
+    p = params.get("edges")
+    if p is not None and p.kind != p.POSITIONAL_ONLY:
+        return "required" if p.default is p.empty else "optional"
+    return "optional" if any(q.kind == q.VAR_KEYWORD for q in params.values()) else "no"
+
+
+def check_edges_fit(cfg, forward) -> None:
+    """``data.edges`` and the model's forward agree: edges go only to a forward that takes ``edges=``, and a forward
+    that needs them gets them. A ConfigError naming the key and the fix otherwise."""
+    how, target = edges_keyword(forward), cfg.model.target
+    if cfg.data.edges and how == "no":
+        raise ConfigError(f"data.edges=true: the forward of model.target={target} takes no edges keyword; set "
+                          f"data.edges=false, or accept forward(x, ..., edges=...)")
+    if not cfg.data.edges and how == "required":
+        raise ConfigError(f"model.target={target}: its forward needs edges=, which only a store's edges give; set "
+                          f"data.edges=true (a store ingested with --edges)")

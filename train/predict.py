@@ -20,10 +20,10 @@ import torch
 import domainflow as df
 
 from . import checkpoint as ckpt
-from .config import Config, from_dict
+from .config import Config, check_block_points, from_dict
 from .build import build_model
 from . import normalization
-from .data import build_dataset, make_batch, param_stats
+from .data import build_dataset, check_edges, make_batch, param_stats
 from .inference import infer
 
 
@@ -167,6 +167,7 @@ def predict_config(checkpoint: str, store: str, runs, domain: int = 1, block_poi
         if block_points < 0:
             raise ValueError(f"--block-points must be >= 0 (0: the whole run at once), got {block_points}")
         cfg.eval.block_points = block_points
+        check_block_points(cfg)
     if cfg.data.kind != "mesh":
         raise ValueError(f"predict writes surface fields; the checkpoint was trained on a {cfg.data.kind} store")
     from .model_target import check_trusted
@@ -177,6 +178,7 @@ def predict_config(checkpoint: str, store: str, runs, domain: int = 1, block_poi
     try:
         for run in runs:
             handle.run(run)
+        check_edges(cfg, handle, runs)
         if norm is not None:
             normalization.check_fits(norm, handle, cfg, f"the checkpoint {path}")
     finally:

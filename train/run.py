@@ -72,7 +72,10 @@ def preflight(cfg: Config, resume: bool, init_from: str | None = None) -> None:
     try:
         store.require_kind(d.kind)
         if d.kind == "mesh":
-            check_request(store, d.location, d.fields, d.inputs, store.runs("train"), cfg.mesh.domain)
+            from .data import check_edges
+
+            check_edges(cfg, store)
+            check_request(store, d.location, d.fields, d.inputs, store.runs("train"), cfg.mesh.domain, edges=d.edges)
             store.runs(d.val_split)
             if d.use_params:
                 from .data import check_params
@@ -92,7 +95,10 @@ def preflight(cfg: Config, resume: bool, init_from: str | None = None) -> None:
     if cfg.model.target:  # importable, and the kwargs are its parameters
         from . import model_target
 
-        model_target.check_kwargs(cfg.model.target, model_target.resolve(cfg.model.target), cfg.model.kwargs)
+        model = model_target.resolve(cfg.model.target)
+        model_target.check_kwargs(cfg.model.target, model, cfg.model.kwargs)
+        if cfg.data.kind == "mesh":
+            model_target.check_edges_fit(cfg, model.forward)
     if resume:
         folder = Path(cfg.output.dir) / "checkpoints"
         try:

@@ -17,7 +17,8 @@ import json
 from . import normalization
 from .config import ConfigError
 
-_MODEL_KEYS = {"transolver": ("dim", "layers", "heads", "slices", "mlp_ratio", "dropout"), "unet": ("base", "levels")}
+_MODEL_KEYS = {"transolver": ("dim", "layers", "heads", "slices", "mlp_ratio", "dropout"),
+               "meshgraphnet": ("dim", "layers"), "unet": ("base", "levels")}
 
 
 def identity(cfg, norm: dict) -> dict:
@@ -32,6 +33,7 @@ def identity(cfg, norm: dict) -> dict:
                 "data.location": d.location if d.kind == "mesh" else None,
                 "data.use_params": d.use_params if d.kind == "mesh" else None,
                 "data.sample_points": d.sample_points if d.kind == "mesh" else None,
+                "data.edges": True if d.edges else None,  # absent when off: identities recorded before it match
                 "data.lead": d.lead if d.kind == "grid" else None, "data.history": d.history if d.kind == "grid" else None,
                 "data.static": d.static if d.kind == "grid" else None,
                 "training data (channels)": normalization.digest(norm),

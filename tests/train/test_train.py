@@ -217,7 +217,7 @@ def test_config_errors_name_the_key_and_the_choices(tmp_path, stores):
         load_config(None, ["train.stpes=3"])
     with pytest.raises(ConfigError, match=r"unknown config section 'modle'.*sections are"):
         load_config(None, ["modle.dim=3"])
-    with pytest.raises(ConfigError, match=r"model\.name = 'gpt' is not one of \['transolver', 'unet'\]"):
+    with pytest.raises(ConfigError, match=r"model\.name = 'gpt' is not one of \['transolver', 'meshgraphnet', 'unet'\]"):
         load_config(None, ["model.name=gpt"])
     with pytest.raises(ConfigError, match=r"train\.steps must be an integer"):
         load_config(None, ["train.steps=lots"])

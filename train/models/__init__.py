@@ -1,6 +1,7 @@
 """Models for the reference jobs: plain PyTorch modules (domain parallelism comes from the inputs)."""
 
+from .meshgraphnet import MeshGraphNet
 from .transolver import PhysicsAttention, Transolver, TransolverBlock
 from .unet import UNet
 
-__all__ = ["PhysicsAttention", "Transolver", "TransolverBlock", "UNet"]
+__all__ = ["MeshGraphNet", "PhysicsAttention", "Transolver", "TransolverBlock", "UNet"]
