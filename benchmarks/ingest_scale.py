@@ -54,8 +54,9 @@ report = ingest_drivaerml(raw, store, parts=64, locations=(loc,), split=(1.0, 0.
                           reader=reader, memory_limit=limit, overwrite=True, workers=workers, method=method)
 seconds = time.perf_counter() - t
 task = report.tasks[0]
-# one worker: the run's tasks ran in this process (its high-water mark); more: each stage's own worker peak
-peak = peak_memory() if workers == 1 else report.peak_rss
+# each stage resets the kernel's high-water mark when it starts and records its own peak (report.peak_rss is the
+# largest, whole process, in whichever worker ran it); peak_memory() alone would be the last stage's only
+peak = max(peak_memory(), report.peak_rss)
 print(json.dumps({"seconds": seconds, "task_seconds": task["seconds"], "cells": task["cells"][loc],
                   "raw_bytes": task["raw_bytes"], "base_rss": base, "peak_rss": peak, "workers": workers,
                   "tasks": task.get("tasks", 1), "pids": len(task.get("pids", [0]))}))

@@ -4,16 +4,17 @@ Surface cells (polygons) touch when they share an edge, volume cells when they s
 compared by position, not by id, so cells of different pieces, patches or OpenFOAM processor folders (each
 with its own copy of the points they share) connect as they do in the whole mesh.
 
-Each side of a cell (a polygon's edge: 2 points; a volume cell's face: 3 or 4 points) is keyed by its points'
-coordinates in sorted order; cells whose sides have equal keys touch (every pair of them, when more than two
+Each side of a cell (a polygon's edge: 2 points; a volume cell's face: 3 or 4 points) is keyed by its distinct
+points' coordinates in sorted order (a quad face with a repeated point is a triangle); cells whose sides have equal keys touch (every pair of them, when more than two
 share one). The store keeps both directions of each adjacency as ``(sender, receiver)`` rows in the run's row
 numbers, sorted by (receiver, sender), with ``edge_parts`` marking each spatial part's stretch
 (``domainflow.store.format.EDGES``).
 
 Two paths, one result: :func:`location_edges` in memory (the whole-file ingest), and :class:`StreamedEdges`
 for the streaming ingest, which writes the keys to bucket files by a hash of their first point, pairs each
-bucket alone, groups the edges by their receiver's part in files, and sorts one group at a time. Its memory is
-one bucket or group (about a block of cells' worth) plus the cell -> row map, 4 bytes per cell.
+bucket alone, groups the edges by ranges of their receiver's row in files (as many groups as buckets, whatever
+the number of parts), and sorts one group at a time. Its memory is one bucket or group (about a quarter of a
+block's budget) plus the cell -> row map, 4 bytes per cell.
 """
 
 from __future__ import annotations
@@ -70,17 +71,24 @@ def side_keys(sizes: np.ndarray, conn: np.ndarray, points: np.ndarray, types: np
             cell_pts = conn[starts[idx][:, None] + np.arange(_POINTS[int(t)])[None, :]]
             for f in faces:
                 sides.setdefault(len(f), []).append((cell_pts[:, list(f)], idx))
-    out = {}
+    keyed: dict[int, list] = {}
     for k, parts in sides.items():
         ids = np.concatenate([p for p, _ in parts])
         cells = np.concatenate([c for _, c in parts]).astype(np.int64)
         p = _sorted_points(points[ids])
-        # a side collapsed by repeated points (an edge of length 0, a face of fewer than 3 distinct points) is no
-        # side: two cells meeting only at such a point or line do not touch
-        distinct = 1 + (p[:, 1:] != p[:, :-1]).any(axis=2).sum(axis=1)
-        keep = distinct >= min(k, 3)
-        out[k] = (p[keep].reshape(int(keep.sum()), 3 * k), cells[keep])
-    return out
+        # a side is keyed by its distinct points: a quad face with a repeated point (a hexahedron written as a
+        # prism) is the triangle it is; one collapsed further (an edge of length 0, a face of fewer than 3
+        # distinct points) is no side, so cells meeting only at such a point or line do not touch
+        new = (p[:, 1:] != p[:, :-1]).any(axis=2)
+        distinct = 1 + new.sum(axis=1)
+        first = np.concatenate([np.ones((len(p), 1), bool), new], axis=1)  # each distinct point once (sorted)
+        for m in np.unique(distinct):
+            if m < min(k, 3):
+                continue
+            rows = distinct == m
+            keys = p[rows][first[rows]].reshape(int(rows.sum()), 3 * int(m))
+            keyed.setdefault(int(m), []).append((keys, cells[rows]))
+    return {m: (np.concatenate([k for k, _ in v]), np.concatenate([c for _, c in v])) for m, v in keyed.items()}
 
 
 def _sorted_points(p: np.ndarray) -> np.ndarray:
@@ -216,8 +224,8 @@ class StreamedEdges:
         for fh in self.files.values():
             fh.close()
         offsets = np.asarray(offsets, dtype=np.int64)
-        parts = len(offsets) - 1
-        groups = max(1, min(parts, self.buckets or 1))
+        parts, rows = len(offsets) - 1, max(1, len(row_of))
+        groups = max(1, self.buckets or 1)  # by ranges of receiver rows: about a bucket of edges each, however few parts
         part_files = {}
         for name in sorted(n for n in self.files if n.startswith("sides")):
             k = int(name[5:name.index(".")])
@@ -225,7 +233,7 @@ class StreamedEdges:
             a, b = shared_pairs(rec["key"], rec["cell"])
             del rec
             e = both_ways(row_of[a], row_of[b])
-            g = (np.searchsorted(offsets, e[:, 1], side="right") - 1) * groups // parts
+            g = e[:, 1] * groups // rows
             for j in np.unique(g):
                 fh = part_files.get(j) or open(self.scratch / f"{self.tag}.group.{j}", "ab")
                 part_files[j] = fh

@@ -92,7 +92,8 @@ def check_edges(cfg: Config, store, runs=None) -> None:
     if not d.edges:
         return
     runs = list(runs) if runs is not None else list(store.splits.get("train") or store.runs())[:1]
-    missing = [r for r in runs if not has_edges(store, d.location, r)]
+    # a run without the location at all is the reader's error to name (check_request: "has no 'volume' data")
+    missing = [r for r in runs if d.location in store.run(r) and not has_edges(store, d.location, r)]
     if missing:
         who = f"model.name={cfg.model.name}" if not cfg.model.target else f"model.target={cfg.model.target}"
         raise ConfigError(f"data.edges=true ({who}) reads each sample's edges, but {store.path} holds no {d.location} "

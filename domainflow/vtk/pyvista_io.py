@@ -41,7 +41,7 @@ def read_dataset(path, arrays: dict | None = None, association: str | None = Non
     wanted = dict(arrays or {})
     with pv.VtkErrorCatcher(raise_errors=False, send_to_logging=False) as caught:
         try:
-            reader = pv.get_reader(str(path)) if openfoam is None else openfoam_reader(Path(path), *openfoam)
+            reader = _reader(Path(path)) if openfoam is None else openfoam_reader(Path(path), *openfoam)
         except VtkFileError:
             raise
         except Exception as exc:  # unknown extension, unreadable file
@@ -78,6 +78,22 @@ def read_dataset(path, arrays: dict | None = None, association: str | None = Non
         wanted = _resolve(name, wanted, optional, {"cell": list(mesh.cell_data.keys()),
                                                    "point": list(mesh.point_data.keys())}, fix)
     return mesh, wanted
+
+
+def _reader(path: Path):
+    """pyvista's reader of ``path``; a ``.pvtp`` (VTK's parallel PolyData pieces, which ``pv.get_reader`` does not
+    know) through VTK's ``vtkXMLPPolyDataReader``, with pyvista's array selection as for a ``.pvtu``."""
+    import pyvista as pv
+
+    if path.suffix.lower() != ".pvtp":
+        return pv.get_reader(str(path))
+    from pyvista.core.utilities.reader import BaseReader, PointCellDataSelection
+    from vtkmodules.vtkIOXML import vtkXMLPPolyDataReader
+
+    class XMLPPolyDataReader(BaseReader, PointCellDataSelection):
+        _vtk_class = vtkXMLPPolyDataReader  # not in pyvista's VTK class table, so not by name
+
+    return XMLPPolyDataReader(str(path))
 
 
 def openfoam_pieces(case: Path) -> list[Path]:
