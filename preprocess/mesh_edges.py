@@ -60,7 +60,7 @@ def side_keys(sizes: np.ndarray, conn: np.ndarray, points: np.ndarray, types: np
             raise IngestError(f"{name}: a volume's adjacency needs cell types (a .vtu); this file has none")
         types = np.asarray(types)
         starts = np.cumsum(sizes) - sizes
-        for t in np.unique(types):
+        for t in np.flatnonzero(np.bincount(types.astype(np.int64))):  # the types present (small ints)
             faces = _FACES.get(int(t))
             idx = np.flatnonzero(types == t)
             if faces is None or (np.asarray(sizes)[idx] != _POINTS[int(t)]).any():
@@ -71,38 +71,36 @@ def side_keys(sizes: np.ndarray, conn: np.ndarray, points: np.ndarray, types: np
             cell_pts = conn[starts[idx][:, None] + np.arange(_POINTS[int(t)])[None, :]]
             for f in faces:
                 sides.setdefault(len(f), []).append((cell_pts[:, list(f)], idx))
+    rank, first_of = _position_ranks(points)
     keyed: dict[int, list] = {}
     for k, parts in sides.items():
         ids = np.concatenate([p for p, _ in parts])
         cells = np.concatenate([c for _, c in parts]).astype(np.int64)
-        p = _sorted_points(points[ids])
+        r = np.sort(rank[ids], axis=1)  # each side's points in (x, y, z) order, as ranks of their positions
         # a side is keyed by its distinct points: a quad face with a repeated point (a hexahedron written as a
         # prism) is the triangle it is; one collapsed further (an edge of length 0, a face of fewer than 3
         # distinct points) is no side, so cells meeting only at such a point or line do not touch
-        new = (p[:, 1:] != p[:, :-1]).any(axis=2)
+        new = r[:, 1:] != r[:, :-1]
         distinct = 1 + new.sum(axis=1)
-        first = np.concatenate([np.ones((len(p), 1), bool), new], axis=1)  # each distinct point once (sorted)
-        for m in np.unique(distinct):
+        first = np.concatenate([np.ones((len(r), 1), bool), new], axis=1)  # each distinct point once
+        for m in np.flatnonzero(np.bincount(distinct)):
             if m < min(k, 3):
                 continue
             rows = distinct == m
-            keys = p[rows][first[rows]].reshape(int(rows.sum()), 3 * int(m))
+            keys = points[first_of[r[rows][first[rows]]]].reshape(int(rows.sum()), 3 * int(m))
             keyed.setdefault(int(m), []).append((keys, cells[rows]))
     return {m: (np.concatenate([k for k, _ in v]), np.concatenate([c for _, c in v])) for m, v in keyed.items()}
 
 
-def _sorted_points(p: np.ndarray) -> np.ndarray:
-    """(M, k, 3) with each row's k points in lexicographic (x, y, z) order: a sorting network, vectorised."""
-    p = p.copy()
-    pairs = {2: [(0, 1)], 3: [(0, 1), (1, 2), (0, 1)], 4: [(0, 1), (2, 3), (0, 2), (1, 3), (1, 2)]}[p.shape[1]]
-    for i, j in pairs:
-        a, b = p[:, i], p[:, j]
-        swap = (b[:, 0] < a[:, 0]) | ((b[:, 0] == a[:, 0]) & ((b[:, 1] < a[:, 1]) |
-                                                              ((b[:, 1] == a[:, 1]) & (b[:, 2] < a[:, 2]))))
-        a2 = np.where(swap[:, None], b, a)
-        p[:, j] = np.where(swap[:, None], a, b)
-        p[:, i] = a2
-    return p
+def _position_ranks(points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each point's rank among the distinct positions in (x, y, z) order (equal positions, one rank), and a
+    point of each rank: sorting a side's points is then sorting small integers."""
+    order = np.lexsort(points.T[::-1])
+    p = points[order]
+    new = np.r_[True, (p[1:] != p[:-1]).any(axis=1)] if len(p) else np.zeros(0, bool)
+    rank = np.empty(len(points), np.int64)
+    rank[order] = np.cumsum(new) - 1
+    return rank, order[new]
 
 
 def shared_pairs(keys: np.ndarray, cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -123,7 +121,8 @@ def shared_pairs(keys: np.ndarray, cells: np.ndarray) -> tuple[np.ndarray, np.nd
     starts = np.flatnonzero(np.r_[True, ~same])
     lengths = np.diff(np.r_[starts, len(k)])
     a_out, b_out = [], []
-    for n in np.unique(lengths[lengths >= 2]):
+    counts = np.bincount(lengths)
+    for n in np.flatnonzero(counts[2:]) + 2:
         at = starts[lengths == n]
         i, j = np.triu_indices(int(n), 1)
         a_out.append(c[at[:, None] + i[None, :]].ravel())
@@ -155,7 +154,8 @@ def sorted_once(e: np.ndarray) -> np.ndarray:
         return e.reshape(0, 2)
     n = int(e.max()) + 1
     if n < (1 << 31):  # one int64 key per edge: a 1-D unique, much faster than unique over rows
-        key = np.unique(e[:, 1] * n + e[:, 0])
+        key = np.sort(e[:, 1] * n + e[:, 0])
+        key = key[np.r_[True, key[1:] != key[:-1]]]
         return np.stack([key % n, key // n], axis=1)
     return np.unique(e[:, ::-1], axis=0)[:, ::-1].copy()  # unique sorts by its first column: the receiver
 
@@ -208,13 +208,13 @@ class StreamedEdges:
             per_cell = sum(len(c) for _, c in sides.values()) / max(1, cells_in_block)
             self.buckets = max(1, math.ceil(self.n_cells * per_cell * KEY_BYTES / self.budget))
         for k, (keys, cells) in sides.items():
-            rec = np.empty(len(keys), dtype=[("key", "<f8", (3 * k,)), ("cell", "<i8")])
-            rec["key"], rec["cell"] = keys, cells + first_cell
             b = _bucket(keys, self.buckets)
             order = np.argsort(b, kind="stable")
+            rec = np.empty(len(keys), dtype=[("key", "<f8", (3 * k,)), ("cell", "<i8")])
+            rec["key"], rec["cell"] = keys[order], cells[order] + first_cell  # bucket by bucket: slices below
             cuts = np.searchsorted(b[order], np.arange(self.buckets + 1))
             for j in np.flatnonzero(np.diff(cuts)):
-                rec[order[cuts[j]:cuts[j + 1]]].tofile(self._file(f"sides{k}.{j}"))
+                rec[cuts[j]:cuts[j + 1]].tofile(self._file(f"sides{k}.{j}"))
 
     def write(self, group: Path, row_of: np.ndarray, offsets: np.ndarray, chunk_rows: int) -> int:
         """Pair each bucket, group the directed edges by receiver part, sort each group and write ``edges`` and
@@ -234,10 +234,13 @@ class StreamedEdges:
             del rec
             e = both_ways(row_of[a], row_of[b])
             g = e[:, 1] * groups // rows
-            for j in np.unique(g):
+            order = np.argsort(g, kind="stable")  # each group's edges one slice (not a scan per group)
+            e, g = e[order], g[order]
+            cuts = np.searchsorted(g, np.arange(groups + 1))
+            for j in np.flatnonzero(np.diff(cuts)):
                 fh = part_files.get(j) or open(self.scratch / f"{self.tag}.group.{j}", "ab")
                 part_files[j] = fh
-                e[g == j].tofile(fh)
+                e[cuts[j]:cuts[j + 1]].tofile(fh)
             (self.scratch / f"{self.tag}.{name}").unlink()
         for fh in part_files.values():
             fh.close()
