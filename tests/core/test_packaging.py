@@ -185,7 +185,7 @@ def first_imports():
     code = (
         "import json, os, sys, traceback\n"
         "import torch, torch.distributed, torch.distributed.tensor\n"
-        "results = {}\n"
+        "results, children = {}, {}\n"
         f"for module in {_FIRST_IMPORTS!r}:\n"
         "    r, w = os.pipe()\n"
         "    pid = os.fork()\n"
@@ -202,6 +202,8 @@ def first_imports():
         "            os.write(w, traceback.format_exc()[-2000:].encode())\n"
         "            os._exit(1)\n"
         "    os.close(w)\n"
+        "    children[module] = (pid, r)\n"
+        "for module, (pid, r) in children.items():  # all started first: they import at the same time\n"
         "    with os.fdopen(r, 'rb') as f:\n"
         "        said = f.read().decode()\n"
         "    _, status = os.waitpid(pid, 0)\n"
