@@ -205,7 +205,8 @@ class StreamedEdges:
     def add(self, sides: dict[int, tuple[np.ndarray, np.ndarray]], first_cell: int, cells_in_block: int) -> None:
         """One block's sides (cells numbered from ``first_cell``) appended to their buckets' files."""
         if self.buckets is None:  # from the first block: about one budget of keys per bucket
-            per_cell = sum(len(c) for _, c in sides.values()) / max(1, cells_in_block)
+            # (at least 2 sides a cell: a first block of collapsed cells must not put a whole run in one bucket)
+            per_cell = max(2.0, sum(len(c) for _, c in sides.values()) / max(1, cells_in_block))
             self.buckets = max(1, math.ceil(self.n_cells * per_cell * KEY_BYTES / self.budget))
         for k, (keys, cells) in sides.items():
             b = _bucket(keys, self.buckets)
