@@ -518,9 +518,10 @@ def _free_port() -> int:
 
 _FORKSERVER_LOCK = threading.Lock()
 _STARTED_FORKSERVER = False  # this module started the fork server (stop it at exit)
-# model libraries the model-zoo tests import on every rank (MONAI: about 4 s each): imported once by the fork
-# server instead, where installed (multiprocessing skips a preload that fails to import)
-_MODEL_LIBRARIES = ("monai.networks.nets", "neuralop")
+# model libraries the model-zoo tests import on every rank: imported once by the fork server instead
+# (model_libraries.py: only what the nets use)
+_MODEL_LIBRARIES = ("model_libraries",)
+_HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _get_context(method: str):
@@ -539,12 +540,16 @@ def _get_context(method: str):
                     preload.append(__name__)
                 ctx.set_forkserver_preload(preload)
                 # The fork server's environment is what every forked worker inherits: one thread
-                # per BLAS/OpenMP pool.  Set it only while the server starts.
+                # per BLAS/OpenMP pool.  Set it only while the server starts. PYTHONPATH: Python 3.11's fork
+                # server ignores the sys.path it is sent, so without it the harness modules above (this one,
+                # model_libraries) would be skipped as missing and imported again by every worker.
                 saved = {k: os.environ.get(k) for k in
-                         ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+                         ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "PYTHONPATH")}
                 try:
                     for k in saved:
                         os.environ[k] = "1"
+                    os.environ["PYTHONPATH"] = os.pathsep.join(
+                        [_HARNESS_DIR, *([saved["PYTHONPATH"]] if saved["PYTHONPATH"] else [])])
                     forkserver.ensure_running()
                     global _STARTED_FORKSERVER
                     _STARTED_FORKSERVER = True
