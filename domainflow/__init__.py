@@ -8,7 +8,8 @@ PyTorch model gives the single-device answer.
 # Names load on first use (PEP 562), so that ``import domainflow.preprocess`` in an ingest worker does not
 # pay for importing torch; the first access to any of them loads the engine and its built-in handlers.
 _EXPORTS = {
-    "CollectiveError": "errors", "DomainflowError": "errors", "ShardingMismatchError": "errors",
+    "CollectiveError": "errors", "CompileUnsupportedError": "errors", "DomainflowError": "errors",
+    "ShardingMismatchError": "errors",
     "ShardingShapeError": "errors", "UnsupportedShardedOp": "errors", "ReplicaMismatchError": "errors",
     "init_mesh": "layout.mesh", "Partial": "layout.placements", "Placement": "layout.placements",
     "Replicate": "layout.placements", "Shard": "layout.placements", "ShardSpec": "layout.spec",
@@ -19,7 +20,7 @@ _EXPORTS = {
     "sync_module": "tensor.consistency",
     "REGISTRY": "dispatch.registry", "register_aten": "dispatch.registry", "register_function": "dispatch.registry",
     "fallback": "dispatch.fallback", "deferred_param_grads": "dispatch.param_grads",
-    "checkpoint_activations": "dispatch.activation_checkpoint",
+    "checkpoint_activations": "dispatch.activation_checkpoint", "compile": "dispatch.compiled",
     "knn": "ops.neighbours", "radius": "ops.neighbours",
     # numpy-style functions opt_einsum looks for in the module a ShardTensor's class comes from (not in __all__)
     "tensordot": "tensor.array_backend", "transpose": "tensor.array_backend", "einsum": "tensor.array_backend",
@@ -63,9 +64,11 @@ def __dir__():
 
 
 __all__ = [
-    "checkpoint_activations", "CollectiveError", "DomainflowError", "Partial", "Placement", "REGISTRY", "Replicate", "Shard",
+    "checkpoint_activations", "CollectiveError", "CompileUnsupportedError", "DomainflowError", "Partial", "Placement",
+    "REGISTRY", "Replicate", "Shard",
     "ShardSpec", "ShardTensor", "ShardingMismatchError", "ShardingShapeError", "UnsupportedShardedOp",
     "deferred_param_grads", "distribute_tensor", "fallback", "init_mesh", "knn", "radius", "reduce_partials",
     "register_aten", "register_function", "ReplicaMismatchError", "scatter_tensor", "sync_module",
 ]
+# (``compile`` is exported but left out of __all__: ``from domainflow import *`` would shadow the builtin)
 __version__ = "0.1.0"

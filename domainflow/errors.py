@@ -41,3 +41,17 @@ class CollectiveError(DomainflowError, RuntimeError):
 
 class ReplicaMismatchError(DomainflowError, ValueError):
     """A tensor that must be equal on every rank (a replicated parameter) differs between ranks."""
+
+
+class CompileUnsupportedError(DomainflowError, RuntimeError):
+    """An exchange between ranks that domainflow cannot record in a torch.compile graph was reached while
+    torch.compile traced (only halo row fetches, all-reduces and ring shifts are traced, as functional
+    collectives: see docs/engine-and-handlers.md, "torch.compile"), or a domain-parallel model was traced by
+    a raw ``torch.compile`` instead of ``domainflow.compile`` (which checks across ranks before each call)."""
+
+    def __init__(self, what: str, message: str | None = None):
+        self.what = what
+        super().__init__(message or (
+            f"domainflow cannot trace {what} under torch.compile (only halo row fetches, all-reduces and ring "
+            f"shifts compile); run this region eagerly: wrap it in torch.compiler.disable, or compile only the "
+            f"parts without it"))

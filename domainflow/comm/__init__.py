@@ -15,7 +15,7 @@ row fetches) builds on ``p2p``. Callers use this package's names: ``from domainf
 from domainflow.comm.autograd import (all_gather_autograd, all_reduce_sum_autograd, all_reduce_to_replicated,
                                       all_to_all_autograd)
 from domainflow.comm.base import (STALL_WAIT_S, CommStats, _all_gather_single, dim_ranks, group_size, mesh_device,
-                                  pending_checks, set_check_runner, stats)
+                                  pending_checks, refuse_compiling, refuse_unchecked_compile, set_check_runner, stats)
 from domainflow.comm.collectives import (EXCHANGE_REDUCE_MAX_BYTES, Rider, all_gather_ints, all_gather_object,
                                          all_gather_object_mesh, all_gather_uneven, all_reduce, all_reduce_coalesced, all_to_all_dims,
                                          broadcast, land, ride_along)
@@ -27,5 +27,6 @@ __all__ = ["CommStats", "EXCHANGE_REDUCE_MAX_BYTES", "IndexPlan", "Rider", "STAL
            "all_gather_ints", "all_gather_object", "all_gather_object_mesh", "all_gather_uneven", "all_reduce", "all_reduce_coalesced",
            "all_reduce_sum_autograd", "all_reduce_to_replicated", "all_to_all_autograd", "all_to_all_dims",
            "begin_exchange", "broadcast", "dim_ranks", "fetch", "fetch_rows", "gather_indexed", "group_size",
-           "halo_exchange", "index_plan", "land", "mesh_device", "pending_checks", "ride_along", "return_rows",
+           "halo_exchange", "index_plan", "land", "mesh_device", "pending_checks", "refuse_compiling",
+           "refuse_unchecked_compile", "ride_along", "return_rows",
            "ring_shift", "route_to_owners", "scatter_pieces", "send_header", "set_check_runner", "stats"]

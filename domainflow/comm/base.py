@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 import weakref
 from collections import Counter
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from domainflow.errors import CollectiveError
+from domainflow.errors import CollectiveError, CompileUnsupportedError
 from domainflow.layout.spec import mesh_shape
 
 
@@ -28,6 +29,33 @@ def set_check_runner(run) -> None:
     """Install ``run(before: str)``, called before a collective while ``pending_checks`` is non-empty."""
     global _run_checks
     _run_checks = run
+
+
+_compiling = torch.compiler.is_compiling
+
+
+def refuse_compiling(what: str) -> None:
+    """While torch.compile traces, raise :class:`CompileUnsupportedError` naming ``what``: every eager exchange
+    passes here first (the pairing round of each collective, point-to-point exchanges, scatters, headers), so
+    an exchange that ``comm.traced`` does not record as a functional collective fails by name instead of
+    running on fake tensors or tracing something else."""
+    if _compiling():
+        raise CompileUnsupportedError(what)
+
+
+# Set (per thread) while domainflow.compile's wrapper calls its compiled function: Dynamo and AOTAutograd trace
+# (and re-trace, on a recompile) inside that call, in this thread, so a trace that sees it unset was started
+# by a raw torch.compile, whose graphs would run with no cross-rank check of parameters or declared layouts.
+checked_compile = threading.local()
+UNCHECKED_COMPILE = ("compile domain-parallel models with domainflow.compile(model), which checks parameters and "
+                     "layouts across ranks before each call")
+
+
+def refuse_unchecked_compile(what: str) -> None:
+    """While torch.compile traces ``what`` (a ShardTensor input, a traced collective, a parameter meeting a
+    ShardTensor) outside ``domainflow.compile``, raise :class:`CompileUnsupportedError` (one line)."""
+    if _compiling() and not getattr(checked_compile, "on", False):
+        raise CompileUnsupportedError(what, UNCHECKED_COMPILE)
 
 
 _REDUCE_OPS = {
@@ -64,6 +92,7 @@ def _dim_name(mesh: DeviceMesh, mesh_dim: int) -> str:
 def _named(op: str, mesh: DeviceMesh | None, mesh_dim: int | None, detail: str = "", entered: float | None = None):
     """Turn a failed collective into a CollectiveError naming it; ``entered``: when this rank started the
     op (default: now), for telling after a timeout which ranks came late."""
+    refuse_compiling(f"{op}{detail}")  # (before the try: never turned into a CollectiveError)
     entered = time.time() if entered is None else entered
     try:
         yield

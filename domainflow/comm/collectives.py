@@ -112,7 +112,8 @@ def _pair(mesh: DeviceMesh, mesh_dim: int, header: Header, what: str, detail: st
     payload. ``p2p``: (sends, recvs, like) of a payload sent point to point meanwhile (Gloo only; see above),
     received into ``_Round.p2p``. Raises the same CollectiveError on every rank if any two ranks' ops differ;
     else returns what came (:class:`_Round`). On an accelerator the host waits for the round here (it reads
-    the headers)."""
+    the headers). While torch.compile traces, raises CompileUnsupportedError naming the collective."""
+    _base.refuse_compiling(f"{what}{detail}")
     seq = begin_exchange(mesh, mesh_dim, what)
     pending = None
     if p2p is not None:
@@ -244,6 +245,10 @@ def all_reduce(t: torch.Tensor, reduce_op: str, mesh: DeviceMesh, mesh_dim: int,
     n = group_size(mesh, mesh_dim)
     if n == 1:
         return t.clone()
+    if torch.compiler.is_compiling():  # a functional all-reduce, recorded in the graph
+        from domainflow.comm import traced
+
+        return traced.all_reduce(t, reduce_op, mesh, mesh_dim)
     if pending_checks:
         _base._run_checks(f"all_reduce({reduce_op})")
     if _riders and reduce_op == "sum":
@@ -587,6 +592,7 @@ def all_gather_ints(values: Sequence[int], mesh: DeviceMesh) -> list[list[int]]:
     ranks = mesh.mesh.flatten().tolist()
     if len(ranks) == 1:
         return [list(values)]
+    _base.refuse_compiling("all_gather(shapes)")
     if pending_checks:
         _base._run_checks("all_gather(shapes)")
     t = torch.tensor(list(values), dtype=torch.int64, device=_device(mesh))

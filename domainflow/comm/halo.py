@@ -9,10 +9,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from domainflow.layout.shapes import index_runs
 from domainflow.layout.spec import mesh_coordinate
 from domainflow.memo import PLANS
+from domainflow.comm import traced as _traced
 from domainflow.comm.p2p import SALT_HALO_BACK, _exchange_start, _exchange_wait, begin_exchange
 
 
 _runs = index_runs
+_compiling = torch.compiler.is_compiling
 
 
 def _copy_rows(dst, dim, positions, src, rows, runs=None):
@@ -139,7 +141,10 @@ def halo_exchange(local: torch.Tensor, dim: int, sizes, wanted, mesh: DeviceMesh
 def fetch(local: torch.Tensor, dim: int, plan, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
     """:func:`halo_exchange` with this rank's plan already made (``shapes.row_fetch_plan``, cached by the
     caller): what per-step window ops use, so no per-call work grows with the rows. Outside autograd (no
-    gradient wanted) the rows are fetched without an autograd node."""
+    gradient wanted) the rows are fetched without an autograd node. While torch.compile traces, one
+    functional all-to-all (``traced.fetch_rows``), differentiable by construction."""
+    if _compiling():
+        return _traced.fetch_rows(local, dim, plan, mesh, mesh_dim)
     if local.requires_grad and torch.is_grad_enabled():
         return _HaloExchange.apply(local, dim, plan, mesh, mesh_dim)
     return fetch_rows(local, dim, plan, mesh, mesh_dim)

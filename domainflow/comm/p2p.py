@@ -21,7 +21,10 @@ def begin_exchange(mesh: DeviceMesh, mesh_dim: int, what: str = "exchange") -> i
     """Start a point-to-point exchange op along a mesh dim; every rank of the dim calls it (also one that then
     has nothing to trade). Runs the pending cross-rank checks and returns the op's number on its group:
     every rank of a group runs the same ops in the same order, so the numbers agree, and a rank that runs one
-    the others do not (``loss.item()`` on rank 0 only) gets numbers that no longer match (see :func:`_tag`)."""
+    the others do not (``loss.item()`` on rank 0 only) gets numbers that no longer match (see :func:`_tag`).
+    While torch.compile traces, raises :class:`~domainflow.errors.CompileUnsupportedError` naming ``what``:
+    the exchanges that compile (``comm.traced``) never come here."""
+    _base.refuse_compiling(what)
     if pending_checks:
         _base._run_checks(what)
     group = _group(mesh, mesh_dim)
@@ -96,6 +99,10 @@ def ring_shift(tensors: Sequence[torch.Tensor], recv_shapes, mesh: DeviceMesh, m
                what: str = "ring exchange") -> list[torch.Tensor]:
     """Send ``tensors`` to the next rank of the ring along ``mesh_dim`` and receive ``recv_shapes``-shaped
     tensors (same dtypes) from the previous one (ring attention's K/V blocks). Every rank of the dim calls it."""
+    if torch.compiler.is_compiling():  # a functional all-to-all, recorded in the graph
+        from domainflow.comm import traced
+
+        return traced.ring_shift(tensors, recv_shapes, mesh, mesh_dim)
     seq = begin_exchange(mesh, mesh_dim, what)
     n = group_size(mesh, mesh_dim)
     me = mesh_coordinate(mesh)[mesh_dim]
@@ -133,6 +140,7 @@ _SCATTERS: dict = {}
 def send_header(header: torch.Tensor | None, length: int, src: int, mesh: DeviceMesh) -> torch.Tensor:
     """Global rank ``src`` sends a small int64 ``header`` (its length known to all: ``length``) to every other
     rank of ``mesh``, which receive it: metadata only the source knows (shapes, dtype, sizes)."""
+    _base.refuse_compiling(f"header send from rank {src}")
     ranks = mesh.mesh.flatten().tolist()
     me = dist.get_rank() if dist.is_initialized() else 0
     tag = _tag(_scatter_seq(ranks), 8 * length, SALT_SCATTER_HEADER)
@@ -152,6 +160,7 @@ def scatter_pieces(pieces: list[torch.Tensor] | None, recv_shape: Sequence[int],
                    device: torch.device, src: int, mesh: DeviceMesh) -> torch.Tensor:
     """Global rank ``src`` sends ``pieces[k]`` to the k-th rank of ``mesh`` (row-major); each rank
     receives only its own piece (point-to-point, not a broadcast of the whole tensor)."""
+    _base.refuse_compiling(f"scatter from rank {src}")
     ranks = mesh.mesh.flatten().tolist()
     me = dist.get_rank() if dist.is_initialized() else 0
     if pending_checks:

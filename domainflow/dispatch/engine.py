@@ -33,6 +33,7 @@ from domainflow.dispatch.toolkit import hook_plain_grads, run_replicated, shard_
 from domainflow.dispatch.toolkit import into_plain, is_sharded, op_name, plain_destination_error
 from domainflow.dispatch.toolkit import (COPIED_VIEWS, mark_copied_view, refuse_write_into_copied_view,
                                         unsupported_or_fallback)
+from domainflow.comm.base import refuse_unchecked_compile as _refuse_unchecked_compile
 from domainflow.errors import UnsupportedShardedOp
 from domainflow.tensor import consistency as _consistency
 from domainflow.tensor.shard_tensor import ShardTensor
@@ -55,15 +56,17 @@ def _engine_function(func, types, args, kwargs):
     come back through ``__torch_dispatch__``)."""
     # parameters meeting a ShardTensor are recorded for the replica check here, at the Python call the model
     # makes, which every rank makes alike (aten-level decompositions may differ between ranks with strides)
+    # (not while torch.compile traces: its parameters are fake; domainflow.compile checks the real ones before
+    # each call, and a trace not started by it is refused here)
     for a in args:
         if type(a) is _PARAMETER and not getattr(a, "_domainflow_recorded", False):
-            _record_parameters(args, kwargs)
+            _record_or_refuse(args, kwargs)
             break
     else:
         if kwargs:  # F.group_norm and friends pass weight and bias by keyword
             for a in kwargs.values():
                 if type(a) is _PARAMETER and not getattr(a, "_domainflow_recorded", False):
-                    _record_parameters(args, kwargs)
+                    _record_or_refuse(args, kwargs)
                     break
     handler = _functions.get(func)
     if handler is not None:
@@ -111,9 +114,17 @@ def _traced_step(trace, run, route, func, args, kwargs):
 
 
 _PARAMETER = torch.nn.Parameter
+_compiling = torch.compiler.is_compiling
 # ShardTensor.__torch_function__ (installed by shard_tensor.install_engine): the fast path, else the engine
 _fast.install(_engine_function)
 method_function = _fast.method_function
+
+
+def _record_or_refuse(args, kwargs) -> None:
+    if _compiling():
+        _refuse_unchecked_compile("a parameter meeting a ShardTensor")
+    else:
+        _record_parameters(args, kwargs)
 
 
 def _record_parameters(args, kwargs) -> None:

@@ -100,6 +100,7 @@ def _plan(index_local, x_spec, m: int, what: str, dedupe: bool = True, cache_on=
     """The exchange plan for ``index_local``; cached on the index ShardTensor ``cache_on`` (a message-passing
     network reuses one neighbour index in every layer; every rank holds the same objects, so every rank
     hits or misses the cache together and no collective is skipped on one rank only)."""
+    comm.refuse_compiling(f"{what} (a gather by global row index)")
     key = (id(x_spec.mesh), m, tuple(x_spec.sizes[m]), dedupe)
     if cache_on is not None:
         cache = cache_on.__dict__.setdefault("_index_plans", {})

@@ -33,6 +33,9 @@ def last_fetch() -> dict:
     return dict(_last_fetch)
 
 
+# torch.compile: knn and radius run eagerly (a graph break; their data-dependent fetches between ranks have no
+# traced form), so a compiled model that calls them gets eager's result (issue 40)
+@torch.compiler.disable
 def knn(points, k: int, queries=None, *, exclude_self: bool = False, boxes: torch.Tensor | None = None):
     """The ``k`` nearest points to each query (each point, when ``queries`` is None).
 
@@ -75,6 +78,7 @@ def knn(points, k: int, queries=None, *, exclude_self: bool = False, boxes: torc
     return _like_queries(idx, queries), _like_queries(d2.sqrt(), queries)
 
 
+@torch.compiler.disable
 def radius(points, r: float, queries=None, *, max_neighbors: int | None = None, exclude_self: bool = False):
     """All points within distance ``r`` of each query (``|q - p|**2 <= r*r``), as an edge list.
 

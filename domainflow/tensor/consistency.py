@@ -245,24 +245,35 @@ def device_checksum(raw: torch.Tensor) -> int:
     return int(acc)
 
 
+def _is_module(o) -> bool:
+    try:
+        return isinstance(o, torch.nn.Module)
+    except ReferenceError:  # a weakref.proxy whose object is gone (torch.compile leaves some behind)
+        return False
+
+
 def _param_name(param: torch.Tensor) -> str:
-    """'Model.blocks.0.norm.weight'-style name of a parameter, found (on the failure path only) among the
-    live modules that hold it; the longest path from a module that is nobody's child."""
+    """'Model.blocks.0.norm.weight'-style name of a parameter (or buffer: domainflow.compile checks those), found
+    (on the failure path only) among the live modules that hold it; the longest path from a module that is
+    nobody's child."""
     import gc
     import warnings
 
     with warnings.catch_warnings():  # isinstance on every live object touches deprecated module attributes
         warnings.simplefilter("ignore")
-        modules = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+        modules = [o for o in gc.get_objects() if _is_module(o)]
+    # torch.compile's wrapper (OptimizedModule) holds the user's model as a child: name from the model
+    modules = [m for m in modules if type(m).__name__ != "OptimizedModule"]
     children = {id(c) for m in modules for c in m.children()}
     best = None
     for m in modules:
         if id(m) in children:
             continue
-        for name, p in m.named_parameters(remove_duplicate=False):
-            if p is param and (best is None or len(name) > len(best)):
-                best = f"{type(m).__name__}.{name}"
-    return f"parameter {best!r}" if best else "a parameter"
+        for kind, named in (("parameter", m.named_parameters), ("buffer", m.named_buffers)):
+            for name, p in named(remove_duplicate=False):
+                if p is param and (best is None or len(name) > len(best[1])):
+                    best = (kind, f"{type(m).__name__}.{name}")
+    return f"{best[0]} {best[1]!r}" if best else "a parameter"
 
 
 def sync_module(module: torch.nn.Module, mesh, buffers: bool = True) -> torch.nn.Module:

@@ -77,3 +77,9 @@ def reduce_partials(*xs):
         out[k] = r
     return tuple(out)
 
+
+
+# torch.compile: a node of the graph, not code for Dynamo to inline (it would trace into ShardTensor's
+# constructor and break the graph): Dynamo runs it on fake ShardTensors, AOTAutograd traces it through the
+# engine, whose all-reduce is then a functional collective (``comm.traced``). (issue 40).
+torch._dynamo.allow_in_graph(reduce_partials)

@@ -120,6 +120,9 @@ class ShardTensor(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner, spec, outer_size, outer_stride):
+        # torch.compile fakes ShardTensor inputs through here: a trace not started by domainflow.compile
+        # (which checks parameters and layouts across ranks before each call) is refused
+        comm.refuse_unchecked_compile("a ShardTensor")
         return ShardTensor(inner["_local"], spec)
 
     def __reduce_ex__(self, proto):

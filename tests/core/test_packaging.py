@@ -359,9 +359,12 @@ def test_the_whole_import_graph_has_no_loop_and_runs_the_documented_way():
     assert not loops, "\n".join(loops[:10])
 
 
-# Inside the collective layer: base <- p2p <- collectives <- autograd <- indexed, and halo on p2p
-_COMM_BELOW = {"base": set(), "p2p": {"base"}, "collectives": {"base", "p2p"}, "halo": {"base", "p2p"},
-               "autograd": {"base", "p2p", "collectives"}, "indexed": {"base", "p2p", "collectives", "autograd"}}
+# Inside the collective layer: base <- traced (torch.compile's functional collectives) <- p2p <- collectives <-
+# autograd <- indexed, and halo on p2p
+_COMM_BELOW = {"base": set(), "traced": {"base"}, "p2p": {"base", "traced"},
+               "collectives": {"base", "traced", "p2p"}, "halo": {"base", "traced", "p2p"},
+               "autograd": {"base", "traced", "p2p", "collectives"},
+               "indexed": {"base", "traced", "p2p", "collectives", "autograd"}}
 
 
 def test_comm_modules_import_only_those_below():

@@ -1,0 +1,130 @@
+"""Collectives while ``torch.compile`` traces: the same exchanges as functional collectives
+(``torch.distributed._functional_collectives``), which Dynamo and AOTAutograd record as graph nodes and
+Inductor compiles. Eager code keeps the numbered, tagged point-to-point exchanges and the pairing round of
+``p2p`` / ``collectives``: those call ``dist.batch_isend_irecv`` and read headers on the host, which a trace
+over fake tensors cannot do (it ran them on fake tensors, or traced ``c10d.send`` with effects that Inductor
+refuses). Nothing here checks that ranks agree (no pairing round): a compiled graph runs the same
+collectives on every rank by construction; ``domainflow.compile`` checks layouts declared per rank and
+replicated parameters eagerly before each call, and each function here refuses a trace started by a raw
+``torch.compile`` (``base.refuse_unchecked_compile``).
+
+Routed here (issue 40): the halo row fetch (``halo.fetch``), ``collectives.all_reduce`` and ``p2p.ring_shift``.
+Every other exchange of the eager layer raises CompileUnsupportedError while compiling (``base.refuse_compiling``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from domainflow.comm.base import _group, group_size, refuse_unchecked_compile
+from domainflow.layout.spec import mesh_coordinate
+
+compiling = torch.compiler.is_compiling
+
+
+def _wait(t):
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _group_name(mesh, mesh_dim: int) -> str:
+    return _group(mesh, mesh_dim).group_name
+
+
+def all_reduce(t: torch.Tensor, reduce_op: str, mesh, mesh_dim: int) -> torch.Tensor:
+    """Out-of-place all-reduce over one mesh dim, traceable (not differentiable: for backward formulas and
+    values that need no gradient)."""
+    refuse_unchecked_compile("all_reduce")
+    if group_size(mesh, mesh_dim) == 1:
+        return t.clone()
+    op = {"sum": "sum", "avg": "avg", "max": "max", "min": "min", "product": "product"}[reduce_op]
+    if op == "avg":  # Gloo has no avg: sum / n, as the eager layer does
+        return _wait(funcol.all_reduce(t.contiguous(), "sum", _group_name(mesh, mesh_dim))) / group_size(mesh, mesh_dim)
+    return _wait(funcol.all_reduce(t.contiguous(), op, _group_name(mesh, mesh_dim)))
+
+
+def _segments(plan, recv_at: dict):
+    """(source, first row, rows) runs that build the fetched block in position order: source 0 the local
+    block, 1 the received rows, 2 a zero row; consecutive rows of one source merged. Plain ints from the
+    plan only (never a traced size: a SymInt kept across traces breaks the next one); cached on the plan."""
+    hit = getattr(plan, "_traced_segments", None)
+    if hit is not None:
+        return hit
+    src = [(2, 0)] * plan.length
+    for p, r in zip(*plan.own):
+        src[p] = (0, r)
+    for k, positions in plan.recv.items():
+        for i, p in enumerate(positions):
+            src[p] = (1, recv_at[k] + i)
+    runs = []
+    for s, r in src:
+        if runs and runs[-1][0] == s and (s == 2 or runs[-1][1] + runs[-1][2] == r):
+            runs[-1][2] += 1
+        else:
+            runs.append([s, r, 1])
+    runs = tuple(tuple(x) for x in runs)
+    object.__setattr__(plan, "_traced_segments", runs)
+    return runs
+
+
+def fetch_rows(local: torch.Tensor, dim: int, plan, mesh, mesh_dim: int) -> torch.Tensor:
+    """``halo.fetch`` while compiling: the rows every rank sends go in one ``all_to_all_single`` with
+    per-rank split sizes (rows, along ``dim`` moved first), and the block is assembled from slices of the
+    local chunk, the received rows and zeros. Differentiable by construction: the all-to-all's autograd
+    sends each row's gradient back to its owner, and ``cat``/``narrow`` add it onto the owner's row."""
+    refuse_unchecked_compile("a halo row fetch")
+    n = group_size(mesh, mesh_dim)
+    x = local.movedim(dim, 0)
+    send_sizes, recv_sizes = [0] * n, [0] * n
+    pieces = []
+    for k in sorted(plan.send):
+        rows = plan.send[k]
+        send_sizes[k] = len(rows)
+        if rows == tuple(range(rows[0], rows[0] + len(rows))):
+            pieces.append(x.narrow(0, rows[0], len(rows)))
+        else:
+            pieces.append(x[list(rows)])
+    recv_at, at = {}, 0
+    for k in range(n):
+        if k in plan.recv:
+            recv_sizes[k] = len(plan.recv[k])
+            recv_at[k] = at
+            at += recv_sizes[k]
+    # every rank of the dim joins, also one with nothing to trade (others may trade among themselves)
+    send = torch.cat(pieces, 0) if pieces else x.new_empty((0,) + tuple(x.shape[1:]))
+    received = _wait(funcol.all_to_all_single_autograd(send.contiguous(), recv_sizes, send_sizes,
+                                                      _group_name(mesh, mesh_dim)))
+    if plan.identity_len == local.shape[dim]:
+        return local
+    parts = []
+    for s, r, k in _segments(plan, recv_at):
+        if s == 0:
+            parts.append(x.narrow(0, r, k))
+        elif s == 1:
+            parts.append(received.narrow(0, r, k))
+        else:
+            parts.append(x.new_zeros((k,) + tuple(x.shape[1:])))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+    return out.movedim(0, dim).contiguous()
+
+
+def ring_shift(tensors, recv_shapes, mesh, mesh_dim: int) -> list:
+    """``p2p.ring_shift`` while compiling: each tensor to the next rank of the ring, one of ``recv_shapes``
+    from the previous, as one ``all_to_all_single`` per tensor (flattened; only the two ring neighbours get a
+    non-zero split). Not differentiable (ring attention's own autograd function calls it in both passes)."""
+    refuse_unchecked_compile("a ring shift")
+    n = group_size(mesh, mesh_dim)
+    me = mesh_coordinate(mesh)[mesh_dim]
+    nxt, prv = (me + 1) % n, (me - 1) % n
+    out = []
+    for t, shape in zip(tensors, recv_shapes):
+        numel = 1
+        for s in shape:
+            numel *= s
+        send_sizes, recv_sizes = [0] * n, [0] * n
+        send_sizes[nxt] = t.numel()
+        recv_sizes[prv] = numel
+        got = _wait(funcol.all_to_all_single(t.contiguous().reshape(-1), recv_sizes, send_sizes,
+                                             _group_name(mesh, mesh_dim)))
+        out.append(got.reshape(tuple(shape)))
+    return out

@@ -1,0 +1,283 @@
+"""torch.compile of domain-parallel models (issue 40): what compiles gives eager's result, what cannot compile
+fails with one named error, and what ranks declare alone is checked before a compiled step.
+
+Each model is compiled with ``domainflow.compile(..., backend="aot_eager")`` (Dynamo and AOTAutograd, the graphs
+run by the eager kernels: no Inductor C++ build in the test suite) on ShardTensor inputs and compared with the
+same model run unsharded in eager mode: the forward and every parameter gradient (float64, 1e-9). Halo row
+fetches, all-reduces and ring shifts are traced as functional collectives (``domainflow.comm.traced``); inputs
+of two different per-rank layouts are both run (the layout is in the guard: a new one recompiles), and a
+counting backend checks one graph per layout (a graph break would add one). A raw ``torch.compile`` is refused
+by name; a parameter differing across ranks and a wrong per-rank layout raise their named errors on every rank
+before the compiled step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import domainflow as df
+from dist_pool import rank_and_world
+from domainflow.errors import CompileUnsupportedError, ReplicaMismatchError, ShardingShapeError
+from sharded_check import get_mesh
+
+D = torch.float64
+TOL = 1e-9
+
+
+def _check(make_model, make_input, shard_dim, layouts, graphs=1, count=True):
+    """Compile ``make_model()`` with ``domainflow.compile`` at this rank count; for each per-rank layout in
+    ``layouts`` compare the compiled forward and parameter gradients with an unsharded eager run; then the
+    count of Dynamo graphs: ``graphs`` per layout (each layout recompiles; a graph break would add one)."""
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,))
+    torch._dynamo.reset()
+    model, ref = make_model(), make_model()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = df.compile(model, backend=counter)
+    for i, sizes in enumerate(layouts):
+        full = make_input(sum(sizes), i)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        want = ref(full)
+        (want ** 2).sum().backward()
+        x = df.distribute_tensor(full, mesh, [df.Shard(shard_dim)], sharding_shapes={0: list(sizes)})
+        y = compiled(x)
+        assert isinstance(y, df.ShardTensor)
+        (y ** 2).sum().backward()
+        assert torch.allclose(y.full_tensor(), want, atol=TOL, rtol=0), f"forward differs, layout {sizes}"
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert p.grad is not None, f"{name}: no gradient"
+            assert type(p.grad) is torch.Tensor, f"{name}: gradient is a {type(p.grad).__name__}"
+            assert torch.allclose(p.grad, q.grad, atol=TOL, rtol=0), f"{name}: gradient differs, layout {sizes}"
+    if count:
+        assert counter.frame_count == graphs * len(layouts), (counter.frame_count, len(layouts))
+    return True
+
+
+# -- models ---------------------------------------------------------------------------------------------------
+def _conv_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.SiLU(),
+                               torch.nn.Conv2d(4, 4, 3, padding=1)).to(D)
+
+
+def _image(rows, i):
+    return torch.randn(1, 3, rows, 6, dtype=D, generator=torch.Generator().manual_seed(10 + i))
+
+
+def _conv(layouts):
+    return _check(_conv_model, _image, 2, layouts)
+
+
+@pytest.mark.parametrize("world,layouts", [(2, [(5, 4), (3, 7)]), (3, [(3, 4, 2)])])
+def test_conv_net(dist, world, layouts):
+    """Two Conv2d layers sharded along H: halo fetches forward, their gradients back, weight sums (3 ranks: a
+    middle rank with two neighbours; one layout, graphs counted at 2 ranks)."""
+    assert all(dist.run(world, _conv, layouts))
+
+
+def _tel_model():
+    torch.manual_seed(0)
+    return torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).to(D)
+
+
+def _sequence(rows, i):
+    return torch.randn(1, rows, 8, dtype=D, generator=torch.Generator().manual_seed(20 + i))
+
+
+def _tel():
+    return _check(_tel_model, _sequence, 1, [(5, 6), (8, 2)])
+
+
+def test_transformer_encoder_layer(dist):
+    """nn.TransformerEncoderLayer with the sequence sharded: ring attention's shifts in the graph."""
+    assert all(dist.run(2, _tel))
+
+
+def _transolver_model():
+    from domainflow.train.models import Transolver
+
+    torch.manual_seed(0)
+    return Transolver(3, 2, dim=8, layers=1, heads=2, slices=4).to(D)
+
+
+def _points(rows, i):
+    return torch.randn(1, rows, 3, dtype=D, generator=torch.Generator().manual_seed(30 + i))
+
+
+def _transolver():
+    return _check(_transolver_model, _points, 1, [(9, 6), (4, 12)])
+
+
+def test_transolver(dist):
+    """Transolver's physics attention: its slice sums are all-reduces in the graph."""
+    assert all(dist.run(2, _transolver))
+
+
+class _Scaled(torch.nn.Module):
+    """Plain (replicated) parameters met by a sharded tensor in pointwise ops: their gradients are sums over
+    the sharded rows, which the reduce-to-plain gradient hook of the eager engine completes (traced into the
+    backward graph as an all-reduce)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(1, 3, 1, 1, dtype=D))
+        self.v = torch.nn.Parameter(torch.randn(6, dtype=D))
+
+    def forward(self, x):
+        return torch.sin(x * self.w) + x * self.v
+
+
+def _scaled_model():
+    torch.manual_seed(0)
+    return _Scaled()
+
+
+def _scaled():
+    return _check(_scaled_model, _image, 2, [(5, 4), (2, 6)])
+
+
+def test_plain_parameter_gradients(dist):
+    assert all(dist.run(2, _scaled))
+
+
+# -- what does not compile: one named error -------------------------------------------------------------------
+def _unrouted():
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,))
+    g = torch.Generator().manual_seed(3)
+    x = df.distribute_tensor(torch.randn(9, 3, dtype=D, generator=g), mesh, [df.Shard(0)], sharding_shapes={0: [4, 5]})
+    idx = df.distribute_tensor(torch.tensor([0, 8, 2, 5, 7]), mesh, [df.Shard(0)], sharding_shapes={0: [2, 3]})
+    found = []
+    for fn, args in [(lambda x, idx: torch.sin(x)[idx], (x, idx)),  # a gather by global row index
+                     (lambda x: torch.sin(x).full_tensor(), (x,))]:  # an all-gather
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as info:
+            df.compile(fn, backend="aot_eager")(*args)
+        chain, e = [], info.value
+        while e is not None:
+            chain.append(e)
+            e = e.__cause__ or e.__context__
+        named = [c for c in chain if isinstance(c, CompileUnsupportedError)]
+        assert named, f"no CompileUnsupportedError in {[type(c).__name__ for c in chain]}: {info.value}"
+        assert "torch.compiler.disable" in str(named[0]) and "under torch.compile" in str(named[0])
+        assert "domainflow cannot trace" in str(info.value)  # the top-level message quotes it
+        found.append(str(named[0]).split(" under ")[0])
+    assert "gather by global row index" in found[0] and "all_gather" in found[1], found
+    # the same model runs eagerly once compile is out of the way
+    torch._dynamo.reset()
+    assert torch.equal(torch.sin(x)[idx].full_tensor(), torch.sin(x.full_tensor())[idx.full_tensor()])
+    return True
+
+
+def test_unrouted_exchange_is_named(dist):
+    """A gather by global index and a full_tensor() inside the compiled region raise CompileUnsupportedError
+    (in the exception chain, quoted in Dynamo's message) instead of running eagerly on fake tensors."""
+    assert all(dist.run(2, _unrouted))
+
+
+def _knn():
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,))
+    pts = torch.randn(14, 3, dtype=D, generator=torch.Generator().manual_seed(4))
+    x = df.distribute_tensor(pts, mesh, [df.Shard(0)], sharding_shapes={0: [5, 9]})
+    torch._dynamo.reset()
+    got = df.compile(lambda p: df.knn(p, 3), backend="aot_eager")(x)
+    want = df.knn(x, 3)
+    return all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(got, want))
+
+
+def test_knn_runs_eagerly(dist):
+    """domainflow.knn is torch.compiler.disable'd: a compiled caller gets eager's neighbours (a graph break)."""
+    assert all(dist.run(2, _knn))
+
+
+# -- what domainflow.compile checks, and a raw torch.compile refused -----------------------------------------
+def _chain(e):
+    out = []
+    while e is not None:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def _raw_compile_refused():
+    """Raw torch.compile of a domain-parallel model fails by name, also when domainflow.compile compiled the
+    same model before (a new layout re-traces outside the wrapper; the same layout must not reuse its graph)."""
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,))
+    model = _conv_model()
+    torch._dynamo.reset()
+    said = []
+    for i, sizes in enumerate([(5, 4), (3, 7), (3, 7), (5, 4)]):
+        x = df.distribute_tensor(_image(sum(sizes), 0), mesh, [df.Shard(2)], sharding_shapes={0: list(sizes)})
+        if i == 1:
+            df.compile(model, backend="aot_eager")(x)  # checked: compiles and runs
+            continue
+        with pytest.raises(Exception) as info:
+            torch.compile(model, backend="aot_eager")(x)
+        named = [c for c in _chain(info.value) if isinstance(c, CompileUnsupportedError)]
+        assert named, f"no CompileUnsupportedError in {[type(c).__name__ for c in _chain(info.value)]}"
+        said.append(str(named[0]))
+    return said
+
+
+def test_raw_torch_compile_is_refused(dist):
+    """torch.compile on ShardTensors without domainflow.compile raises CompileUnsupportedError on every rank
+    (its graphs would run with no cross-rank check of parameters or declared layouts)."""
+    for said in dist.run(2, _raw_compile_refused):
+        assert len(said) == 3
+        for s in said:  # (Dynamo appends the user code's frames to the exception it re-raises)
+            assert s.splitlines()[0] == ("compile domain-parallel models with domainflow.compile(model), which "
+                                         "checks parameters and layouts across ranks before each call"), s
+
+
+def _perturbed_parameter():
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,))
+    model, other = _conv_model(), _conv_model()  # (a parameter is checked once, the first call that meets it)
+    if rank == 1:
+        with torch.no_grad():
+            model[2].bias[1] += 1e-6
+            other[2].bias[1] += 1e-6
+    x = df.distribute_tensor(_image(9, 0), mesh, [df.Shard(2)], sharding_shapes={0: [5, 4]})
+    torch._dynamo.reset()
+    said = []
+    for compiled in (df.compile(model, backend="aot_eager"),
+                     df.compile(lambda x: other(x), backend="aot_eager")):  # a function closing over a module
+        with pytest.raises(ReplicaMismatchError) as info:
+            compiled(x)
+        said.append(str(info.value))
+    return said
+
+
+def test_parameter_differing_across_ranks_is_named(dist):
+    """domainflow.compile checks the module's replicated parameters across ranks before the call (under
+    torch.compile the engine sees fake ones only): the replica error on every rank, no compiled step."""
+    said = dist.run(2, _perturbed_parameter, timeout=40)
+    assert said[0] == said[1]
+    for s in said[0]:
+        assert "'Sequential.2.bias'" in s and "rank(s) [1]" in s, s
+
+
+def _wrong_declared_layout():
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,))
+    model = _conv_model()
+    full = _image(9, 0)
+    local = full[:, :, :5] if rank == 0 else full[:, :, 5:]
+    sizes = [5, 4] if rank == 0 else [3, 4]  # rank 1 is wrong about rank 0's rows
+    x = df.ShardTensor.from_local(local, mesh, [df.Shard(2)], sharding_shapes={0: sizes})
+    torch._dynamo.reset()
+    with pytest.raises(ShardingShapeError) as info:
+        df.compile(model, backend="aot_eager")(x)
+    return str(info.value)
+
+
+def test_wrong_declared_layout_is_named(dist):
+    """A layout declared per rank (from_local with a sharding_shapes mapping) wrong on one rank: the layout
+    error on every rank, before the compiled step's all-to-alls run with mismatched sizes."""
+    said = dist.run(2, _wrong_declared_layout, timeout=40)
+    assert said[0] == said[1]
+    assert "ShardTensor.from_local" in said[0] and "[5, 4]" in said[0] and "[3, 4]" in said[0], said[0]
