@@ -45,8 +45,11 @@ _MAGIC = 0x6466_0001  # "df", format 1
 _FIXED = 8  # magic, op, group size, dtype, 3 values every rank must share, 1 of this rank's own
 _OWN_AT = 8 * (_FIXED - 1)  # byte offset of the value not compared (this rank's inline payload bytes)
 _OP_CODES = {"all_reduce": 1, "all_gather": 2, "all_to_all": 3, "broadcast": 4, "all_gather_object": 5,
-             "all_gather(shapes)": 6}
+             "all_gather(shapes)": 6, "compiled graph": 7}
 _OP_NAMES = {v: k for k, v in _OP_CODES.items()}
+# ops whose send vectors, not equal on every rank, must be the transpose of the recv vectors (a compiled graph
+# carries weighted sums of its all-to-alls' split sizes: see check_compiled_graph)
+_TRANSPOSED = (_OP_CODES["all_to_all"], _OP_CODES["compiled graph"])
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
            torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 _DTYPE_CODES = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
@@ -91,7 +94,7 @@ class Header:
         fixed = host[:_OWN_AT]
         if any(host[k * stride:k * stride + _OWN_AT] != fixed for k in range(1, n)):
             return True
-        if self.values[1] == _OP_CODES["all_to_all"]:
+        if self.values[1] in _TRANSPOSED:
             # what rank j expects from each rank (its recv) is what each rank sends it (column j of the sends)
             rows = [struct.unpack_from(f"={2 * n}q", host, k * stride + 8 * _FIXED) for k in range(n)]
             return any(list(col) != list(r[n:]) for col, r in zip(zip(*(r[:n] for r in rows)), rows))
@@ -215,6 +218,20 @@ def mismatch(header: Header, mesh: DeviceMesh, mesh_dim: int, what: str, detail:
     for k, d in enumerate(descs):
         groups.setdefault(d, []).append(ranks[k])
     said = "; ".join(f"rank {rs[0]}: {d}" if len(rs) == 1 else f"ranks {rs}: {d}" for d, rs in groups.items())
+    codes = [struct.unpack_from("=2q", header.host, k * header.stride)[1] for k in range(n)]
+    if _OP_CODES["compiled graph"] in codes:  # (every rank saw the same headers: the same words on every rank)
+        same = len(groups) == 1
+        raise CollectiveError(
+            f"rank {ranks[header.me]}: the ranks compiled different graphs (domainflow.compile checks before each "
+            f"compiled graph runs that every rank's graph runs the same collectives), over mesh dim "
+            f"{_dim_name(mesh, mesh_dim)} of mesh {tuple(mesh.shape)}: {said}"
+            f"{' (the same collectives, but their all-to-all split sizes do not match across ranks)' if same else ''}"
+            f". Nothing was exchanged.\n"
+            f"Fix: every rank must trace the same graph: compiled code must not branch on the rank or on a "
+            f"rank's own values, and a layout change on some ranks only recompiles those ranks (give every rank "
+            f"the same layouts); or run the part that differs eagerly (wrap it in torch.compiler.disable, or call "
+            f"the model without domainflow.compile). Where a domainflow rule chose differently per rank, please "
+            f"report it.")
     raise CollectiveError(
         f"rank {ranks[header.me]}: the ranks called collectives that do not pair, over mesh dim "
         f"{_dim_name(mesh, mesh_dim)} of mesh {tuple(mesh.shape)}: {said}. Nothing was exchanged.\n"
@@ -230,6 +247,23 @@ def _describe(header: Header, k: int) -> str:
         return "not a domainflow collective"
     dt = _DTYPES[code - 1] if 0 < code <= len(_DTYPES) else None
     return _OP_NAMES.get(op, f"op {op}") + (f", {str(dt).removeprefix('torch.')}" if dt else "")
+
+
+def check_compiled_graph(mesh: DeviceMesh, mesh_dim: int, digest: Sequence[int], sends: Sequence[int],
+                         recvs: Sequence[int], what: str) -> None:
+    """The pairing round a graph compiled by ``domainflow.compile`` runs before it runs (its functional
+    collectives have none): ``digest``, 3 ints every rank must share (a hash of the graph's collectives, in
+    order, with what every rank must agree on, and their count); ``sends``/``recvs``: this rank's weighted sums
+    of its all-to-alls' split sizes (n each; rank i's ``sends[j]`` must be rank j's ``recvs[i]``); ``what``:
+    the graph in words, named when ranks differ. A round like any collective's, so it also meets an eager
+    collective on another rank: on any difference every rank raises the same CollectiveError ("the ranks
+    compiled different graphs") before the graph's collectives run."""
+    n = group_size(mesh, mesh_dim)
+    if n == 1:
+        return
+    stats.add("compiled graph check", 0)
+    header = Header("compiled graph", n, mesh_coordinate(mesh)[mesh_dim], None, tuple(digest), sends, recvs)
+    _pair(mesh, mesh_dim, header, what)
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,10 +3,12 @@
 Inductor compiles. Eager code keeps the numbered, tagged point-to-point exchanges and the pairing round of
 ``p2p`` / ``collectives``: those call ``dist.batch_isend_irecv`` and read headers on the host, which a trace
 over fake tensors cannot do (it ran them on fake tensors, or traced ``c10d.send`` with effects that Inductor
-refuses). Nothing here checks that ranks agree (no pairing round): a compiled graph runs the same
-collectives on every rank by construction; ``domainflow.compile`` checks layouts declared per rank and
-replicated parameters eagerly before each call, and each function here refuses a trace started by a raw
-``torch.compile`` (``base.refuse_unchecked_compile``).
+refuses). Nothing here checks that ranks agree (no pairing round inside a graph): ranks may trace different
+graphs (a rule that decides on a rank's own sizes, a guard failing on one rank only), so ``domainflow.compile``
+runs one pairing round before each compiled graph runs, carrying a digest of its collectives
+(``collectives.check_compiled_graph``), and checks layouts declared per rank and replicated parameters eagerly
+before each call; each function here refuses a trace started by a raw ``torch.compile``
+(``base.refuse_unchecked_compile``).
 
 Routed here (issue 40): the halo row fetch (``halo.fetch``), ``collectives.all_reduce`` and ``p2p.ring_shift``.
 Every other exchange of the eager layer raises CompileUnsupportedError while compiling (``base.refuse_compiling``).

@@ -18,14 +18,24 @@ then calls ``torch.compile(model, **kwargs)``'s result with ``comm.base.checked_
 and AOTAutograd (tracing, and re-tracing on a recompile, inside that call in this thread) see: a trace of
 ShardTensors, traced collectives or parameters meeting a ShardTensor without it is refused
 (``comm.refuse_unchecked_compile``).
+
+Ranks may still trace different graphs (a guard that fails on one rank only recompiles there alone; a rule
+choosing by a rank's own sizes), whose functional collectives would then hang or meet different ones. So the
+backend (inductor or aot_eager, through AOTAutograd) wraps every forward and backward graph in a
+:class:`GraphCheck`: before the graph runs, one pairing round per mesh dim (the eager collectives' own,
+``comm.check_compiled_graph``) compares a digest of its collectives across ranks, and on any difference every
+rank raises the same CollectiveError ("the ranks compiled different graphs").
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
 from domainflow import comm
 from domainflow.comm import base as _base
+from domainflow.errors import CompileUnsupportedError
 from domainflow.tensor import consistency as _consistency
 from domainflow.tensor.shard_tensor import ShardTensor
 
@@ -33,19 +43,37 @@ _PARAMETER = torch.nn.Parameter
 _TENSOR = torch.Tensor
 
 
-def compile(model_or_fn, **torch_compile_kwargs):  # noqa: A001 (domainflow.compile, like torch.compile)
-    """``torch.compile(model_or_fn, **torch_compile_kwargs)`` for models on ShardTensors: the returned callable
-    checks, eagerly before every call, that the ranks agree on the layouts they declared alone and on the
-    module's replicated parameters and buffers (each checked once, the first call it meets a ShardTensor
-    argument), then runs the compiled function. ``model_or_fn``: an ``nn.Module``, a bound method of one, or a
-    function (the modules it closes over, names as globals or takes as arguments are checked; parameters it
-    reaches otherwise, e.g. through a helper's globals, are not). Attributes of the compiled module are reachable
-    on the result (``.parameters()``, ``.train()``).
+BACKENDS = ("inductor", "aot_eager")
+
+
+def compile(model_or_fn, *, backend="inductor", **torch_compile_kwargs):  # noqa: A001 (like torch.compile)
+    """``torch.compile(model_or_fn, backend=backend, **torch_compile_kwargs)`` for models on ShardTensors: the
+    returned callable checks, eagerly before every call, that the ranks agree on the layouts they declared alone
+    and on the module's replicated parameters and buffers (each checked once, the first call it meets a
+    ShardTensor argument), then runs the compiled function, whose every graph (forward and backward) first
+    checks that every rank runs the same graph's collectives (one pairing round per graph call and mesh dim:
+    :class:`GraphCheck`). ``model_or_fn``: an ``nn.Module``, a bound method of one, or a function (the modules
+    it closes over, names as globals or takes as arguments are checked; parameters it reaches otherwise, e.g.
+    through a helper's globals, are not). ``backend``: ``"inductor"`` (``mode``/``options`` as torch.compile's)
+    or ``"aot_eager"``; others are refused (the check needs AOTAutograd's forward and backward graphs).
+    Attributes of the compiled module are reachable on the result (``.parameters()``, ``.train()``);
+    ``.frames`` counts the Dynamo graphs compiled (a recompile or a graph break adds one).
     """
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        name = backend if isinstance(backend, str) else type(backend).__name__
+        raise CompileUnsupportedError(f"backend {name!r}", (
+            f"domainflow.compile supports backend='inductor' or 'aot_eager', not {name!r}: its check that every "
+            f"rank runs the same compiled collectives needs AOTAutograd's graphs"))
+    mode, options = torch_compile_kwargs.pop("mode", None), torch_compile_kwargs.pop("options", None)
+    if backend != "inductor" and (mode is not None or options is not None):
+        raise ValueError(f"domainflow.compile: mode and options apply to backend='inductor' only, not {backend!r}")
     # its own cache of graphs (torch.compile shares one per code object by default): a raw torch.compile of the
     # same model must not find, and run unchecked, a graph compiled here
     torch_compile_kwargs["isolate_recompiles"] = True
-    return CheckedCompile(model_or_fn, torch.compile(model_or_fn, **torch_compile_kwargs))
+    checked = CheckedCompile(model_or_fn, None)
+    be = _Backend(checked, backend, mode, options, torch_compile_kwargs.get("dynamic"))
+    checked._compiled = torch.compile(model_or_fn, backend=be, **torch_compile_kwargs)
+    return checked
 
 
 class CheckedCompile:
@@ -54,6 +82,8 @@ class CheckedCompile:
     def __init__(self, original, compiled):
         self._original = original
         self._compiled = compiled
+        self._mesh = None  # the mesh of the call running (graphs traced in it check over it)
+        self.frames = 0
         owner = original if isinstance(original, torch.nn.Module) else getattr(original, "__self__", None)
         self._module = owner if isinstance(owner, torch.nn.Module) else None
         self.__wrapped__ = original
@@ -65,6 +95,7 @@ class CheckedCompile:
 
     def __call__(self, *args, **kwargs):
         mesh = _first_mesh(args) or _first_mesh(tuple(kwargs.values()))
+        self._mesh = mesh
         if mesh is not None:
             for m in _modules_reached(self._original, args, kwargs):
                 _record_module(m, mesh)
@@ -131,3 +162,181 @@ def _first_mesh(args):
             if m is not None:
                 return m
     return None
+
+
+# -- every rank runs the same compiled collectives, or every rank raises ---------------------------------------
+# A compiled graph runs its collectives as functional collectives, without the pairing round of eager ones: two
+# ranks whose graphs differ (a rule that branched on a rank's local size; a guard failing on one rank only, which
+# recompiles there alone) would wait forever or meet different collectives. So every graph AOTAutograd hands to
+# the compiler (forward and backward) is wrapped: before it runs, one pairing round per mesh dim carries a digest
+# of its collectives (comm.check_compiled_graph), which meets another rank's graph check or eager collective.
+_FUNCOL_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional")
+_SPLITS = ("output_split_sizes", "input_split_sizes")
+_MOD = (1 << 61) - 1  # sums of split sizes, weighted per all-to-all, kept in an int64
+
+
+class _Backend:
+    """The backend ``compile`` passes to torch.compile: ``backend`` (inductor or aot_eager), with each graph
+    AOTAutograd produces wrapped in a :class:`GraphCheck` (the mesh: that of the call tracing it)."""
+
+    def __init__(self, owner, backend, mode, options, dynamic):
+        self.owner, self.backend = owner, backend
+        self.config = {}
+        if backend == "inductor" and (mode is not None or options is not None):
+            self.config = torch._TorchCompileInductorWrapper(mode, options, dynamic).config
+
+    def __call__(self, gm, example_inputs):
+        self.owner.frames += 1
+        mesh = self.owner._mesh
+
+        if self.backend == "inductor":
+            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+            def inner(graph, inputs, **kw):
+                kind = "backward" if kw.get("is_backward") else "forward"
+                check = GraphCheck.of(graph, mesh, kind)  # (before inductor's passes change the graph)
+                out = compile_fx_inner(graph, inputs, **kw)
+                return out if check is None else check.around(out)
+
+            # no AOTAutograd cache: a hit would return compiled graphs without calling inner (unchecked)
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=self.config or None)
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._dynamo.backends.debugging import boxed_nop
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        def checked(kind):
+            def compiler(graph, inputs):
+                check = GraphCheck.of(graph, mesh, kind)
+                out = boxed_nop(graph, inputs)
+                return out if check is None else check.around(out)
+            return compiler
+
+        # as torch's aot_eager backend
+        return aot_autograd(fw_compiler=checked("forward"), bw_compiler=checked("backward"),
+                            partition_fn=min_cut_rematerialization_partition,
+                            keep_inference_input_mutations=True)(gm, example_inputs)
+
+
+class GraphCheck:
+    """What a compiled graph checks before it runs: one pairing round per mesh dim of the mesh it was traced
+    with (comm.check_compiled_graph) carrying a digest of its collectives, in order: op, mesh dim, reduce op,
+    dtype and the shapes every rank shares (an all-to-all's rows along its first dim are this rank's own); and
+    weighted sums of its all-to-alls' split sizes, which must be each other's transpose across ranks. Graphs
+    without collectives check too (another rank's graph may have some). ``around(compiled)``: the boxed callable
+    (a list of arguments) that runs the check, then ``compiled``."""
+
+    def __init__(self, mesh, kind, entries, splits):
+        self.mesh, self.kind = mesh, kind
+        self.rounds = []
+        for d in range(mesh.ndim):
+            if comm.group_size(mesh, d) == 1:
+                continue
+            words = []  # runs of the same collective as one "op ×k"
+            for e in entries:
+                if words and words[-1][0] == e[1]:
+                    words[-1][1] += 1
+                else:
+                    words.append([e[1], 1])
+            words = [w if k == 1 else f"{w} x{k}" for w, k in words]
+            key = repr([e[0] for e in entries]).encode()
+            h = hashlib.sha256(key).digest()
+            digest = (int.from_bytes(h[:8], "little") >> 2, int.from_bytes(h[8:16], "little") >> 2, len(entries))
+            n = comm.group_size(mesh, d)
+            sends, recvs = [0] * n, [0] * n
+            for j, (dim, send, recv) in enumerate(splits):
+                if dim != d or send is None:
+                    continue
+                w = (0x9E3779B97F4A7C15 * (j + 1)) % _MOD
+                for k in range(n):
+                    sends[k] = (sends[k] + w * send[k]) % _MOD
+                    recvs[k] = (recvs[k] + w * recv[k]) % _MOD
+            what = f"compiled {kind} graph with {len(entries)} collective(s)" + (": " + ", ".join(words) if words else "")
+            self.rounds.append((d, digest, sends, recvs, what[:400]))
+
+    @classmethod
+    def of(cls, gm, mesh, kind):
+        """The check of graph ``gm`` traced with ``mesh`` (None without a mesh: nothing to check with)."""
+        if mesh is None:
+            return None
+        entries, splits = _collectives(gm, mesh)
+        return cls(mesh, kind, entries, splits)
+
+    def around(self, compiled):
+        rounds, mesh = self.rounds, self.mesh
+
+        def run(args):
+            for d, digest, sends, recvs, what in rounds:
+                comm.check_compiled_graph(mesh, d, digest, sends, recvs, what)
+            return compiled(args)
+
+        run._boxed_call = True
+        run.graph_check = self
+        return run
+
+
+def _graph_nodes(gm):
+    yield from gm.graph.nodes
+    for _, sub in gm.named_children():  # subgraphs of higher-order ops
+        if isinstance(sub, torch.fx.GraphModule):
+            yield from _graph_nodes(sub)
+
+
+def _collectives(gm, mesh):
+    """(entries, splits) of the functional collectives in ``gm``, in graph order: each entry (what every rank
+    must share, its words); splits: (mesh dim, send sizes, recv sizes) per all-to-all (None, None where the
+    sizes are not plain ints)."""
+    dims = {}
+    for d in range(mesh.ndim):
+        dims[mesh.get_group(d).group_name] = d
+    entries, splits = [], []
+    for node in _graph_nodes(gm):
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or \
+                target.namespace not in _FUNCOL_NAMESPACES:
+            continue
+        name = target._schema.name.split("::")[-1]
+        if name.startswith("wait_tensor"):
+            continue
+        bound = {}
+        for i, a in enumerate(target._schema.arguments):
+            if i < len(node.args):
+                bound[a.name] = node.args[i]
+            elif a.name in node.kwargs:
+                bound[a.name] = node.kwargs[a.name]
+        key, dim = [name], None
+        a2a = "all_to_all" in name
+        for a_name, v in bound.items():
+            if a_name in _SPLITS:
+                continue
+            if a_name == "group_name" or (a_name == "tag" and isinstance(v, str)):
+                dim = dims.get(v)
+                key.append(("dim", dim if dim is not None else f"group of {_group_size(v)}"))
+            elif isinstance(v, torch.fx.Node) or isinstance(v, (list, tuple)) and v and \
+                    all(isinstance(x, torch.fx.Node) for x in v):
+                for x in (v if isinstance(v, (list, tuple)) else [v]):
+                    val = x.meta.get("val")
+                    if isinstance(val, torch.Tensor):
+                        shape = tuple(str(s) for s in val.shape)
+                        key.append((str(val.dtype), shape[1:] if a2a else shape))
+                    else:
+                        key.append("?")
+            else:
+                key.append((a_name, repr(v)))
+        if a2a:
+            recv, send = bound.get("output_split_sizes"), bound.get("input_split_sizes")
+            ok = all(isinstance(x, (list, tuple)) and all(type(s) is int for s in x) for x in (send, recv))
+            splits.append((dim, list(send) if ok else None, list(recv) if ok else None))
+        words = name + (f" over mesh dim {dim}" if dim is not None else "")
+        extra = [k[1] for k in key[1:] if isinstance(k, tuple) and k[0] == "reduce_op"]
+        if extra:
+            words += f" ({extra[0].strip(chr(39))})"
+        entries.append((tuple(key), words))
+    return entries, splits
+
+
+def _group_size(name):
+    try:
+        return torch.distributed.distributed_c10d._resolve_process_group(name).size()
+    except Exception:  # noqa: BLE001
+        return "?"

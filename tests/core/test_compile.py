@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
 
 import domainflow as df
 from dist_pool import rank_and_world
@@ -25,7 +24,7 @@ D = torch.float64
 TOL = 1e-9
 
 
-def _check(make_model, make_input, shard_dim, layouts, graphs=1, count=True):
+def _check(make_model, make_input, shard_dim, layouts, graphs=1, count=True, backend="aot_eager"):
     """Compile ``make_model()`` with ``domainflow.compile`` at this rank count; for each per-rank layout in
     ``layouts`` compare the compiled forward and parameter gradients with an unsharded eager run; then the
     count of Dynamo graphs: ``graphs`` per layout (each layout recompiles; a graph break would add one)."""
@@ -33,8 +32,7 @@ def _check(make_model, make_input, shard_dim, layouts, graphs=1, count=True):
     mesh = get_mesh((world,))
     torch._dynamo.reset()
     model, ref = make_model(), make_model()
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = df.compile(model, backend=counter)
+    compiled = df.compile(model, backend=backend)
     for i, sizes in enumerate(layouts):
         full = make_input(sum(sizes), i)
         model.zero_grad(set_to_none=True)
@@ -51,7 +49,7 @@ def _check(make_model, make_input, shard_dim, layouts, graphs=1, count=True):
             assert type(p.grad) is torch.Tensor, f"{name}: gradient is a {type(p.grad).__name__}"
             assert torch.allclose(p.grad, q.grad, atol=TOL, rtol=0), f"{name}: gradient differs, layout {sizes}"
     if count:
-        assert counter.frame_count == graphs * len(layouts), (counter.frame_count, len(layouts))
+        assert compiled.frames == graphs * len(layouts), (compiled.frames, len(layouts))
     return True
 
 
@@ -281,3 +279,115 @@ def test_wrong_declared_layout_is_named(dist):
     said = dist.run(2, _wrong_declared_layout, timeout=40)
     assert said[0] == said[1]
     assert "ShardTensor.from_local" in said[0] and "[5, 4]" in said[0] and "[3, 4]" in said[0], said[0]
+
+
+# -- every rank's compiled graph runs the same collectives, or every rank raises ------------------------------
+def _one_round_per_graph():
+    """Per compiled step, one graph check for the forward graph and one for the backward; the forward call
+    (after the first: no pending layout or parameter check) runs exactly one small all-gather, the round."""
+    from domainflow import comm
+    from domainflow.comm import collectives
+
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,))
+    torch._dynamo.reset()
+    compiled = df.compile(_conv_model(), backend="aot_eager")
+    x = df.distribute_tensor(_image(9, 0), mesh, [df.Shard(2)], sharding_shapes={0: [3, 3, 3][:world] if world == 3
+                                                                                 else [5, 4]})
+    gathers, real = [], collectives._all_gather_single
+
+    def counting(out, inp, group=None):
+        gathers.append(out.numel())
+        return real(out, inp, group=group)
+
+    seen = []
+    for step in range(3):
+        comm.stats.reset()
+        collectives._all_gather_single = counting
+        try:
+            y = compiled(x)
+        finally:
+            collectives._all_gather_single = real
+        forward = comm.stats.calls["compiled graph check"]
+        (y ** 2).sum().backward()
+        seen.append((forward, comm.stats.calls["compiled graph check"], list(gathers)))
+        gathers.clear()
+    # every pairing round's fixed size (the same for any collective, so that it pairs with any): header + room
+    return seen, world * (8 * len(collectives.Header("compiled graph", world, 0).values)
+                          + collectives.inline_bytes(world))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_graph_check_costs_one_round_per_graph(dist, world):
+    for seen, round_bytes in dist.run(world, _one_round_per_graph):
+        for i, (forward, total, gathers) in enumerate(seen):
+            assert (forward, total) == (1, 2), seen
+            if i:  # the first call also ran the pending layout and parameter checks
+                assert gathers == [round_bytes], (seen, round_bytes)
+
+
+def _divergent(case):
+    """Each rank compiles its own function: graphs whose collectives differ (``ops``), the same collectives
+    with split sizes that do not match (``splits``: a halo of 1 row on rank 0, of 2 rows on the others), or a
+    compiled graph on rank 0 meeting an eager all-gather on the others (``eager``)."""
+    import torch.nn.functional as F
+
+    from domainflow.errors import CollectiveError
+
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,))
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    w3, w5 = torch.randn(4, 3, 3, 3, dtype=D, generator=g), torch.randn(4, 3, 5, 5, dtype=D, generator=g)
+    x = df.distribute_tensor(_image(12, 0), mesh, [df.Shard(2)], sharding_shapes={0: [12 // world] * world})
+
+    def conv3(x):
+        return F.conv2d(x, w3, padding=1)
+
+    def conv5(x):
+        return F.conv2d(x, w5, padding=2)
+
+    def pointwise(x):
+        return torch.sin(x) * 2
+
+    with pytest.raises(CollectiveError) as info:
+        if rank == 0:
+            df.compile(conv3, backend="aot_eager")(x)
+        elif case == "eager":
+            x.full_tensor()
+        else:
+            df.compile(conv5 if case == "splits" else pointwise, backend="aot_eager")(x)
+    # the process group is still usable: the ranks agree again
+    y = df.compile(conv3, backend="aot_eager")(x)
+    assert torch.allclose(y.full_tensor(), F.conv2d(x.full_tensor(), w3, padding=1), atol=TOL, rtol=0)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("world,case", [(2, "ops"), (3, "ops"), (2, "splits"), (3, "splits"), (2, "eager")])
+def test_ranks_compiled_different_graphs_is_named(dist, world, case):
+    """A rank whose compiled graph differs from the others' (different collectives, or split sizes that do not
+    match) raises the same CollectiveError on every rank before any functional collective runs, instead of a
+    hang or a mismatched all-to-all; so does one meeting another rank's eager collective."""
+    said = dist.run(world, _divergent, case, timeout=120)
+    bodies = {s.split(":", 1)[1] for s in said}
+    assert len(bodies) == 1, said  # the same words on every rank (after "rank r:")
+    s = said[0]
+    assert "the ranks compiled different graphs" in s and "Nothing was exchanged" in s, s
+    assert "torch.compiler.disable" in s, s
+    if case == "ops":
+        assert "rank 0: compiled forward graph with 1 collective(s): all_to_all_single over mesh dim 0" in s, s
+        assert "compiled forward graph with 0 collective(s)" in s, s
+    elif case == "splits":
+        assert "split sizes do not match" in s, s
+    else:
+        assert "rank 1: all_gather" in s, s
+
+
+def test_other_backends_are_refused():
+    """Only inductor and aot_eager: the graph check wraps AOTAutograd's forward and backward compilers."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    for backend in ("eager", "cudagraphs", CompileCounterWithBackend("aot_eager")):
+        with pytest.raises(CompileUnsupportedError) as info:
+            df.compile(torch.nn.Linear(2, 2), backend=backend)
+        assert "supports backend='inductor' or 'aot_eager'" in str(info.value), info.value
