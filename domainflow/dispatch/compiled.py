@@ -35,7 +35,7 @@ import torch
 
 from domainflow import comm
 from domainflow.comm import base as _base
-from domainflow.errors import CompileUnsupportedError
+from domainflow.errors import CollectiveError, CompileUnsupportedError
 from domainflow.tensor import consistency as _consistency
 from domainflow.tensor.shard_tensor import ShardTensor
 
@@ -67,6 +67,13 @@ def compile(model_or_fn, *, backend="inductor", **torch_compile_kwargs):  # noqa
     mode, options = torch_compile_kwargs.pop("mode", None), torch_compile_kwargs.pop("options", None)
     if backend != "inductor" and (mode is not None or options is not None):
         raise ValueError(f"domainflow.compile: mode and options apply to backend='inductor' only, not {backend!r}")
+    if torch_compile_kwargs.get("dynamic"):
+        raise CompileUnsupportedError("dynamic shapes", (
+            "domainflow.compile compiles static shapes only (dynamic=True refused): each layout is in the guard "
+            "and recompiles on every rank alike, while symbolic local sizes would make the ranks' graphs differ"))
+    # static shapes: torch.compile's default (dynamic=None) makes a dim symbolic once its size changed, which a
+    # rank decides alone from its own local sizes (ranks whose rows changed would trace a different graph)
+    torch_compile_kwargs["dynamic"] = False
     # its own cache of graphs (torch.compile shares one per code object by default): a raw torch.compile of the
     # same model must not find, and run unchecked, a graph compiled here
     torch_compile_kwargs["isolate_recompiles"] = True
@@ -106,8 +113,32 @@ class CheckedCompile:
         state.on = True
         try:
             return self._compiled(*args, **kwargs)
+        except Exception as e:
+            if mesh is not None and not isinstance(e, CollectiveError) and not getattr(e, _IN_GRAPH, False):
+                _failed_round(mesh, e)
+            raise
         finally:
             state.on = outer
+
+
+_IN_GRAPH = "_domainflow_in_compiled_graph"  # set on an exception raised while a compiled graph ran
+_FAILED = (0, 0, -1)  # the digest a rank that failed outside a graph sends (no graph has it)
+
+
+def _failed_round(mesh, e: Exception) -> None:
+    """This rank failed in a compiled call outside any graph's run (tracing or compiling, or eager code between
+    graphs): its peers may wait in a graph check or an eager collective for it, so it joins one pairing round
+    per mesh dim saying so. Where every rank failed alike, each then raises its own error; else every rank
+    raises the same CollectiveError naming this failure (the cause here: ``e``), instead of the peers timing
+    out."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    what = f"failed in a call compiled by domainflow.compile: {type(e).__name__}: {first}"[:400]
+    for d in range(mesh.ndim):
+        n = comm.group_size(mesh, d)
+        try:
+            comm.check_compiled_graph(mesh, d, _FAILED, [0] * n, [0] * n, what)
+        except CollectiveError as err:
+            raise err from e
 
 
 def _modules_reached(fn, args, kwargs) -> list:
@@ -268,7 +299,14 @@ class GraphCheck:
         def run(args):
             for d, digest, sends, recvs, what in rounds:
                 comm.check_compiled_graph(mesh, d, digest, sends, recvs, what)
-            return compiled(args)
+            try:
+                return compiled(args)
+            except Exception as e:  # (its peers may wait in this graph's collectives: no more rounds)
+                try:
+                    setattr(e, _IN_GRAPH, True)
+                except AttributeError:
+                    pass
+                raise
 
         run._boxed_call = True
         run.graph_check = self

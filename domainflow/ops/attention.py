@@ -101,6 +101,17 @@ def _block_forward(q, ke, ve, scale, bias, empty):
     return o, lse
 
 
+def _tied(x, *deps):
+    """``x``, exactly, wired to ``deps`` in the graph (each adds the sum of an empty slice of itself: 0).
+    Under torch.compile a block a rank skips (its queries or the block's keys empty, or causally masked) must
+    still use what the ring brought and the gradient it got, as the ranks that compute it do: else AOTAutograd
+    places that rank's ring shifts of the backward in the forward graph (they do not depend on the gradient
+    there), and the ranks' graphs differ (see domainflow.compile's graph check)."""
+    for d in deps:
+        x = x + d.reshape(-1)[:0].sum().to(x.dtype)
+    return x
+
+
 def ring_forward(q, k, v, q_sizes, k_sizes, mesh, m, causal, scale, groups, mask=None):
     """This rank's attention output and log-sum-exp (.., Lq_local, 1), folding in every K/V block as it
     passes around the ring (online softmax)."""
@@ -115,8 +126,10 @@ def ring_forward(q, k, v, q_sizes, k_sizes, mesh, m, causal, scale, groups, mask
     flash = _flash_ok(q, k, v)
     den = None if flash else q.new_zeros((*shape, 1), dtype=acc)
     kb, vb, src = k, v, me
+    compiling = torch.compiler.is_compiling()
     for t in range(w):
         prev = (src - 1) % w
+        used = False
         if kb.shape[-2] and q.shape[-2]:
             ke, ve = _expand(kb, groups), _expand(vb, groups)
             if flash:
@@ -127,7 +140,9 @@ def ring_forward(q, k, v, q_sizes, k_sizes, mesh, m, causal, scale, groups, mask
                     safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
                     out = out * torch.exp(lse - safe) + o_b.to(acc) * torch.exp(lse_b.to(acc) - safe)
                     lse = new
-            else:  # out holds sum(exp(s - mx) v), den sum(exp(s - mx)), with lse as the running max mx
+                    used = True
+            else:
+                used = True  # out holds sum(exp(s - mx) v), den sum(exp(s - mx)), with lse as the running max mx
                 s = _scores(q, ke, scale, causal, q0, k_starts[src], mask)
                 new = torch.maximum(lse, s.amax(-1, keepdim=True).to(acc))
                 shift = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
@@ -137,6 +152,8 @@ def ring_forward(q, k, v, q_sizes, k_sizes, mesh, m, causal, scale, groups, mask
                 out = out * corr + (p @ ve).to(acc)
                 lse = new
                 del s, p
+        if compiling and not used:  # (the same graph on every rank)
+            out = _tied(out, kb, vb)
         if t < w - 1:
             kb, vb = _ring_exchange([kb, vb], [_resized(kb, k_sizes[prev]), _resized(vb, k_sizes[prev])], mesh, m)
             src = prev
@@ -161,10 +178,11 @@ def ring_backward(dout, q, k, v, out, lse, q_sizes, k_sizes, mesh, m, causal, sc
     delta = None if flash else (dout * out).sum(-1, keepdim=True)
     dq = torch.zeros_like(q)
     kb, vb, dkb, dvb, src = k, v, torch.zeros_like(k), torch.zeros_like(v), me
+    compiling = torch.compiler.is_compiling()
     for t in range(w):
+        dk = dv = None
         if kb.shape[-2] and q.shape[-2]:
             ke, ve = _expand(kb, groups), _expand(vb, groups)
-            dk = dv = None
             if flash:
                 bias, _, skip = _block_bias(q, kb, causal, q0, k_starts[src], mask)
                 if not skip:
@@ -188,6 +206,9 @@ def ring_backward(dout, q, k, v, out, lse, q_sizes, k_sizes, mesh, m, causal, sc
                     dk = dk.unflatten(-3, (dk.shape[-3] // groups, groups)).sum(-3)
                     dv = dv.unflatten(-3, (dv.shape[-3] // groups, groups)).sum(-3)
                 dkb, dvb = dkb + dk, dvb + dv
+        if compiling and dk is None:  # a block skipped here: wired as where it is computed (see _tied)
+            dq = _tied(dq, kb, vb)
+            dkb, dvb = _tied(dkb, dout, q), _tied(dvb, dout)
         prev = (src - 1) % w
         n = k_sizes[prev]
         if t < w - 1:  # the block, with its gradients so far, moves on

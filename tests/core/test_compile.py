@@ -48,6 +48,8 @@ def _check(make_model, make_input, shard_dim, layouts, graphs=1, count=True, bac
             assert p.grad is not None, f"{name}: no gradient"
             assert type(p.grad) is torch.Tensor, f"{name}: gradient is a {type(p.grad).__name__}"
             assert torch.allclose(p.grad, q.grad, atol=TOL, rtol=0), f"{name}: gradient differs, layout {sizes}"
+        for (name, b), c in zip(model.named_buffers(), ref.buffers()):  # (BatchNorm's running statistics)
+            assert type(b) is torch.Tensor and torch.allclose(b, c, atol=TOL, rtol=0), f"{name} differs, {sizes}"
     if count:
         assert compiled.frames == graphs * len(layouts), (compiled.frames, len(layouts))
     return True
@@ -138,6 +140,49 @@ def _scaled():
 
 def test_plain_parameter_gradients(dist):
     assert all(dist.run(2, _scaled))
+
+
+# -- ranks whose local sizes differ trace the same graph (the rules decide on the global layout) ---------------
+class _SelfAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def _mha_model():
+    torch.manual_seed(0)
+    return _SelfAttention().to(D)
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.BatchNorm2d(3), torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4),
+                               torch.nn.SiLU()).to(D)
+
+
+_EMPTY_SHARD = {2: [(0, 9), (5, 4)], 3: [(4, 0, 5), (0, 9, 2)]}
+_SECOND_LAYOUT = {2: [(5, 4), (5, 6), (3, 7)], 3: [(3, 4, 2), (3, 5, 2), (5, 1, 4)]}
+
+
+def _rank_local(model, backend):
+    world = rank_and_world()[1]
+    if model == "mha":
+        return _check(_mha_model, _sequence, 1, _EMPTY_SHARD[world], backend=backend)
+    make = _bn_model if model == "bn" else _conv_model
+    return _check(make, _image, 2, _SECOND_LAYOUT[world], backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("model", ["mha", "bn", "conv"])
+def test_rank_local_sizes_trace_one_graph(dist, model, world, backend):
+    """nn.MultiheadAttention with one rank's shard of the sequence empty, and BatchNorm2d / Conv2d nets at a
+    first and then a second uneven layout: every rank traces the same graph (compiled: the graph check passes;
+    before, the ranks' graphs differed and hung or failed on one rank), and the result is eager's."""
+    assert all(dist.run(world, _rank_local, model, backend, timeout=400))
 
 
 # -- what does not compile: one named error -------------------------------------------------------------------
@@ -391,3 +436,40 @@ def test_other_backends_are_refused():
         with pytest.raises(CompileUnsupportedError) as info:
             df.compile(torch.nn.Linear(2, 2), backend=backend)
         assert "supports backend='inductor' or 'aot_eager'" in str(info.value), info.value
+
+
+def _fails_on_one_rank():
+    """Rank 1's compiled call raises before its graph runs (here its own code; a trace failing on one rank
+    alike), while rank 0 reaches its graph check: both raise the CollectiveError naming rank 1's error at
+    once, instead of rank 0 timing out in the check. Then every rank failing alike: each raises its own."""
+    import torch.nn.functional as F
+
+    from domainflow.errors import CollectiveError
+
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,))
+    torch._dynamo.reset()
+    w3 = torch.randn(4, 3, 3, 3, dtype=D, generator=torch.Generator().manual_seed(5))
+    x = df.distribute_tensor(_image(12, 0), mesh, [df.Shard(2)], sharding_shapes={0: [12 // world] * world})
+
+    def conv(x):
+        if rank == 1:
+            raise ValueError("boom on rank 1")
+        return F.conv2d(x, w3, padding=1)
+
+    def all_fail(x):
+        raise KeyError(f"rank {rank}")
+
+    with pytest.raises(CollectiveError) as info:
+        df.compile(conv, backend="aot_eager")(x)
+    with pytest.raises(KeyError) as mine:
+        df.compile(all_fail, backend="aot_eager")(x)
+    assert str(mine.value) == repr(f"rank {rank}")
+    return str(info.value)
+
+
+def test_failure_on_one_rank_is_named_on_every_rank(dist):
+    said = dist.run(2, _fails_on_one_rank, timeout=120)
+    assert said[0].split(":", 1)[1] == said[1].split(":", 1)[1], said
+    assert "rank 1: failed in a call compiled by domainflow.compile: ValueError: boom on rank 1" in said[0], said[0]
+    assert "rank 0: compiled forward graph with 1 collective(s)" in said[0], said[0]
