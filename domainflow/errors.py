@@ -49,8 +49,23 @@ class CompileUnsupportedError(DomainflowError, RuntimeError):
     collectives: see docs/engine-and-handlers.md, "torch.compile"), or a domain-parallel model was traced by
     a raw ``torch.compile`` instead of ``domainflow.compile`` (which checks across ranks before each call)."""
 
+    op: str | None = None  # the op whose rule reached the exchange, once named (:meth:`naming`)
+    exchange: str | None = None  # what it refused, before an op was named
+
+    def naming(self, op: str) -> "CompileUnsupportedError":
+        """This refusal naming ``op``, whose rule reached the exchange (each engine call it passes through
+        names its own op: the outermost, the op the model called, is named last); itself where it is not about
+        an exchange (a raw torch.compile refused)."""
+        if self._custom:
+            return self
+        exchange = self.exchange or self.what
+        named = CompileUnsupportedError(f"{op} on a sharded tensor ({exchange})")
+        named.op, named.exchange = op, exchange
+        return named
+
     def __init__(self, what: str, message: str | None = None):
         self.what = what
+        self._custom = message is not None
         super().__init__(message or (
             f"domainflow cannot trace {what} under torch.compile (only halo row fetches, all-reduces and ring "
             f"shifts compile); run this region eagerly: wrap it in torch.compiler.disable, or compile only the "

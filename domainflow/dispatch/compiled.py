@@ -77,10 +77,30 @@ def compile(model_or_fn, *, backend="inductor", **torch_compile_kwargs):  # noqa
     # its own cache of graphs (torch.compile shares one per code object by default): a raw torch.compile of the
     # same model must not find, and run unchecked, a graph compiled here
     torch_compile_kwargs["isolate_recompiles"] = True
+    _skip_engine_frames()
     checked = CheckedCompile(model_or_fn, None)
     be = _Backend(checked, backend, mode, options, torch_compile_kwargs.get("dynamic"))
     checked._compiled = torch.compile(model_or_fn, backend=be, **torch_compile_kwargs)
     return checked
+
+
+# the engine's own code, which Dynamo must never trace symbolically: it runs while AOTAutograd traces (below
+# __torch_dispatch__) or as Dynamo's fake-tensor run of an op in its graph. Where Dynamo would step into it (a
+# torch.nn.functional function that calls handle_torch_function itself, e.g. F.max_pool2d, or eager code after
+# a graph break calling into it), the call runs eagerly instead (a graph break): tracing it broke at the
+# ShardTensor wrapper's construction, with a raw InternalTorchDynamoError.
+_ENGINE_PACKAGES = ("domainflow.comm", "domainflow.dispatch", "domainflow.layout", "domainflow.ops",
+                    "domainflow.tensor")
+_skipped = []
+
+
+def _skip_engine_frames() -> None:
+    if not _skipped:
+        from torch._dynamo import trace_rules
+
+        for name in _ENGINE_PACKAGES:
+            trace_rules.add(name)
+        _skipped.append(True)
 
 
 class CheckedCompile:
@@ -116,6 +136,11 @@ class CheckedCompile:
         except Exception as e:
             if mesh is not None and not isinstance(e, CollectiveError) and not getattr(e, _IN_GRAPH, False):
                 _failed_round(mesh, e)
+            refused = _refusal_in(e)
+            if refused is not None and refused is not e:  # (Dynamo wraps it: raise it by name, one line)
+                named = CompileUnsupportedError(refused.what, str(refused).splitlines()[0])
+                named.op, named.exchange = refused.op, refused.exchange
+                raise named from e
             raise
         finally:
             state.on = outer
@@ -123,6 +148,17 @@ class CheckedCompile:
 
 _IN_GRAPH = "_domainflow_in_compiled_graph"  # set on an exception raised while a compiled graph ran
 _FAILED = (0, 0, -1)  # the digest a rank that failed outside a graph sends (no graph has it)
+
+
+def _refusal_in(e: BaseException):
+    """The first CompileUnsupportedError in ``e``'s chain (causes and contexts), or None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, CompileUnsupportedError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _failed_round(mesh, e: Exception) -> None:

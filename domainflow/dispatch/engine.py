@@ -34,7 +34,7 @@ from domainflow.dispatch.toolkit import into_plain, is_sharded, op_name, plain_d
 from domainflow.dispatch.toolkit import (COPIED_VIEWS, mark_copied_view, refuse_write_into_copied_view,
                                         unsupported_or_fallback)
 from domainflow.comm.base import refuse_unchecked_compile as _refuse_unchecked_compile
-from domainflow.errors import UnsupportedShardedOp
+from domainflow.errors import CompileUnsupportedError, UnsupportedShardedOp
 from domainflow.tensor import consistency as _consistency
 from domainflow.tensor.shard_tensor import ShardTensor
 
@@ -77,9 +77,24 @@ def _engine_function(func, types, args, kwargs):
         trace = _tracing.trace
         if trace is not None:
             return _traced_step(trace, _with_handler, handler, func, args, kwargs or {})
-        with _no_subclass_functions():  # like torch's default: nested calls skip __torch_function__
-            return handler(func, args, kwargs or {})
-    return _run_function(func, types, args, kwargs if kwargs is not None else _NO_KWARGS)
+        try:
+            with _no_subclass_functions():  # like torch's default: nested calls skip __torch_function__
+                return handler(func, args, kwargs or {})
+        except CompileUnsupportedError as e:
+            _name_refusal(e, func)
+            raise
+    try:
+        return _run_function(func, types, args, kwargs if kwargs is not None else _NO_KWARGS)
+    except CompileUnsupportedError as e:
+        _name_refusal(e, func)
+        raise
+
+
+def _name_refusal(e: CompileUnsupportedError, func) -> None:
+    """Re-raise a refusal under torch.compile naming the op whose rule reached it (the innermost one)."""
+    named = e.naming(op_name(func))
+    if named is not e:
+        raise named from e
 
 
 def _plain_out(out) -> bool:
@@ -170,7 +185,11 @@ def method_dispatch(cls, func, types, args=(), kwargs=None):
     trace = _tracing.trace
     if trace is not None:
         return _traced_step(trace, _call_route, route, func, args, kwargs or {})
-    return route(func, args, kwargs or {})
+    try:
+        return route(func, args, kwargs or {})
+    except CompileUnsupportedError as e:
+        _name_refusal(e, func)
+        raise
 
 
 def _call_route(route, func, args, kwargs):

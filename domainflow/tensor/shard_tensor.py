@@ -125,6 +125,19 @@ class ShardTensor(torch.Tensor):
         comm.refuse_unchecked_compile("a ShardTensor")
         return ShardTensor(inner["_local"], spec)
 
+    def __coerce_same_metadata_as_tangent__(self, expected_metadata, expected_type=None):
+        """torch.compile: a gradient arriving in another layout than the one AOTAutograd traced the compiled
+        backward with (the gradient of a compiled output that is a pending sum arrives replicated): the same
+        tensor in that layout (Replicate to Partial needs no communication; any other change redistributes,
+        alike on every rank, which all get the same gradient layout)."""
+        if expected_type is not None and expected_type is not ShardTensor:
+            return None
+        if not isinstance(expected_metadata, ShardSpec) or expected_metadata.shape != self._spec.shape:
+            return None
+        if expected_metadata == self._spec:
+            return self
+        return ShardTensor(redistribute_local(self._local, self._spec, expected_metadata), expected_metadata)
+
     def __reduce_ex__(self, proto):
         raise TypeError("a ShardTensor cannot be pickled; save .to_local() with its .sharding_shapes, "
                         "or use .to_dtensor() with torch.distributed.checkpoint")

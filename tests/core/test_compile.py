@@ -185,6 +185,79 @@ def test_rank_local_sizes_trace_one_graph(dist, model, world, backend):
     assert all(dist.run(world, _rank_local, model, backend, timeout=400))
 
 
+# -- ops along the sharded dim that run eagerly in a compiled model (a graph break), or a pending-sum output --
+class _AlongSharded(torch.nn.Module):
+    """``op`` of the input scaled per channel by a parameter (whose gradient is compared)."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        self.w = torch.nn.Parameter(torch.randn(1, 3, 1, 1, dtype=D))
+
+    def forward(self, x):
+        import torch.nn.functional as F
+
+        x = x * self.w
+        if self.op == "partial":  # a sum along the sharded dim: a pending sum (Partial) returned
+            return x.sum(dim=2)
+        if self.op == "reflect":
+            return F.pad(x, (1, 1, 2, 2), mode="reflect")
+        return F.max_pool2d(x, 2)
+
+
+def _along_sharded(op, backend):
+    def make():
+        torch.manual_seed(0)
+        return _AlongSharded(op)
+
+    return _check(make, _image, 2, [(5, 4), (3, 6)], count=False, backend=backend)
+
+
+@pytest.mark.parametrize("op,backend", [("partial", "aot_eager"), ("partial", "inductor"), ("reflect", "aot_eager"),
+                                        ("maxpool", "aot_eager")])
+def test_compiled_ops_along_the_sharded_dim(dist, op, backend):
+    """A compiled output that is a pending sum, then backward (its gradient arrives replicated and is coerced to
+    the layout the compiled backward was traced with; before: AOTAutograd's 'guessed its metadata incorrectly'),
+    F.pad reflect and F.max_pool2d along the sharded dim (Dynamo stepped into the engine through
+    handle_torch_function and failed with an InternalTorchDynamoError; now they run eagerly, a graph break):
+    eager's forward and gradients."""
+    assert all(dist.run(2, _along_sharded, op, backend, timeout=300))
+
+
+_REFUSED = {"circular": "pad", "cumsum": "cumsum", "flip": "flip", "roll": "roll"}
+
+
+def _refused_along_sharded(case):
+    import torch.nn.functional as F
+
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,))
+    torch._dynamo.reset()
+    full = _image(9, 0)
+    x = df.distribute_tensor(full, mesh, [df.Shard(2)], sharding_shapes={0: [5, 4]})
+    fn = {"circular": lambda x: F.pad(x * 2, (0, 0, 1, 1), mode="circular"),
+          "cumsum": lambda x: torch.cumsum(x * 2, 2), "flip": lambda x: torch.flip(x * 2, [2]),
+          "roll": lambda x: torch.roll(x * 2, 1, 2)}[case]
+    with pytest.raises(CompileUnsupportedError) as info:
+        df.compile(fn, backend="aot_eager")(x)
+    assert type(info.value) is CompileUnsupportedError
+    # the ranks still agree afterwards, and the op runs eagerly
+    assert torch.allclose(fn(x).full_tensor(), fn(full), atol=TOL, rtol=0)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("case", sorted(_REFUSED))
+def test_refused_ops_along_the_sharded_dim_are_named(dist, case):
+    """F.pad circular, cumsum, flip and roll along the sharded dim need exchanges that do not compile: one line
+    naming the op and the fix, the same on every rank (not Dynamo's wrapper of it)."""
+    said = dist.run(2, _refused_along_sharded, case, timeout=200)
+    assert said[0] == said[1], said
+    s = said[0]
+    assert "\n" not in s, s
+    assert s.startswith(f"domainflow cannot trace {_REFUSED[case]} on a sharded tensor ("), s
+    assert "under torch.compile" in s and "torch.compiler.disable" in s, s
+
+
 # -- what does not compile: one named error -------------------------------------------------------------------
 def _unrouted():
     rank, world = rank_and_world()
