@@ -6,6 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PYTEST_ARGS ?=
+# tests marked slow (Inductor's C++ builds of more compiled graphs) run with: make test TEST_MARKERS=
+TEST_MARKERS ?= not slow
 # test files run on this many pytest workers (pytest-xdist; a file's tests stay on one worker, sharing its fixtures)
 TEST_WORKERS ?= 2
 
@@ -40,7 +42,7 @@ $(VENV)/.stamp: pyproject.toml Makefile | $(PY)
 	touch $@
 
 test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(if $(TEST_MARKERS),-m "$(TEST_MARKERS)") $(PYTEST_ARGS)
 
 demo: venv
 	$(VENV)/bin/domainflow demo
