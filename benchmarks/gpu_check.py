@@ -9,6 +9,8 @@ Each rank runs, against the same computation on the full tensor on its own devic
   halo conv      Conv2d + GroupNorm on a grid sharded along H (halo exchange forward and backward)
   transolver     a 2-layer Transolver step under deferred_param_grads: loss, every parameter gradient, and
                  the all-reduce count (2L + 1), loss.item() after backward needing no collective
+  compiled       the same step through domainflow.compile (Inductor on CUDA, aot_eager on CPU by default):
+                 loss and every parameter gradient
 and times a few steps of a float32 Transolver on 200k points per sample. Prints a table and writes
 benchmarks/results/gpu_check.json. NCCL needs one GPU per rank: with fewer than 2 GPUs only world size 1
 runs on NCCL (the collectives still go through NCCL), and the JSON says so.
@@ -27,7 +29,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _checks(device_type: str, timed_points: int, timed_steps: int) -> dict:
+def _checks(device_type: str, timed_points: int, timed_steps: int, compile_backend: str = "inductor") -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -93,6 +95,17 @@ def _checks(device_type: str, timed_points: int, timed_steps: int) -> dict:
     out["transolver_all_reduces"] = calls
     out["transolver_all_reduces_expected"] = 2 * 2 + 1 if world > 1 else 0
 
+    # the same step compiled (domainflow.compile: functional collectives in the graph, the ranks' graph check)
+    torch.manual_seed(2)
+    cmodel = Transolver(in_dim=6, out_dim=4, global_dim=3, dim=16, layers=2, heads=2, slices=8).double().to(dev)
+    compiled = df.compile(cmodel, backend=compile_backend)
+    closs = (compiled(xp, glob) ** 2).mean()
+    closs.backward()
+    out["compiled_max_err"] = max([abs(closs.item() - ref.item())]
+                                  + [float((p.grad - q.grad).abs().max()) for p, q in zip(cmodel.parameters(),
+                                                                                          model.parameters())])
+    out["compiled_graphs"] = compiled.frames
+
     # a short timing, float32, 200k points per sample split over the ranks
     if timed_steps:
         torch.manual_seed(3)
@@ -130,6 +143,8 @@ def main() -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=None, help="ranks per case (default: 1 and the GPU count)")
     ap.add_argument("--points", type=int, default=200_000, help="points per sample in the timed steps")
     ap.add_argument("--steps", type=int, default=3, help="timed steps (0: checks only)")
+    ap.add_argument("--compile-backend", choices=("inductor", "aot_eager"), default=None,
+                    help="backend of the compiled check (default: inductor on cuda, aot_eager on cpu)")
     args = ap.parse_args()
 
     import torch
@@ -146,9 +161,11 @@ def main() -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the ranks pick Gloo on CPU
     rows, ok = [], True
     for world in worlds:
-        res = launch_local(_checks, world, args.device, args.points, args.steps, threads_per_rank=1)
+        backend = args.compile_backend or ("inductor" if args.device == "cuda" else "aot_eager")
+        res = launch_local(_checks, world, args.device, args.points, args.steps, backend, threads_per_rank=1)
         ranks = [res[r] for r in sorted(res)]
-        worst = {k: max(r[k] for r in ranks) for k in ("collectives_max_err", "halo_conv_max_err", "transolver_max_err")}
+        worst = {k: max(r[k] for r in ranks) for k in ("collectives_max_err", "halo_conv_max_err", "transolver_max_err",
+                                                        "compiled_max_err")}
         row = {"world": world, "backend": ranks[0]["backend"], "device": ranks[0]["device"], **worst,
                "transolver_all_reduces": ranks[0]["transolver_all_reduces"],
                "transolver_all_reduces_expected": ranks[0]["transolver_all_reduces_expected"],
@@ -158,14 +175,15 @@ def main() -> int:
         row["counts_ok"] = row["transolver_all_reduces"] == row["transolver_all_reduces_expected"]
         ok &= row["exact"] and row["counts_ok"]
         rows.append(row)
-    print(f"{'W':>3} {'backend':<8}{'device':<8}{'collectives':>12}{'halo conv':>11}{'transolver':>11}"
+    print(f"{'W':>3} {'backend':<8}{'device':<8}{'collectives':>12}{'halo conv':>11}{'transolver':>11}{'compiled':>10}"
           f"{'all-reduces':>12}{'step s':>8}{'GPU MiB':>9}")
     for r in rows:
         print(f"{r['world']:>3} {r['backend']:<8}{r['device']:<8}{r['collectives_max_err']:>12.1e}"
-              f"{r['halo_conv_max_err']:>11.1e}{r['transolver_max_err']:>11.1e}"
+              f"{r['halo_conv_max_err']:>11.1e}{r['transolver_max_err']:>11.1e}{r['compiled_max_err']:>10.1e}"
               f"{r['transolver_all_reduces']:>6} / {r['transolver_all_reduces_expected']:<3}"
               f"{r['timed_step_s_median']:>8.3f}{r['peak_gpu_mib']:>9.0f}")
-    print("errors: max abs difference from the same computation on the full tensor (float64); all-reduces: "
+    print("errors: max abs difference from the same computation on the full tensor (float64; compiled: the "
+          "step through domainflow.compile); all-reduces: "
           "measured / expected in a 2-layer Transolver step; step s: median float32 step at "
           f"{args.points} points" + (f"; {note}" if note else ""))
     RESULTS.mkdir(parents=True, exist_ok=True)
