@@ -16,14 +16,14 @@ from domainflow.comm.autograd import (all_gather_autograd, all_reduce_sum_autogr
                                       all_to_all_autograd)
 from domainflow.comm.base import (STALL_WAIT_S, CommStats, _all_gather_single, dim_ranks, group_size, mesh_device,
                                   pending_checks, refuse_compiling, refuse_unchecked_compile, set_check_runner, stats)
-from domainflow.comm.collectives import (EXCHANGE_REDUCE_MAX_BYTES, Rider, all_gather_ints, all_gather_object,
+from domainflow.comm.collectives import (EXCHANGE_REDUCE_MAX_BYTES, FAILED_IN_COMPILED, Rider, all_gather_ints, all_gather_object,
                                          all_gather_object_mesh, all_gather_uneven, all_reduce, all_reduce_coalesced, all_to_all_dims,
                                          broadcast, check_compiled_graph, land, ride_along)
 from domainflow.comm.halo import fetch, fetch_rows, halo_exchange, return_rows
 from domainflow.comm.indexed import IndexPlan, gather_indexed, index_plan, route_to_owners
 from domainflow.comm.p2p import begin_exchange, ring_shift, scatter_pieces, send_header
 
-__all__ = ["CommStats", "EXCHANGE_REDUCE_MAX_BYTES", "IndexPlan", "Rider", "STALL_WAIT_S", "all_gather_autograd",
+__all__ = ["CommStats", "EXCHANGE_REDUCE_MAX_BYTES", "FAILED_IN_COMPILED", "IndexPlan", "Rider", "STALL_WAIT_S", "all_gather_autograd",
            "all_gather_ints", "all_gather_object", "all_gather_object_mesh", "all_gather_uneven", "all_reduce", "all_reduce_coalesced",
            "all_reduce_sum_autograd", "all_reduce_to_replicated", "all_to_all_autograd", "all_to_all_dims",
            "begin_exchange", "broadcast", "check_compiled_graph", "dim_ranks", "fetch", "fetch_rows", "gather_indexed", "group_size",

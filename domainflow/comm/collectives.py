@@ -219,6 +219,13 @@ def mismatch(header: Header, mesh: DeviceMesh, mesh_dim: int, what: str, detail:
         groups.setdefault(d, []).append(ranks[k])
     said = "; ".join(f"rank {rs[0]}: {d}" if len(rs) == 1 else f"ranks {rs}: {d}" for d, rs in groups.items())
     codes = [struct.unpack_from("=2q", header.host, k * header.stride)[1] for k in range(n)]
+    failed = [(rs, d) for d, rs in groups.items() if d.startswith(FAILED_IN_COMPILED)]
+    if failed and _OP_CODES["compiled graph"] in codes:  # a rank failed: its error is the news, not the graphs
+        who = "; ".join(f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rs}" for rs, _ in failed)
+        raise CollectiveError(
+            f"rank {ranks[header.me]}: {who} {failed[0][1]} (the ranks of mesh dim {_dim_name(mesh, mesh_dim)} "
+            f"of mesh {tuple(mesh.shape)} stopped together; {said}). Nothing was exchanged.\n"
+            f"Fix: see that rank's error above; every rank traces afresh on the next call.")
     if _OP_CODES["compiled graph"] in codes:  # (every rank saw the same headers: the same words on every rank)
         same = len(groups) == 1
         raise CollectiveError(
@@ -247,6 +254,9 @@ def _describe(header: Header, k: int) -> str:
         return "not a domainflow collective"
     dt = _DTYPES[code - 1] if 0 < code <= len(_DTYPES) else None
     return _OP_NAMES.get(op, f"op {op}") + (f", {str(dt).removeprefix('torch.')}" if dt else "")
+
+
+FAILED_IN_COMPILED = "failed in a call compiled by domainflow.compile"
 
 
 def check_compiled_graph(mesh: DeviceMesh, mesh_dim: int, digest: Sequence[int], sends: Sequence[int],

@@ -29,6 +29,8 @@ rank raises the same CollectiveError ("the ranks compiled different graphs").
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 
 import torch
@@ -134,6 +136,11 @@ class CheckedCompile:
         try:
             return self._compiled(*args, **kwargs)
         except Exception as e:
+            if mesh is not None:
+                # Dynamo may have decided alone on this rank, from the failure, to run the failed code eagerly
+                # from now on (its other ranks compiled it): every rank forgets its compiled code and traces
+                # afresh on the next call, so the ranks' graphs cannot drift apart after a failure
+                torch._dynamo.reset()
             if mesh is not None and not isinstance(e, CollectiveError) and not getattr(e, _IN_GRAPH, False):
                 _failed_round(mesh, e)
             refused = _refusal_in(e)
@@ -168,7 +175,7 @@ def _failed_round(mesh, e: Exception) -> None:
     raises the same CollectiveError naming this failure (the cause here: ``e``), instead of the peers timing
     out."""
     first = (str(e).strip().splitlines() or [""])[0]
-    what = f"failed in a call compiled by domainflow.compile: {type(e).__name__}: {first}"[:400]
+    what = f"{comm.FAILED_IN_COMPILED}: {type(e).__name__}: {first}"[:400]
     for d in range(mesh.ndim):
         n = comm.group_size(mesh, d)
         try:
@@ -182,6 +189,9 @@ def _modules_reached(fn, args, kwargs) -> list:
     the owner of a bound method (or the modules among its attributes), the modules a function closes over or
     names as globals, and nn.Module arguments. (While tracing, the engine sees only fake parameters.)"""
     Module = torch.nn.Module
+    if isinstance(fn, functools.partial):  # the function's, and the modules bound as its arguments
+        bound = (*fn.args, *fn.keywords.values())
+        return _modules_reached(fn.func, (*bound, *args), kwargs)
     if isinstance(fn, Module):
         seen = [fn]
     else:
@@ -216,18 +226,27 @@ def _record_module(module: torch.nn.Module, mesh) -> None:
             _consistency.record_parameter(b, mesh)
 
 
-def _first_mesh(args):
+def _first_mesh(args, depth: int = 0):
+    """The mesh of the first ShardTensor among ``args``: inside lists, tuples (named too), dicts, dataclasses
+    and the attributes of other objects (a batch class), a few levels deep."""
     for a in args:
         if type(a) is ShardTensor:
             return a._spec.mesh
-        if type(a) in (list, tuple):
-            m = _first_mesh(a)
-            if m is not None:
-                return m
-        elif type(a) is dict:
-            m = _first_mesh(tuple(a.values()))
-            if m is not None:
-                return m
+        if isinstance(a, torch.Tensor) or depth > 3:
+            continue
+        if isinstance(a, (list, tuple)):
+            inner = a
+        elif isinstance(a, dict):
+            inner = tuple(a.values())
+        elif dataclasses.is_dataclass(a) and not isinstance(a, type):
+            inner = tuple(getattr(a, f.name, None) for f in dataclasses.fields(a))
+        elif hasattr(a, "__dict__") and not isinstance(a, (type, torch.nn.Module)) and not callable(a):
+            inner = tuple(vars(a).values())
+        else:
+            continue
+        m = _first_mesh(inner, depth + 1)
+        if m is not None:
+            return m
     return None
 
 
@@ -255,6 +274,14 @@ class _Backend:
     def __call__(self, gm, example_inputs):
         self.owner.frames += 1
         mesh = self.owner._mesh
+        if mesh is None and any(type(x) is ShardTensor for x in example_inputs):
+            # no ShardTensor among the call's arguments where the wrapper looks (so neither the parameters nor
+            # the ranks' graphs would be checked), yet the graph takes one: refused alike on every rank
+            raise CompileUnsupportedError("ShardTensors the call's arguments do not hold", (
+                "domainflow.compile finds the mesh from the ShardTensors among a call's arguments (also inside "
+                "lists, tuples, dicts, dataclasses and an object's attributes), and this call passed none that it "
+                "could find while its graph takes one: pass the ShardTensor inputs as arguments of the compiled "
+                "call"))
 
         if self.backend == "inductor":
             from torch._inductor.compile_fx import compile_fx, compile_fx_inner

@@ -12,12 +12,16 @@ before the compiled step."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import typing
+
 import pytest
 import torch
 
 import domainflow as df
 from dist_pool import rank_and_world
-from domainflow.errors import CompileUnsupportedError, ReplicaMismatchError, ShardingShapeError
+from domainflow.errors import CollectiveError, CompileUnsupportedError, ReplicaMismatchError, ShardingShapeError
 from sharded_check import get_mesh
 
 D = torch.float64
@@ -356,30 +360,130 @@ def test_raw_torch_compile_is_refused(dist):
                                          "checks parameters and layouts across ranks before each call"), s
 
 
+class _Batch(typing.NamedTuple):
+    x: torch.Tensor
+
+
+@dataclasses.dataclass
+class _BatchData:
+    x: torch.Tensor
+
+
+class _Attrs:
+    def __init__(self, x):
+        self.x = x
+
+
+class _FromBatch(torch.nn.Module):
+    """The conv net on ``batch.x``: the ShardTensor inside a named tuple, a dataclass or a plain object."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _conv_model()
+
+    def forward(self, batch):
+        return self.net(batch.x)
+
+
+def _step(model, x):
+    return model(x)
+
+
 def _perturbed_parameter():
     rank, world = rank_and_world()
     mesh = get_mesh((world,))
-    model, other = _conv_model(), _conv_model()  # (a parameter is checked once, the first call that meets it)
-    if rank == 1:
-        with torch.no_grad():
-            model[2].bias[1] += 1e-6
-            other[2].bias[1] += 1e-6
     x = df.distribute_tensor(_image(9, 0), mesh, [df.Shard(2)], sharding_shapes={0: [5, 4]})
     torch._dynamo.reset()
     said = []
-    for compiled in (df.compile(model, backend="aot_eager"),
-                     df.compile(lambda x: other(x), backend="aot_eager")):  # a function closing over a module
+    # (a parameter is checked once, the first call that meets it: a new model for each way of calling)
+    for how in ("module", "closure", "partial", "named tuple", "dataclass", "object"):
+        model = _FromBatch() if how in ("named tuple", "dataclass", "object") else _conv_model()
+        if rank == 1:
+            with torch.no_grad():
+                (model.net if isinstance(model, _FromBatch) else model)[2].bias[1] += 1e-6
+        arg = x
+        if how == "module":
+            compiled = df.compile(model, backend="aot_eager")
+        elif how == "closure":  # a function closing over a module
+            compiled = df.compile(lambda x: model(x), backend="aot_eager")
+        elif how == "partial":  # the module bound as an argument
+            compiled = df.compile(functools.partial(_step, model), backend="aot_eager")
+        else:  # the input inside a batch (before: no mesh found, so nothing checked and a wrong result)
+            compiled = df.compile(model, backend="aot_eager")
+            arg = {"named tuple": _Batch, "dataclass": _BatchData, "object": _Attrs}[how](x)
         with pytest.raises(ReplicaMismatchError) as info:
-            compiled(x)
-        said.append(str(info.value))
+            compiled(arg)
+        said.append(str(info.value).replace("_FromBatch.net.", "Sequential."))
     return said
+
+
+def _hidden_input():
+    """A ShardTensor the wrapper cannot find among the call's arguments (a closure's): refused by name on every
+    rank, not compiled unchecked."""
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,))
+    torch._dynamo.reset()
+    model = _conv_model()
+    x = df.distribute_tensor(_image(9, 0), mesh, [df.Shard(2)], sharding_shapes={0: [5, 4]})
+    with pytest.raises(CompileUnsupportedError) as info:
+        df.compile(lambda: model(x), backend="aot_eager")()
+    return str(info.value)
+
+
+def test_a_shardtensor_the_wrapper_cannot_find_is_refused(dist):
+    said = dist.run(2, _hidden_input, timeout=60)
+    assert said[0] == said[1] and len(said[0].splitlines()) == 1, said
+    assert "pass the ShardTensor inputs as arguments of the compiled call" in said[0], said[0]
+
+
+class _FailsOnceAfterABreak(torch.nn.Module):
+    """The conv net, a graph break, then rank 1 raises on the second call only (its own code)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.calls = _conv_model(), 0
+
+    def forward(self, x):
+        y = self.net[0](x)
+        torch._dynamo.graph_break()
+        self.calls += 1
+        if self.calls == 2 and rank_and_world()[0] == 1:
+            raise ValueError("boom on rank 1")
+        return self.net[2](self.net[1](y))
+
+
+def _recovers_after_a_failure():
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,))
+    torch._dynamo.reset()
+    model, ref = _FailsOnceAfterABreak(), _conv_model()
+    compiled = df.compile(model, backend="aot_eager")
+    x = df.distribute_tensor(_image(9, 0), mesh, [df.Shard(2)], sharding_shapes={0: [5, 4]})
+    said = []
+    for _ in range(3):
+        try:
+            y = compiled(x)
+            said.append(bool(torch.allclose(y.full_tensor(), ref(_image(9, 0)), atol=TOL, rtol=0)))
+        except CollectiveError as e:
+            said.append(str(e).split(":", 1)[1].splitlines()[0])
+    return said
+
+
+def test_the_ranks_trace_afresh_after_a_failure_on_one_rank(dist):
+    """Rank 1 fails once after a graph break: Dynamo there then ran that code eagerly for good while rank 0 kept
+    its graph, so every later call waited in a graph check on one rank and an eager halo exchange on the other
+    until the timeout. Now every rank forgets its compiled code after a failure, and the next call is exact."""
+    said = dist.run(2, _recovers_after_a_failure, timeout=120)
+    assert said[0] == said[1], said
+    assert said[0][0] is True and said[0][2] is True, said
+    assert said[0][1].startswith(" rank 1 failed in a call compiled by domainflow.compile: ValueError: boom on rank 1"), said
 
 
 def test_parameter_differing_across_ranks_is_named(dist):
     """domainflow.compile checks the module's replicated parameters across ranks before the call (under
     torch.compile the engine sees fake ones only): the replica error on every rank, no compiled step."""
-    said = dist.run(2, _perturbed_parameter, timeout=40)
-    assert said[0] == said[1]
+    said = dist.run(2, _perturbed_parameter, timeout=60)
+    assert said[0] == said[1] and len(said[0]) == 6
     for s in said[0]:
         assert "'Sequential.2.bias'" in s and "rank(s) [1]" in s, s
 
