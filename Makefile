@@ -49,7 +49,7 @@ $(VENV)/.stamp: pyproject.toml Makefile | $(PY)
 	$(PIP) install --no-compile --no-deps $(MODEL_PACKAGES)
 	@# Bytecode of what the commands and the tests import, written once here: where PYTHONDONTWRITEBYTECODE is
 	@# set (as on this machine) no process would write it, and every fresh interpreter would compile torch's
-	@# and the project's modules from source again (import torch: 3.4 s instead of 1.5 s).
+	@# and the project's modules from source again (import torch: 3.4 s instead of 2.0 s here).
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -c "exec('import importlib\nfor m in \'$(WARM_MODULES)\'.split():\n try: importlib.import_module(m)\n except Exception: pass')" >/dev/null 2>&1 || true
 	touch $@
 
