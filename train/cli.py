@@ -83,6 +83,9 @@ def add_commands(sub) -> None:
                       help="forward in blocks of this many points over the domain, each rank its share, in "
                            "bounded memory (default: the "
                            "checkpoint's eval.block_points; 0: the whole run at once)")
+    pred.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                      help="grid: run the forecast's model through domainflow.compile (torch.compile; BACKEND "
+                           "inductor, the default, or aot_eager): one compile, then every step of the rollout")
     train.set_defaults(handler=_train, interrupted=INTERRUPTED_TRAIN, overrides_anywhere=True)
     pred.set_defaults(handler=_predict)
 
@@ -173,12 +176,16 @@ def _predict(args) -> int:
             raise ValueError("a grid checkpoint forecasts from --init DATE[,DATE...] (or step indices) for --steps K "
                              "steps" + ("; --run names a run of a mesh store" if args.run else ""))
         call = (args.checkpoint, args.store, args.init, args.steps, args.out, args.domain, args.lon,
-                args.trust_model_target)
+                args.trust_model_target, args.compile)
         if args.domain * args.lon == 1 or under_launcher():
             return forecast_main(*call)
         forecast_config(*call)  # errors known before ranks start
         launch_local(forecast_main, args.domain * args.lon, *call, preload=RANK_MODULES)
         return 0
+    if args.compile is not None:
+        raise ValueError("--compile compiles static shapes, and every run of a mesh store has its own points per "
+                         "rank: each would compile anew for one forward; predict mesh runs without --compile (a "
+                         "grid forecast's rollout is what --compile speeds up)")
     if not args.run or args.init is not None:
         raise ValueError("a mesh checkpoint predicts runs: give --run run_<i> (--init is for grid checkpoints)")
     runs = [r.strip() for item in args.run for r in item.split(",") if r.strip()]

@@ -70,6 +70,8 @@ class TrainConfig:
     dtype: str = "float32"               # float32 | float64 (parameters and data)
     autocast: str = "none"               # none | bf16
     checkpoint_activations: bool = False
+    compile: bool = False                # training forward and backward through domainflow.compile (torch.compile)
+    compile_backend: str = "inductor"    # inductor | aot_eager (train.compile's torch.compile backend)
     eval_every: int = 0                  # steps (0: only at the end)
     checkpoint_every: int = 0            # steps (0: only at the end)
     log_every: int = 1
@@ -116,6 +118,7 @@ class Config:
         return dataclasses.asdict(self)
 
 
+COMPILE_BACKENDS = ("inductor", "aot_eager")  # domainflow.compile's (train.compile_backend, predict --compile)
 GRAPH_MODELS = ("meshgraphnet",)  # the built-ins whose forward takes the sample's edges (data.edges)
 MESH_MODELS = ("transolver", "meshgraphnet")
 
@@ -126,6 +129,7 @@ _CHOICES = {
     ("train", "schedule"): ("cosine", "constant"),
     ("train", "dtype"): ("float32", "float64"),
     ("train", "autocast"): ("none", "bf16"),
+    ("train", "compile_backend"): COMPILE_BACKENDS,
 }
 
 
@@ -290,6 +294,27 @@ def _check(cfg: Config, given=frozenset()) -> None:
                           f"meshgraphnet for mesh stores and unet for grid stores, or your own with "
                           f"model.target=package.module:Class")
     _check_edges(cfg, given)
+    _check_compile(cfg)
+
+
+def _check_compile(cfg: Config) -> None:
+    """``train.compile``: static shapes only (one compiled graph for the whole run), so refused where a step's
+    per-rank shapes change from sample to sample, and with what it has not been made to work with."""
+    t, d, m = cfg.train, cfg.data, cfg.mesh
+    if not t.compile:
+        return
+    if m.dp_strategy == "fsdp":
+        raise ConfigError("train.compile=true with mesh.dp_strategy=fsdp: FSDP2's parameter gathers are not run "
+                          "through domainflow.compile's checks; use mesh.dp_strategy=allreduce or train.compile=false")
+    if t.checkpoint_activations:
+        raise ConfigError("train.compile=true with train.checkpoint_activations=true: activation checkpointing is not "
+                          "compiled; set one of them to false")
+    if d.kind == "mesh" and (not d.sample_points or m.domain > 1):
+        why = ("each sample has its own number of points" if not d.sample_points else
+               f"the {d.sample_points} points drawn per sample fall differently on the {m.domain} domain ranks")
+        raise ConfigError(f"train.compile=true compiles static shapes, and on this mesh store {why}, so every step "
+                          f"would compile anew; compile a mesh model with mesh.domain=1 and data.sample_points=N "
+                          f"(each rank a fixed N points), or train a grid store, or set train.compile=false")
 
 
 def check_block_points(cfg: Config) -> None:

@@ -22,14 +22,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import domainflow as df
+
 from . import checkpoint as ckpt
-from .config import from_dict
+from .config import COMPILE_BACKENDS, from_dict
 
 FORECAST_SUFFIXES = (".zarr", ".nc")
 
 
 def forecast_config(checkpoint: str, store: str, inits, steps: int, out: str, domain: int = 1, lon: int = 1,
-                    trust_target: bool = False):
+                    trust_target: bool = False, compile_backend: str | None = None):
     """(checkpoint folder, config, initial step indices, output path, the model's normalisation) with every
     error that needs no process group raised here, before ranks start: no or a mesh checkpoint, an output that
     is not .zarr/.nc, steps < 1, a store whose channels do not fit the model, an initial time the store does not
@@ -42,6 +44,8 @@ def forecast_config(checkpoint: str, store: str, inits, steps: int, out: str, do
                          f"{out.with_suffix('.zarr').name}")
     if steps < 1:
         raise ValueError(f"--steps must be at least 1, got {steps}")
+    if compile_backend is not None and compile_backend not in COMPILE_BACKENDS:
+        raise ValueError(f"--compile {compile_backend}: the backend is one of {list(COMPILE_BACKENDS)}")
     if domain < 1 or lon < 1:
         raise ValueError(f"--domain and --lon must be at least 1, got {domain} and {lon}")
     path = ckpt.latest(Path(checkpoint))
@@ -123,7 +127,7 @@ def _step_of(text: str, values: np.ndarray, attrs: dict, store) -> int:
 
 
 def forecast_main(checkpoint: str, store: str, inits, steps: int, out: str, domain: int = 1, lon: int = 1,
-                  trust_target: bool = False) -> int:
+                  trust_target: bool = False, compile_backend: str | None = None) -> int:
     """``domainflow predict ... --init``: one rank per block of the grid (started by the caller)."""
     from domainflow import comm
 
@@ -132,11 +136,13 @@ def forecast_main(checkpoint: str, store: str, inits, steps: int, out: str, doma
     from .inference import rollout
     from .predict import PredictionError, together
 
-    path, cfg, index, out, norm = forecast_config(checkpoint, store, inits, steps, out, domain, lon, trust_target)
+    path, cfg, index, out, norm = forecast_config(checkpoint, store, inits, steps, out, domain, lon, trust_target,
+                                                  compile_backend)
     mesh = build_mesh(cfg)
     ds = build_dataset(cfg, mesh, next(iter(_splits(store))), shuffle=False, norm=norm)
     model = build_model(cfg, ds)
     ckpt.load(path, model)
+    forward = model if compile_backend is None else df.compile(model, backend=compile_backend)
     group = ds.axes.domain
     first = all(c == 0 for c in ds.axes.coords)
     dtype = next(model.parameters()).dtype
@@ -147,7 +153,7 @@ def forecast_main(checkpoint: str, store: str, inits, steps: int, out: str, doma
         together(comm, group, lambda: writer.create() if first else None, str(scratch), PredictionError)
         for i, t in enumerate(index):
             state = ds.shard(ds.read_window(t))
-            for k, pred in rollout(model, state, steps, C, cfg, relayout=ds.relayout, statics=len(ds.statics)):
+            for k, pred in rollout(forward, state, steps, C, cfg, relayout=ds.relayout, statics=len(ds.statics)):
                 block = ds.denormalize(pred).to_local()[0].cpu().numpy()
                 # each write is checked on every rank before the next step's collectives: a rank that cannot
                 # write stops every rank here, never one rank waiting in the model for the others

@@ -76,6 +76,8 @@ class Trainer:
         if self.sharded:
             fsdp.shard_model(self.model, self.mesh)
         t = cfg.train
+        # the training forward (and its backward) compiled; evaluation, figures and checkpoints use the module itself
+        self.forward = df.compile(self.model, backend=t.compile_backend) if t.compile else self.model
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(cfg, s))
         self.dp, self.dp_rank = self.ds.axes.dp_size, self.ds.axes.dp_rank
@@ -134,7 +136,7 @@ class Trainer:
     def _call_model(self, batch):
         if self.cfg.train.checkpoint_activations:
             return _checkpointed(self.model, batch)
-        return call_model(self.model, batch)
+        return call_model(self.forward, batch)
 
     def _autocast(self):
         if self.cfg.train.autocast == "bf16":
@@ -333,6 +335,8 @@ class Trainer:
         rec = {"step": entry.step, "loss": entry.loss, "lr": entry.lr,
                "samples_per_s": entry.samples * self.dp / max(entry.seconds + waited, 1e-9), "seconds": entry.seconds,
                "data_wait_s": waited, "memory_mib": _peak_memory_mib(comm.mesh_device(self.mesh))}
+        if self.cfg.train.compile:  # Dynamo graphs so far: a rise after the first step is a recompile
+            rec["compiled_graphs"] = self.forward.frames
         self.history.append(rec)
         log.write(rec)
         if bar is not None:

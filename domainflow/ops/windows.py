@@ -391,6 +391,9 @@ def _pad(func, args, kwargs):
 
 
 register_function(F.pad)(_pad)
+# what Dynamo puts in a compiled graph for F.pad: the builtin it calls (its own handle_torch_function), which would
+# otherwise reach the engine as its C++ decomposition (a circular pad as copies into views of a new tensor)
+register_function(torch._C._nn.pad)(_pad)
 
 
 @register_function(torch.constant_pad_nd)

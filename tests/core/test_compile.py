@@ -209,8 +209,8 @@ class _AlongSharded(torch.nn.Module):
         x = x * self.w
         if self.op == "partial":  # a sum along the sharded dim: a pending sum (Partial) returned
             return x.sum(dim=2)
-        if self.op == "reflect":
-            return F.pad(x, (1, 1, 2, 2), mode="reflect")
+        if self.op in ("reflect", "circular"):
+            return F.pad(x, (1, 1, 2, 2), mode=self.op)
         return F.max_pool2d(x, 2)
 
 
@@ -223,29 +223,26 @@ def _along_sharded(op, backend):
 
 
 @pytest.mark.parametrize("op,backend", [("partial", "aot_eager"), ("partial", "inductor"), ("reflect", "aot_eager"),
-                                        ("maxpool", "aot_eager")])
+                                        ("circular", "aot_eager"), ("maxpool", "aot_eager")])
 def test_compiled_ops_along_the_sharded_dim(dist, op, backend):
     """A compiled output that is a pending sum, then backward (its gradient arrives replicated and is coerced to
     the layout the compiled backward was traced with; before: AOTAutograd's 'guessed its metadata incorrectly'),
-    F.pad reflect and F.max_pool2d along the sharded dim (Dynamo stepped into the engine through
-    handle_torch_function and failed with an InternalTorchDynamoError; now they run eagerly, a graph break):
-    eager's forward and gradients."""
+    F.pad reflect and circular (the wrap-around rows are a halo row fetch, in the graph) and F.max_pool2d along the
+    sharded dim (Dynamo stepped into the engine through handle_torch_function and failed with an
+    InternalTorchDynamoError; now it runs eagerly, a graph break): eager's forward and gradients."""
     assert all(dist.run(2, _along_sharded, op, backend, timeout=300))
 
 
-_REFUSED = {"circular": "pad", "cumsum": "cumsum", "flip": "flip", "roll": "roll"}
+_REFUSED = {"cumsum": "cumsum", "flip": "flip", "roll": "roll"}
 
 
 def _refused_along_sharded(case):
-    import torch.nn.functional as F
-
     rank, world = rank_and_world()
     mesh = get_mesh((world,))
     torch._dynamo.reset()
     full = _image(9, 0)
     x = df.distribute_tensor(full, mesh, [df.Shard(2)], sharding_shapes={0: [5, 4]})
-    fn = {"circular": lambda x: F.pad(x * 2, (0, 0, 1, 1), mode="circular"),
-          "cumsum": lambda x: torch.cumsum(x * 2, 2), "flip": lambda x: torch.flip(x * 2, [2]),
+    fn = {"cumsum": lambda x: torch.cumsum(x * 2, 2), "flip": lambda x: torch.flip(x * 2, [2]),
           "roll": lambda x: torch.roll(x * 2, 1, 2)}[case]
     with pytest.raises(CompileUnsupportedError) as info:
         df.compile(fn, backend="aot_eager")(x)
@@ -257,7 +254,7 @@ def _refused_along_sharded(case):
 
 @pytest.mark.parametrize("case", sorted(_REFUSED))
 def test_refused_ops_along_the_sharded_dim_are_named(dist, case):
-    """F.pad circular, cumsum, flip and roll along the sharded dim need exchanges that do not compile: one line
+    """cumsum, flip and roll along the sharded dim need exchanges that do not compile: one line
     naming the op and the fix, the same on every rank (not Dynamo's wrapper of it)."""
     said = dist.run(2, _refused_along_sharded, case, timeout=200)
     assert said[0] == said[1], said

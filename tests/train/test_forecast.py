@@ -84,7 +84,9 @@ def _by_hand(store, ckpt_dir, steps):
 
 def test_forecasts_are_the_same_on_every_domain_and_equal_the_model_by_hand(trained, tmp_path, dist):
     outs = {"one": (tmp_path / "one.zarr", []), "three": (tmp_path / "three.nc", ["--domain", "3"]),
-            "latlon": (tmp_path / "latlon.zarr", ["--domain", "2", "--lon", "2"])}
+            "latlon": (tmp_path / "latlon.zarr", ["--domain", "2", "--lon", "2"]),
+            # through domainflow.compile (aot_eager: the graphs' cross-rank checks without a C++ build)
+            "compiled": (tmp_path / "compiled.zarr", ["--domain", "2", "--compile", "aot_eager"])}
     for name, (out, extra) in outs.items():
         r = _predict(trained, out, "--init", INITS, "--steps", "3", *extra)
         assert r.returncode == 0, r.stderr
@@ -97,8 +99,9 @@ def test_forecasts_are_the_same_on_every_domain_and_equal_the_model_by_hand(trai
         assert ref[v].dims == ("time", "lead_time", "latitude", "longitude") and ref[v].dtype == np.float64
         np.testing.assert_allclose(ref[v].values, expected[:, :, c], rtol=1e-10, atol=1e-9)
         assert ref[v].attrs["units"] == zarr.open_group(trained["store"]).attrs["fields"][f"grid/{v}"]["units"]
-    with xr.open_dataset(outs["three"][0]) as three, xr.open_zarr(outs["latlon"][0]) as latlon:
-        for other in (three, latlon):
+    with (xr.open_dataset(outs["three"][0]) as three, xr.open_zarr(outs["latlon"][0]) as latlon,
+          xr.open_zarr(outs["compiled"][0]) as compiled):
+        for other in (three, latlon, compiled):
             for v in names:
                 np.testing.assert_allclose(other[v].values, ref[v].values, rtol=1e-12, atol=1e-9)
     np.testing.assert_array_equal(ref["time"].values, np.array(INITS.split(","), dtype="datetime64[ns]"))
@@ -112,7 +115,8 @@ def test_forecast_errors_are_one_line_before_ranks_start(trained, tmp_path):
     for args, msg in [(["--init", "1999-01-01", "--domain", "2"], "holds no step at that time; its steps run from"),
                       (["--init", INITS, "--steps", "0", "--domain", "2"], "--steps must be at least 1"),
                       (["--run", "run_1", "--domain", "2"], "--run names a run of a mesh store"),
-                      (["--init", "0", "--domain", "9"], "leaves a rank without any")]:
+                      (["--init", "0", "--domain", "9"], "leaves a rank without any"),
+                      (["--init", "0", "--domain", "2", "--compile", "eager"], "--compile eager: the backend is one of")]:
         r = _predict(trained, tmp_path / "f.zarr", *args, here=True)
         lines = [x for x in r.stderr.splitlines() if x.strip()]
         assert r.returncode != 0 and len(lines) == 1 and msg in lines[0], r.stderr

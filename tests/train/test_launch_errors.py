@@ -145,7 +145,10 @@ sys.path[:0] = {path!r}
 
 
 def sleeper(folder):
-    open(os.path.join(folder, os.environ["RANK"]), "w").write(str(os.getpid()))
+    scratch = os.path.join(folder, "." + os.environ["RANK"])  # renamed into place: the test never reads a half file
+    with open(scratch, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(scratch, os.path.join(folder, os.environ["RANK"]))
     time.sleep(300)
 
 
@@ -175,9 +178,9 @@ def test_a_killed_launcher_leaves_no_rank_behind(tmp_path):
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(list(folder.iterdir())) < 2 and proc.poll() is None:
+        while time.monotonic() < deadline and len(list(folder.glob("[0-9]"))) < 2 and proc.poll() is None:
             time.sleep(0.1)
-        pids = [int(p.read_text()) for p in folder.iterdir() if p.read_text()]
+        pids = [int(p.read_text()) for p in folder.glob("[0-9]")]
         assert len(pids) == 2, f"ranks did not start: {proc.poll()}"
         proc.kill()
         proc.wait()

@@ -229,6 +229,19 @@ def test_config_errors_name_the_key_and_the_choices(tmp_path, stores):
         load_config(None, ["data.sample_points=-1"])
     with pytest.raises(ConfigError, match=r"eval\.block_points=64: model 'unet' has no block inference"):
         load_config(None, GRID_OVERRIDES + ["eval.block_points=64"])
+    # train.compile: static shapes only, and not with what it was not made to work with
+    with pytest.raises(ConfigError, match=r"train\.compile=true compiles static shapes, and on this mesh store each "
+                                          r"sample has its own number of points"):
+        load_config(None, ["train.compile=true"])
+    with pytest.raises(ConfigError, match=r"the 100 points drawn per sample fall differently on the 2 domain ranks"):
+        load_config(None, ["train.compile=true", "data.sample_points=100", "mesh.domain=2"])
+    with pytest.raises(ConfigError, match=r"train\.compile=true with mesh\.dp_strategy=fsdp"):
+        load_config(None, GRID_OVERRIDES + ["train.compile=true", "mesh.dp_strategy=fsdp"])
+    with pytest.raises(ConfigError, match=r"train\.compile=true with train\.checkpoint_activations=true"):
+        load_config(None, GRID_OVERRIDES + ["train.compile=true", "train.checkpoint_activations=true"])
+    with pytest.raises(ConfigError, match=r"train\.compile_backend = 'eager' is not one of \['inductor', 'aot_eager'\]"):
+        load_config(None, GRID_OVERRIDES + ["train.compile=true", "train.compile_backend=eager"])
+    assert load_config(None, ["train.compile=true", "data.sample_points=100", "mesh.dp=2"]).train.compile
     toml = tmp_path / "c.toml"
     toml.write_text('[train]\nsteps = 5\nlr = 0.01\n[data]\nstore = "x.zarr"\n')
     yaml = tmp_path / "c.yaml"
@@ -353,3 +366,35 @@ def test_grid_sharded_over_lat_and_lon_equals_one_process(dist, stores, tmp_path
     for params, losses in dist.run(4, _train_latlon, stores["grid"], str(tmp_path / "four"), 2, 2):
         _assert_same(params, ref, 1e-10)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
+
+
+def _train_history(kind, store, out, dp, domain, extra):
+    """_train's parameters, the per-step log entries and the parameters of a plain module loading the checkpoint."""
+    from domainflow.train import Trainer
+    from domainflow.train import checkpoint as ckpt
+    from domainflow.train.build import build_model
+
+    cfg = _config(kind, store, out, [f"mesh.dp={dp}", f"mesh.domain={domain}", *extra])
+    trainer = Trainer(cfg, mesh=get_mesh((dp, domain), ("dp", "domain")))
+    trainer.fit()
+    params = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    model = build_model(cfg, trainer.ds)  # the plain module: a checkpoint with torch.compile's names would not load
+    ckpt.load(ckpt.latest(trainer.ckpt_dir), model)
+    loaded = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return params, trainer.history, loaded
+
+
+def test_compiled_training_equals_eager_with_one_compile_and_eager_checkpoints(dist, stores, tmp_path):
+    """train.compile=true: the grid UNet at domain 2 (aot_eager: every graph's cross-rank check, no C++ build)
+    trains to eager's losses and parameters, compiles in the first step only, and its checkpoint loads into the
+    plain module (the names are the module's, not torch.compile's wrapper's)."""
+    extra = ["train.steps=3", "train.eval_every=0"]
+    ref, ref_log, _ = dist.run(2, _train_history, "grid", stores["grid"], str(tmp_path / "eager"), 1, 2, extra)[0]
+    compiled = extra + ["train.compile=true", "train.compile_backend=aot_eager"]
+    for params, log, loaded in dist.run(2, _train_history, "grid", stores["grid"], str(tmp_path / "c"), 1, 2, compiled):
+        _assert_same(params, ref, 1e-10)
+        _assert_same(loaded, params, 0.0)
+        np.testing.assert_allclose([h["loss"] for h in log], [h["loss"] for h in ref_log], rtol=1e-10)
+        graphs = [h["compiled_graphs"] for h in log]
+        assert graphs[0] >= 1 and graphs == graphs[:1] * len(graphs), graphs
+        assert "compiled_graphs" not in ref_log[0]
