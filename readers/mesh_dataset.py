@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 import torch
 
-from domainflow.layout.shapes import rows_per_rank
+from domainflow.layout.shapes import balanced_sizes, rows_per_rank
 from domainflow.store.format import EDGE_PARTS, EDGES
 
 from .axes import resolve_axes
@@ -46,7 +46,9 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
     run keyed by (seed, epoch, run) (``sampling.PointDraw``), of which each rank reads the drawn rows it
     holds, in store order. Every domain size reads the same rows, so the union over ranks is the one-device
     draw; a rank's count follows its share of rows (hypergeometric, not fixed), and only the chunks that hold
-    drawn rows are read.
+    drawn rows are read. ``balanced_draw``: the drawn rows split evenly over the domain ranks instead (the same
+    rows in the same order, so the same global sample; a rank's rows may lie in its neighbours' regions, and its
+    box covers the parts they lie in): fixed per-rank sizes, which a compiled model needs to compile once.
 
     ``edges``: each sample also holds ``"edges"``, the run's directed edges ``(sender, receiver)`` whose receiver
     is one of this rank's rows, (E_r, 2) int64 sharded on dim 0 (every rank's count from the store's
@@ -59,7 +61,7 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
                  fields=("Cp", "Cf"), inputs=("coords", "normals"), normalize: bool = True, shuffle: bool = True,
                  seed: int = 0, prefetch: int = 2, domain_axis: str = "domain", dp_axis: str = "dp",
                  dtype: torch.dtype = torch.float32, runs=None, sample_points: int = 0, stats=None,
-                 edges: bool = False):
+                 edges: bool = False, balanced_draw: bool = False):
         torch.utils.data.IterableDataset.__init__(self)
         EpochStream.__init__(self)
         self.store = store if isinstance(store, Store) else open_store(store)
@@ -70,6 +72,7 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
         if sample_points < 0:
             raise ValueError(f"sample_points must be >= 0 (0: every point), got {sample_points}")
         self.sample_points = int(sample_points)
+        self.balanced_draw = bool(balanced_draw)
         self.edges = bool(edges)
         self.runs = list(runs) if runs is not None else self.store.runs(split)
         self._check()
@@ -152,7 +155,16 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
         a, b = mesh_rows(offsets, rank, world)
         sizes, selection, row_ids = rows_per_rank(offsets, world), slice(a, b), None
         draw = self.point_draw(run_id, offsets[-1], self.epoch if epoch is None else epoch)
-        if draw is not None:
+        boxes = self._rank_boxes(part_boxes)
+        if draw is not None and self.balanced_draw:
+            sizes = list(balanced_sizes(draw.k, world))
+            first = sum(sizes[:rank])
+            row_ids = draw.rows_at(first, first + sizes[rank])
+            boxes = self._rank_boxes(part_boxes, [draw.rows_at(sum(sizes[:r]), sum(sizes[:r + 1])) for r in
+                                                  range(world)], offsets)
+            a, b = (int(row_ids[0]), int(row_ids[-1]) + 1) if len(row_ids) else (0, 0)
+            selection = row_ids
+        elif draw is not None:
             row_ids = draw.rows(a, b)
             sizes = [draw.count(*mesh_rows(offsets, r, world)) for r in range(world)]
             selection = row_ids
@@ -177,7 +189,7 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
         edges = self._read_edges(graph, rank, world) if graph is not None else None
         self.store.check_unchanged()  # a store replaced mid-read would mix two stores in one sample
         return {"run": run_id, "weight": weight, "arrays": out, "rows": (a, b), "row_ids": row_ids,
-                "sizes": sizes, "attrs": attrs, "boxes": self._rank_boxes(part_boxes), "edges": edges}
+                "sizes": sizes, "attrs": attrs, "boxes": boxes, "edges": edges}
 
     def _read_edges(self, graph, rank: int, world: int) -> tuple[np.ndarray, tuple[int, ...]]:
         """This rank's edges (those whose receiver is one of its rows: the same part range as its rows) and
@@ -192,13 +204,21 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
             return None
         return PointDraw(n_rows, self.sample_points, (self.seed, epoch, zlib.crc32(str(run_id).encode())))
 
-    def _rank_boxes(self, part_boxes: np.ndarray) -> np.ndarray:
+    def _rank_boxes(self, part_boxes: np.ndarray, rank_rows=None, offsets=None) -> np.ndarray:
         """(domain ranks, 2, 3) box of every rank's cells, from the store's part boxes, in the same units
-        as the ``coords`` input (z-scored when it is): what ``domainflow.knn(..., boxes=)`` takes."""
+        as the ``coords`` input (z-scored when it is): what ``domainflow.knn(..., boxes=)`` takes. ``rank_rows``:
+        each rank's row ids (a balanced draw), boxed by the parts (``offsets``) from its first to its last row."""
         world, parts = self.axes.sizes[0], len(part_boxes)
         out = np.empty((world, 2, part_boxes.shape[-1]), dtype=np.float64)
         for r in range(world):
             a, b = r * parts // world, (r + 1) * parts // world
+            if rank_rows is not None:
+                rows = rank_rows[r]
+                if not len(rows):  # no points: an empty box (min > max), which no query overlaps
+                    out[r, 0], out[r, 1] = np.inf, -np.inf
+                    continue
+                a = int(np.searchsorted(offsets, rows[0], side="right")) - 1
+                b = int(np.searchsorted(offsets, rows[-1], side="right"))
             out[r, 0], out[r, 1] = part_boxes[a:b, 0].min(0), part_boxes[a:b, 1].max(0)
         if "coords" in self._moments:
             mean, inv_std = (np.asarray(v, dtype=np.float64).reshape(-1) for v in self._moments["coords"])
@@ -231,6 +251,15 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
     def denormalize(self, name: str, x):
         """Undo the z-score of field or input ``name`` (e.g. a model's Cp prediction)."""
         return self.normalizer.denormalize(f"{self.location}/{name}", x)
+
+
+def smallest_run(store: Store, location: str, runs) -> tuple[str, int]:
+    """(run id, points) of the run of ``runs`` with the fewest points at ``location`` (array shapes only)."""
+    def points(run):
+        loc = store.run(run)[location]
+        return next(int(loc[g].shape[0]) for g in GEOMETRY if g in loc)
+
+    return min(((r, points(r)) for r in runs), key=lambda rn: rn[1])
 
 
 def check_request(store: Store, location: str, fields, inputs, runs, world: int, edges: bool = False,

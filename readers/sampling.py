@@ -87,6 +87,18 @@ class PointDraw:
             parts.append(ids)
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
+    def rows_at(self, first: int, stop: int) -> np.ndarray:
+        """The drawn row ids at positions ``[first, stop)`` of the ascending draw (only the blocks they lie in are
+        drawn): a balanced split of the draw over ranks, whatever rows each rank's region holds."""
+        stop = min(stop, self.k)
+        if stop <= first:
+            return np.zeros(0, dtype=np.int64)
+        ends = np.cumsum(self._counts)  # position after the last drawn row of each block
+        b0, b1 = int(np.searchsorted(ends, first, side="right")), int(np.searchsorted(ends, stop - 1, side="right"))
+        ids = np.concatenate([self._rows_of_block(b) for b in range(b0, b1 + 1)])
+        start = int(ends[b0 - 1]) if b0 else 0  # position of the first drawn row of block b0
+        return ids[first - start:stop - start]
+
     def count(self, lo: int, hi: int) -> int:
         """How many drawn rows fall in ``[lo, hi)`` (only the two edge blocks are drawn for it)."""
         if hi <= lo:

@@ -28,6 +28,8 @@ def add_demo(sub) -> None:
 def add_commands(sub) -> None:
     """Add ``train``, ``estimate`` (and its hidden alias ``plan``) and ``predict`` to the ``domainflow`` command's
     subparsers ``sub``; ``train`` and ``estimate`` take ``section.key=value`` overrides after their options too."""
+    from .config import COMPILE_BACKENDS
+
     train = sub.add_parser("train", help="train a model on a store (config file + key=value overrides)")
     train.add_argument("config", nargs="?", default=None, help="YAML or TOML config (default: built-in defaults)")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=200 data.store=cars.zarr")
@@ -83,9 +85,11 @@ def add_commands(sub) -> None:
                       help="forward in blocks of this many points over the domain, each rank its share, in "
                            "bounded memory (default: the "
                            "checkpoint's eval.block_points; 0: the whole run at once)")
-    pred.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
-                      help="grid: run the forecast's model through domainflow.compile (torch.compile; BACKEND "
-                           "inductor, the default, or aot_eager): one compile, then every step of the rollout")
+    pred.add_argument("--compile", action="store_true",
+                      help="grid: run the forecast's model through domainflow.compile (torch.compile): one compile, "
+                           "then every step of the rollout")
+    pred.add_argument("--compile-backend", default="inductor", choices=COMPILE_BACKENDS,
+                      help="the backend of --compile (default inductor)")
     train.set_defaults(handler=_train, interrupted=INTERRUPTED_TRAIN, overrides_anywhere=True)
     pred.set_defaults(handler=_predict)
 
@@ -176,13 +180,13 @@ def _predict(args) -> int:
             raise ValueError("a grid checkpoint forecasts from --init DATE[,DATE...] (or step indices) for --steps K "
                              "steps" + ("; --run names a run of a mesh store" if args.run else ""))
         call = (args.checkpoint, args.store, args.init, args.steps, args.out, args.domain, args.lon,
-                args.trust_model_target, args.compile)
+                args.trust_model_target, args.compile_backend if args.compile else None)
         if args.domain * args.lon == 1 or under_launcher():
             return forecast_main(*call)
         forecast_config(*call)  # errors known before ranks start
         launch_local(forecast_main, args.domain * args.lon, *call, preload=RANK_MODULES)
         return 0
-    if args.compile is not None:
+    if args.compile:
         raise ValueError("--compile compiles static shapes, and every run of a mesh store has its own points per "
                          "rank: each would compile anew for one forward; predict mesh runs without --compile (a "
                          "grid forecast's rollout is what --compile speeds up)")

@@ -309,12 +309,14 @@ def _check_compile(cfg: Config) -> None:
     if t.checkpoint_activations:
         raise ConfigError("train.compile=true with train.checkpoint_activations=true: activation checkpointing is not "
                           "compiled; set one of them to false")
-    if d.kind == "mesh" and (not d.sample_points or m.domain > 1):
-        why = ("each sample has its own number of points" if not d.sample_points else
-               f"the {d.sample_points} points drawn per sample fall differently on the {m.domain} domain ranks")
-        raise ConfigError(f"train.compile=true compiles static shapes, and on this mesh store {why}, so every step "
-                          f"would compile anew; compile a mesh model with mesh.domain=1 and data.sample_points=N "
-                          f"(each rank a fixed N points), or train a grid store, or set train.compile=false")
+    if d.edges:
+        raise ConfigError(f"train.compile=true compiles static shapes, and a graph model reads each sample whole with "
+                          f"its edges (data.edges=true{', model.name=' + cfg.model.name if not cfg.model.target else ''}"
+                          f"), whose points per rank change with every sample; set train.compile=false")
+    if d.kind == "mesh" and not d.sample_points:
+        raise ConfigError("train.compile=true compiles static shapes, and on this mesh store each sample has its own "
+                          "number of points, so every step would compile anew; set data.sample_points=N (N points "
+                          "of every sample, split evenly over the domain ranks), or train.compile=false")
 
 
 def check_block_points(cfg: Config) -> None:

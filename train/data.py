@@ -43,7 +43,7 @@ def call_model(model, batch: Batch):
 
 
 def build_dataset(cfg: Config, mesh, split: str, shuffle: bool, runs=None, extra_inputs=(), sample_points: int = 0,
-                  norm: dict | None = None):
+                  norm: dict | None = None, balanced_draw: bool = False):
     """The reader for ``split`` (``sample_points``: points drawn per mesh sample, 0: all), z-scoring with the
     model's normalisation ``norm`` (a checkpoint's; None: the store's own statistics); a field or input the
     store lacks is refused by the reader, naming the choices the store has."""
@@ -62,7 +62,7 @@ def build_dataset(cfg: Config, mesh, split: str, shuffle: bool, runs=None, extra
         return MeshDataset(store, mesh, split=split if runs is None else None, location=d.location,
                            fields=tuple(d.fields), inputs=inputs, shuffle=shuffle, seed=cfg.train.seed,
                            prefetch=d.prefetch, dtype=dtype, runs=runs, sample_points=sample_points,
-                           stats=normalization.stats(norm), edges=d.edges)
+                           stats=normalization.stats(norm), edges=d.edges, balanced_draw=balanced_draw)
     axes = ("domain",) if len(d.shard_dims) == 1 else ("domain", "lon")
     return GridDataset(d.store, mesh, split=split, shard_dims=tuple(d.shard_dims), lead=d.lead, history=d.history,
                        shuffle=shuffle, seed=cfg.train.seed, prefetch=d.prefetch, dtype=dtype, domain_axes=axes,

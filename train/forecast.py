@@ -45,7 +45,7 @@ def forecast_config(checkpoint: str, store: str, inits, steps: int, out: str, do
     if steps < 1:
         raise ValueError(f"--steps must be at least 1, got {steps}")
     if compile_backend is not None and compile_backend not in COMPILE_BACKENDS:
-        raise ValueError(f"--compile {compile_backend}: the backend is one of {list(COMPILE_BACKENDS)}")
+        raise ValueError(f"--compile-backend {compile_backend}: the backend is one of {list(COMPILE_BACKENDS)}")
     if domain < 1 or lon < 1:
         raise ValueError(f"--domain and --lon must be at least 1, got {domain} and {lon}")
     path = ckpt.latest(Path(checkpoint))

@@ -67,7 +67,9 @@ class Trainer:
         self.mesh = mesh if mesh is not None else build_mesh(cfg)
         self.rank = torch.distributed.get_rank()
         self.out = Path(cfg.output.dir)
-        self.ds = build_dataset(cfg, self.mesh, "train", shuffle=True, sample_points=cfg.data.sample_points)
+        # compiled: the drawn points split evenly over the domain ranks, so every step has the same per-rank sizes
+        self.ds = build_dataset(cfg, self.mesh, "train", shuffle=True, sample_points=cfg.data.sample_points,
+                                balanced_draw=cfg.train.compile)
         # what this store gives the model's inputs (a resume or --init-from adopts its checkpoint's instead)
         self.norm = self.store_norm = normalization.from_store(cfg, self.ds.store)
         self.identity = run_identity.identity(cfg, self.norm)
@@ -159,7 +161,9 @@ class Trainer:
         finite = [v for v in losses if math.isfinite(v)]
         # coalesced with the gradients (their dtype), or alone under FSDP2 (float64: the logged loss keeps its digits)
         dtype, device = (grads[0].dtype, grads[0].device) if grads else (torch.float64, comm.mesh_device(self.mesh))
-        extra = torch.tensor([float(bad), sum(finite), float(len(losses))], dtype=dtype, device=device)
+        # and under train.compile this rank's Dynamo graphs so far: the log's compiled_graphs, summed over dp
+        graphs = float(self.forward.frames) if self.cfg.train.compile else 0.0
+        extra = torch.tensor([float(bad), sum(finite), float(len(losses)), graphs], dtype=dtype, device=device)
         dp_dim = 0
         if self.dp > 1:
             out = comm.all_reduce_coalesced(grads + [extra], "sum", self.mesh, dp_dim)
@@ -176,6 +180,7 @@ class Trainer:
                 f"the loss is NaN/Inf at step {self.step + 1} on sample(s) {culprits}; stopping. The last good "
                 f"checkpoint is {last or 'none (none was saved yet)'}; check those samples (domainflow inspect) "
                 f"or lower train.lr / set train.clip_grad")
+        self.compiled_graphs = int(extra[3])
         if not self.sharded:
             for p, g in zip(params, grads):
                 p.grad = g
@@ -335,8 +340,8 @@ class Trainer:
         rec = {"step": entry.step, "loss": entry.loss, "lr": entry.lr,
                "samples_per_s": entry.samples * self.dp / max(entry.seconds + waited, 1e-9), "seconds": entry.seconds,
                "data_wait_s": waited, "memory_mib": _peak_memory_mib(comm.mesh_device(self.mesh))}
-        if self.cfg.train.compile:  # Dynamo graphs so far: a rise after the first step is a recompile
-            rec["compiled_graphs"] = self.forward.frames
+        if self.cfg.train.compile:  # Dynamo graphs so far, summed over dp: a rise after the first step is a recompile
+            rec["compiled_graphs"] = self.compiled_graphs
         self.history.append(rec)
         log.write(rec)
         if bar is not None:
@@ -369,7 +374,7 @@ class Trainer:
         normalization.check_fits(norm, self.ds.store, self.cfg, where)
         self.norm = norm
         self.ds = build_dataset(self.cfg, self.mesh, "train", shuffle=True, sample_points=self.cfg.data.sample_points,
-                                norm=norm)
+                                norm=norm, balanced_draw=self.cfg.train.compile)
 
     def resume(self) -> None:
         """Continue from the latest checkpoint, or the newest older complete one if it is corrupt (warned); a

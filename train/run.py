@@ -76,6 +76,14 @@ def preflight(cfg: Config, resume: bool, init_from: str | None = None) -> None:
 
             check_edges(cfg, store)
             check_request(store, d.location, d.fields, d.inputs, store.runs("train"), cfg.mesh.domain, edges=d.edges)
+            if cfg.train.compile:  # a run with fewer points than the draw is read whole, at its own size
+                from domainflow.readers.mesh_dataset import smallest_run
+
+                run, points = smallest_run(store, d.location, store.runs("train"))
+                if points < d.sample_points:
+                    raise ConfigError(f"train.compile=true with data.sample_points={d.sample_points}: the training "
+                                      f"run {run} has only {points} points, so it is read whole and would compile "
+                                      f"anew; set data.sample_points={points} or fewer")
             store.runs(d.val_split)
             if d.use_params:
                 from .data import check_params

@@ -383,13 +383,13 @@ def test_samples_carry_rank_boxes_for_neighbour_search(dist, mesh_store):
 
 
 # -- a points budget per step (data.sample_points) ---------------------------------------------------
-def _drawn(path, k, location, epochs):
+def _drawn(path, k, location, epochs, balanced=False):
     from domainflow.readers import MeshDataset
 
     rank, world = rank_and_world()
     ds = MeshDataset(path, get_mesh((world,), ("domain",)), split=None, location=location, fields=("Cp",) if
                      location == "surface" else (), inputs=("coords", "order"), normalize=False, shuffle=False,
-                     prefetch=0, sample_points=k)
+                     prefetch=0, sample_points=k, balanced_draw=balanced)
     ds._open_run("run_2")  # the part offsets: metadata, read once per run
     out = []
     for epoch in epochs:
@@ -400,7 +400,8 @@ def _drawn(path, k, location, epochs):
         sample = ds.wrap(raw)
         out.append({"ids": raw["row_ids"], "rows": raw["rows"], "coords": sample["coords"].to_local().numpy(),
                     "full": sample["coords"].full_tensor().numpy(), "sizes": sample["coords"].sharding_shapes,
-                    "order": sample["order"].to_local().numpy(), "keys": keys, "bytes": nbytes})
+                    "order": sample["order"].to_local().numpy(), "keys": keys, "bytes": nbytes,
+                    "boxes": sample["boxes"].numpy()})
     return out
 
 
@@ -438,6 +439,29 @@ def test_sample_points_read_the_same_rows_on_every_domain_size_and_only_their_ch
     assert len({int(i) // g["coords"].chunks[0] for i in ids0}) < chunks  # a small draw skips chunks
 
 
+def test_a_balanced_draw_is_the_same_sample_split_evenly_over_the_ranks(dist, mesh_store):
+    """``balanced_draw`` (what train.compile reads): the same drawn rows in the same order as the one-rank draw,
+    split evenly over the ranks (fixed sizes, whatever each region holds), each rank's rows with their stored
+    values and inside its box, every rank knowing every rank's count."""
+    g = zarr.open_group(mesh_store, mode="r")["runs/run_2/surface"]
+    k = 11
+    ids0 = dist.run(1, _drawn, mesh_store, k, "surface", [0])[0][0]["ids"]
+    for world in (2, 3):
+        results = [r[0] for r in dist.run(world, _drawn, mesh_store, k, "surface", [0], True)]
+        sizes = [k // world + (r < k % world) for r in range(world)]
+        assert [len(r["ids"]) for r in results] == sizes
+        np.testing.assert_array_equal(np.concatenate([r["ids"] for r in results]), ids0)
+        regular = [len(r[0]["ids"]) for r in dist.run(world, _drawn, mesh_store, k, "surface", [0])]
+        for rank, r in enumerate(results):
+            assert [int(s[0]) for s in r["sizes"][0]] == sizes
+            np.testing.assert_array_equal(r["coords"], g["coords"][:][r["ids"]])
+            np.testing.assert_array_equal(r["full"], g["coords"][:][ids0])
+            lo, hi = r["boxes"][rank]
+            assert np.all((r["coords"] >= lo - 1e-6) & (r["coords"] <= hi + 1e-6)), rank
+        if world == 3:
+            assert regular != sizes  # the regions alone would not give even sizes here
+
+
 def test_a_point_draw_is_a_simple_random_sample_whatever_the_blocks():
     """PointDraw against a one-device draw (numpy's choice without replacement): every row is drawn with
     probability k/n and every pair of rows together with k(k-1)/(n(n-1)), within a block and across blocks
@@ -456,6 +480,8 @@ def test_a_point_draw_is_a_simple_random_sample_whatever_the_blocks():
             np.testing.assert_array_equal(np.concatenate([draw.rows(a, b) for a, b in zip(cuts, cuts[1:])]), ids)
             assert [draw.count(a, b) for a, b in zip(cuts, cuts[1:])] == [len(draw.rows(a, b))
                                                                            for a, b in zip(cuts, cuts[1:])]
+            at = sorted({0, k, *np.random.default_rng(t).integers(0, k, 2).tolist()})  # positions of the draw
+            np.testing.assert_array_equal(np.concatenate([draw.rows_at(a, b) for a, b in zip(at, at[1:])]), ids)
         hits[ids] += 1
         pairs[np.ix_(ids, ids)] += 1
     p1, p2 = k / n, k * (k - 1) / (n * (n - 1))

@@ -45,18 +45,25 @@ def _lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("problem", ["no store", "no field", "no checkpoint"])
+@pytest.mark.parametrize("problem", ["no store", "no field", "no checkpoint", "compiled draw", "compiled whole"])
 def test_errors_known_before_ranks_start_are_one_line_from_the_launcher(store, tmp_path, problem):
+    compiled = ["train.compile=true", "train.compile_backend=aot_eager"]
     args = {"no store": [f"data.store={tmp_path / 'nothing.zarr'}"],
             "no field": [f"data.store={store}", "data.fields=Cp,Cq"],
-            "no checkpoint": [f"data.store={store}", "--resume"]}[problem]
+            "no checkpoint": [f"data.store={store}", "--resume"],
+            # a run with fewer points than the draw would be read whole, at its own sizes: a recompile
+            "compiled draw": [f"data.store={store}", "data.sample_points=100000", *compiled],
+            # whole mesh samples: every sample its own sizes
+            "compiled whole": [f"data.store={store}", *compiled]}[problem]
     t0 = time.monotonic()
     res = _train([*args, f"output.dir={tmp_path / 'out'}", "--domain", "2", *TRAIN], own_process=problem == "no store")
     lines = _lines(res.stderr)
     assert res.returncode == 1 and len(lines) == 1, res.stderr
     assert lines[0].startswith("error: ") and not lines[0].startswith("error: rank "), lines  # no rank started
     want = {"no store": "is not a domainflow store", "no field": "no surface field(s) ['Cq']",
-            "no checkpoint": "--resume: no checkpoint"}[problem]
+            "no checkpoint": "--resume: no checkpoint",
+            "compiled draw": "train.compile=true with data.sample_points=100000: the training run run_",
+            "compiled whole": "on this mesh store each sample has its own number of points"}[problem]
     assert want in lines[0], lines
     assert time.monotonic() - t0 < 60
 

@@ -231,17 +231,19 @@ def test_config_errors_name_the_key_and_the_choices(tmp_path, stores):
         load_config(None, GRID_OVERRIDES + ["eval.block_points=64"])
     # train.compile: static shapes only, and not with what it was not made to work with
     with pytest.raises(ConfigError, match=r"train\.compile=true compiles static shapes, and on this mesh store each "
-                                          r"sample has its own number of points"):
+                                          r"sample has its own number of points.*set data\.sample_points=N"):
         load_config(None, ["train.compile=true"])
-    with pytest.raises(ConfigError, match=r"the 100 points drawn per sample fall differently on the 2 domain ranks"):
-        load_config(None, ["train.compile=true", "data.sample_points=100", "mesh.domain=2"])
+    with pytest.raises(ConfigError, match=r"a graph model reads each sample whole with its edges \(data\.edges=true, "
+                                          r"model\.name=meshgraphnet\).*set train\.compile=false"):
+        load_config(None, ["train.compile=true", "model.name=meshgraphnet"])
     with pytest.raises(ConfigError, match=r"train\.compile=true with mesh\.dp_strategy=fsdp"):
         load_config(None, GRID_OVERRIDES + ["train.compile=true", "mesh.dp_strategy=fsdp"])
     with pytest.raises(ConfigError, match=r"train\.compile=true with train\.checkpoint_activations=true"):
         load_config(None, GRID_OVERRIDES + ["train.compile=true", "train.checkpoint_activations=true"])
     with pytest.raises(ConfigError, match=r"train\.compile_backend = 'eager' is not one of \['inductor', 'aot_eager'\]"):
         load_config(None, GRID_OVERRIDES + ["train.compile=true", "train.compile_backend=eager"])
-    assert load_config(None, ["train.compile=true", "data.sample_points=100", "mesh.dp=2"]).train.compile
+    for mesh in (["mesh.dp=2"], ["mesh.domain=2"]):  # the drawn points split evenly over the domain ranks
+        assert load_config(None, ["train.compile=true", "data.sample_points=100", *mesh]).train.compile
     toml = tmp_path / "c.toml"
     toml.write_text('[train]\nsteps = 5\nlr = 0.01\n[data]\nstore = "x.zarr"\n')
     yaml = tmp_path / "c.yaml"
@@ -384,14 +386,17 @@ def _train_history(kind, store, out, dp, domain, extra):
     return params, trainer.history, loaded
 
 
-def test_compiled_training_equals_eager_with_one_compile_and_eager_checkpoints(dist, stores, tmp_path):
-    """train.compile=true: the grid UNet at domain 2 (aot_eager: every graph's cross-rank check, no C++ build)
-    trains to eager's losses and parameters, compiles in the first step only, and its checkpoint loads into the
-    plain module (the names are the module's, not torch.compile's wrapper's)."""
-    extra = ["train.steps=3", "train.eval_every=0"]
-    ref, ref_log, _ = dist.run(2, _train_history, "grid", stores["grid"], str(tmp_path / "eager"), 1, 2, extra)[0]
+@pytest.mark.parametrize("kind", ["grid", "mesh"])
+def test_compiled_training_equals_eager_with_one_compile_and_eager_checkpoints(dist, stores, tmp_path, kind):
+    """train.compile=true at domain 2 (aot_eager: every graph's cross-rank check, no C++ build): the grid UNet, and
+    the Transolver on a mesh store with a points budget (the drawn points split evenly over the ranks: the same
+    sample every step at fixed per-rank sizes, where eager's per-rank counts vary) train to eager's losses and
+    parameters, compile in the first step only, and the checkpoint loads into the plain module (the names are the
+    module's, not torch.compile's wrapper's)."""
+    extra = ["train.steps=3", "train.eval_every=0"] + (["data.sample_points=301"] if kind == "mesh" else [])
+    ref, ref_log, _ = dist.run(2, _train_history, kind, stores[kind], str(tmp_path / "eager"), 1, 2, extra)[0]
     compiled = extra + ["train.compile=true", "train.compile_backend=aot_eager"]
-    for params, log, loaded in dist.run(2, _train_history, "grid", stores["grid"], str(tmp_path / "c"), 1, 2, compiled):
+    for params, log, loaded in dist.run(2, _train_history, kind, stores[kind], str(tmp_path / "c"), 1, 2, compiled):
         _assert_same(params, ref, 1e-10)
         _assert_same(loaded, params, 0.0)
         np.testing.assert_allclose([h["loss"] for h in log], [h["loss"] for h in ref_log], rtol=1e-10)
