@@ -42,9 +42,13 @@ $(VENV)/.stamp: pyproject.toml Makefile | $(PY)
 	@# torch first, with an exact pin: a CPU wheel of exactly 2.13.0 lies on this
 	@# machine's disk; any looser spec may pull a multi-GB CUDA build. setuptools/wheel (in the same
 	@# pip run): build backend for --no-build-isolation and for the wheel test.
-	$(PIP) install --no-compile torch==2.13.0 'setuptools>=68' wheel
-	@# --no-compile: a module is compiled when first imported, not the thousands no test imports
-	$(PIP) install --no-compile --no-build-isolation -e '.[test]'
+	$(PIP) install --no-compile torch==2.13.0 'setuptools>=68' wheel uv
+	@# the project and its test extra (about 120 packages) through uv, in half pip's time here (26 s against 55 s),
+	@# torch held at the wheel above; pip where uv fails. No bytecode compiled: a module is compiled when first
+	@# imported (below), not the thousands no test imports.
+	echo "torch==2.13.0" > $(VENV)/torch-pin.txt
+	$(VENV)/bin/uv pip install --python $(PY) --constraint $(VENV)/torch-pin.txt --no-build-isolation -e '.[test]' \
+		|| $(PIP) install --no-compile --no-build-isolation -e '.[test]'
 	@# --no-deps: neuraloperator declares wandb, h5py, configmypy, zencfg... that it does not import (tests/models/)
 	$(PIP) install --no-compile --no-deps $(MODEL_PACKAGES)
 	@# Bytecode of what the commands and the tests import, written once here: where PYTHONDONTWRITEBYTECODE is
