@@ -200,8 +200,8 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
 
     def point_draw(self, run_id: str, n_rows: int, epoch: int) -> PointDraw | None:
         """The rows ``sample_points`` draws of ``run_id`` in ``epoch`` (None: every row is read)."""
-        if not self.sample_points or self.sample_points >= n_rows:
-            return None
+        if not self.sample_points or (self.sample_points >= n_rows and not self.balanced_draw):
+            return None  # (balanced: a run of exactly K rows is split evenly too, like every K-point draw)
         return PointDraw(n_rows, self.sample_points, (self.seed, epoch, zlib.crc32(str(run_id).encode())))
 
     def _rank_boxes(self, part_boxes: np.ndarray, rank_rows=None, offsets=None) -> np.ndarray:

@@ -88,8 +88,8 @@ def add_commands(sub) -> None:
     pred.add_argument("--compile", action="store_true",
                       help="grid: run the forecast's model through domainflow.compile (torch.compile): one compile, "
                            "then every step of the rollout")
-    pred.add_argument("--compile-backend", default="inductor", choices=COMPILE_BACKENDS,
-                      help="the backend of --compile (default inductor)")
+    pred.add_argument("--compile-backend", default=None, choices=COMPILE_BACKENDS,
+                      help="the backend of --compile (default inductor; given alone, it implies --compile)")
     train.set_defaults(handler=_train, interrupted=INTERRUPTED_TRAIN, overrides_anywhere=True)
     pred.set_defaults(handler=_predict)
 
@@ -180,13 +180,13 @@ def _predict(args) -> int:
             raise ValueError("a grid checkpoint forecasts from --init DATE[,DATE...] (or step indices) for --steps K "
                              "steps" + ("; --run names a run of a mesh store" if args.run else ""))
         call = (args.checkpoint, args.store, args.init, args.steps, args.out, args.domain, args.lon,
-                args.trust_model_target, args.compile_backend if args.compile else None)
+                args.trust_model_target, _compile_backend(args))
         if args.domain * args.lon == 1 or under_launcher():
             return forecast_main(*call)
         forecast_config(*call)  # errors known before ranks start
         launch_local(forecast_main, args.domain * args.lon, *call, preload=RANK_MODULES)
         return 0
-    if args.compile:
+    if _compile_backend(args):
         raise ValueError("--compile compiles static shapes, and every run of a mesh store has its own points per "
                          "rank: each would compile anew for one forward; predict mesh runs without --compile (a "
                          "grid forecast's rollout is what --compile speeds up)")
@@ -201,3 +201,8 @@ def _predict(args) -> int:
                    args.trust_model_target)  # errors known before ranks start
     launch_local(predict_main, args.domain, *call, preload=RANK_MODULES)
     return 0
+
+
+def _compile_backend(args) -> str | None:
+    """predict's compile backend (None: eager): ``--compile`` or ``--compile-backend`` (which implies it)."""
+    return args.compile_backend or ("inductor" if args.compile else None)

@@ -460,6 +460,11 @@ def test_a_balanced_draw_is_the_same_sample_split_evenly_over_the_ranks(dist, me
             assert np.all((r["coords"] >= lo - 1e-6) & (r["coords"] <= hi + 1e-6)), rank
         if world == 3:
             assert regular != sizes  # the regions alone would not give even sizes here
+    # a run of exactly k points: all its rows, split evenly too (as a region read it would have other sizes)
+    n = g["coords"].shape[0]
+    results = [r[0] for r in dist.run(2, _drawn, mesh_store, n, "surface", [0], True)]
+    assert [len(r["ids"]) for r in results] == [n - n // 2, n // 2]
+    np.testing.assert_array_equal(np.concatenate([r["ids"] for r in results]), np.arange(n))
 
 
 def test_a_point_draw_is_a_simple_random_sample_whatever_the_blocks():

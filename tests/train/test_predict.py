@@ -161,6 +161,8 @@ def test_output_names_are_checked_before_ranks_start_and_a_rank_that_cannot_writ
                       (["--run", "run_1", "--pieces", str(tmp_path / "a.vtp")], "name the output a.pvtp"),
                       (["--run", "run_9", str(tmp_path / "a.vtp")], "no run 'run_9'"),
                       (["--run", "run_1", "--compile", str(tmp_path / "a.vtp")],
+                       "--compile compiles static shapes, and every run of a mesh store has its own points"),
+                      (["--run", "run_1", "--compile-backend", "aot_eager", str(tmp_path / "a.vtp")],  # implies it
                        "--compile compiles static shapes, and every run of a mesh store has its own points")]:
 
         r = run_cli("predict", trained["ckpt"], trained["store"], *args, "--domain", "2")
