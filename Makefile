@@ -25,13 +25,16 @@ $(PY):
 # tensorly-torch, opt-einsum, scipy through tensorly).
 MODEL_PACKAGES := neuraloperator==2.0.0
 
-# what `make venv` imports once to write their bytecode (see the venv target)
-WARM_MODULES := torch torch.distributed torch.distributed.tensor torch.distributed.checkpoint torch.distributed.run \
-	torch._dynamo torch._inductor.compile_fx numpy zarr dask dask.distributed xarray netCDF4 cfgrib pyvista vtk \
-	matplotlib.pyplot tqdm yaml pytest xdist monai.networks.nets neuralop tensorboard mlflow \
+# what `make venv` imports once to write their bytecode (see the venv target), in two processes side by side: torch
+# and the project, and the libraries around them (about 30 s in one process here)
+WARM_TORCH := torch torch.distributed torch.distributed.tensor torch.distributed.checkpoint torch.distributed.run \
+	torch._dynamo torch._inductor.compile_fx \
 	domainflow domainflow.dispatch.engine domainflow.ops domainflow.app.cli domainflow.train.loop \
 	domainflow.train.predict domainflow.train.forecast domainflow.readers domainflow.preprocess.ingest_mesh \
 	domainflow.preprocess.ingest_grid
+WARM_LIBRARIES := numpy zarr dask dask.distributed xarray netCDF4 cfgrib pyvista vtk matplotlib.pyplot tqdm yaml \
+	pytest xdist monai.networks.nets neuralop tensorboard mlflow
+WARM = env -u PYTHONDONTWRITEBYTECODE $(PY) -c "exec('import importlib\nfor m in \'$(1)\'.split():\n try: importlib.import_module(m)\n except Exception: pass')" >/dev/null 2>&1 || true
 
 PKG_INITS := domainflow/__init__.py readers/__init__.py preprocess/__init__.py train/__init__.py
 
@@ -54,7 +57,7 @@ $(VENV)/.stamp: pyproject.toml Makefile | $(PY)
 	@# Bytecode of what the commands and the tests import, written once here: where PYTHONDONTWRITEBYTECODE is
 	@# set (as on this machine) no process would write it, and every fresh interpreter would compile torch's
 	@# and the project's modules from source again (import torch: 3.4 s instead of 2.0 s here).
-	env -u PYTHONDONTWRITEBYTECODE $(PY) -c "exec('import importlib\nfor m in \'$(WARM_MODULES)\'.split():\n try: importlib.import_module(m)\n except Exception: pass')" >/dev/null 2>&1 || true
+	($(call WARM,$(WARM_TORCH))) & ($(call WARM,$(WARM_LIBRARIES))); wait
 	touch $@
 
 # with bytecode writing on (this machine sets PYTHONDONTWRITEBYTECODE): pytest keeps its assertion-rewritten test
