@@ -160,8 +160,11 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
             sizes = list(balanced_sizes(draw.k, world))
             first = sum(sizes[:rank])
             row_ids = draw.rows_at(first, first + sizes[rank])
-            boxes = self._rank_boxes(part_boxes, [draw.rows_at(sum(sizes[:r]), sum(sizes[:r + 1])) for r in
-                                                  range(world)], offsets)
+            # each rank's first and last drawn row (only the blocks they lie in are drawn) bound its box
+            ends = [(draw.rows_at(lo, lo + 1), draw.rows_at(lo + n - 1, lo + n)) if n else ()
+                    for lo, n in zip(np.cumsum([0, *sizes[:-1]]), sizes)]
+            boxes = self._rank_boxes(part_boxes, [np.concatenate(e) if e else np.zeros(0, np.int64) for e in ends],
+                                     offsets)
             a, b = (int(row_ids[0]), int(row_ids[-1]) + 1) if len(row_ids) else (0, 0)
             selection = row_ids
         elif draw is not None:
@@ -207,7 +210,7 @@ class MeshDataset(torch.utils.data.IterableDataset, EpochStream):
     def _rank_boxes(self, part_boxes: np.ndarray, rank_rows=None, offsets=None) -> np.ndarray:
         """(domain ranks, 2, 3) box of every rank's cells, from the store's part boxes, in the same units
         as the ``coords`` input (z-scored when it is): what ``domainflow.knn(..., boxes=)`` takes. ``rank_rows``:
-        each rank's row ids (a balanced draw), boxed by the parts (``offsets``) from its first to its last row."""
+        each rank's first and last row id (a balanced draw), boxed by the parts (``offsets``) between them."""
         world, parts = self.axes.sizes[0], len(part_boxes)
         out = np.empty((world, 2, part_boxes.shape[-1]), dtype=np.float64)
         for r in range(world):
