@@ -8,8 +8,10 @@ PIP := $(PY) -m pip
 PYTEST_ARGS ?=
 # tests marked slow (Inductor's C++ builds of more compiled graphs) run with: make test TEST_MARKERS=
 TEST_MARKERS ?= not slow
-# test files run on this many pytest workers (pytest-xdist; a file's tests stay on one worker, sharing its fixtures)
-TEST_WORKERS ?= 2
+# test files run on this many pytest workers (pytest-xdist; a file's tests stay on one worker, sharing its fixtures):
+# three on this machine's two cores, since many tests wait (for ranks to start, for a timeout) rather than compute:
+# 433-469 s with three against 472 s with two here
+TEST_WORKERS ?= 3
 
 .PHONY: venv test demo bench peers clean distclean
 
@@ -42,16 +44,19 @@ $(VENV)/.stamp: pyproject.toml Makefile | $(PY)
 	@# The editable finder freezes at install time: a package folder installed without its
 	@# __init__.py becomes a namespace package there for good, so refuse to install then.
 	@for f in $(PKG_INITS); do [ -f "$$f" ] || { echo "error: $$f is missing; not installing" >&2; exit 1; }; done
-	@# torch first, with an exact pin: a CPU wheel of exactly 2.13.0 lies on this
-	@# machine's disk; any looser spec may pull a multi-GB CUDA build. setuptools/wheel (in the same
-	@# pip run): build backend for --no-build-isolation and for the wheel test.
-	$(PIP) install --no-compile torch==2.13.0 'setuptools>=68' wheel uv
-	@# the project and its test extra (about 120 packages) through uv, in half pip's time here (26 s against 55 s),
-	@# torch held at the wheel above; pip where uv fails. No bytecode compiled: a module is compiled when first
-	@# imported (below), not the thousands no test imports.
+	@# torch with an exact pin: a CPU wheel of exactly 2.13.0 lies on this machine's disk (pip's configured
+	@# find-links); any looser spec may pull a multi-GB CUDA build. pip only finds that wheel (pip download copies it,
+	@# 1 s); uv installs it with the project and its test extra (about 140 packages) in one resolution, in a third
+	@# of pip's time here. setuptools/wheel: build backend for --no-build-isolation and for the wheel test.
+	$(PIP) install --no-compile 'setuptools>=68' wheel uv
+	rm -rf $(VENV)/wheels && $(PIP) download --no-deps torch==2.13.0 -d $(VENV)/wheels
 	echo "torch==2.13.0" > $(VENV)/torch-pin.txt
-	$(VENV)/bin/uv pip install --python $(PY) --constraint $(VENV)/torch-pin.txt --no-build-isolation -e '.[test]' \
-		|| $(PIP) install --no-compile --no-build-isolation -e '.[test]'
+	@# pip where uv fails. No bytecode compiled: a module is compiled when first imported (below), not the
+	@# thousands no test imports.
+	$(VENV)/bin/uv pip install --python $(PY) --constraint $(VENV)/torch-pin.txt --no-build-isolation \
+		$(VENV)/wheels/torch-*.whl -e '.[test]' \
+		|| $(PIP) install --no-compile --no-build-isolation torch==2.13.0 -e '.[test]'
+	rm -rf $(VENV)/wheels
 	@# --no-deps: neuraloperator declares wandb, h5py, configmypy, zencfg... that it does not import (tests/models/)
 	$(PIP) install --no-compile --no-deps $(MODEL_PACKAGES)
 	@# Bytecode of what the commands and the tests import, written once here: where PYTHONDONTWRITEBYTECODE is
@@ -64,7 +69,7 @@ $(VENV)/.stamp: pyproject.toml Makefile | $(PY)
 # modules in __pycache__ instead of rewriting all of them in every worker (collection 20 s -> 10 s per worker), and
 # the ranks, fork servers and commands the tests start reuse the bytecode of what they import
 test: venv
-	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(if $(TEST_MARKERS),-m "$(TEST_MARKERS)") $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(if $(TEST_MARKERS),-m "$(TEST_MARKERS)") $(PYTEST_ARGS)
 
 demo: venv
 	$(VENV)/bin/domainflow demo
