@@ -8,10 +8,10 @@ PIP := $(PY) -m pip
 PYTEST_ARGS ?=
 # tests marked slow (Inductor's C++ builds of more compiled graphs) run with: make test TEST_MARKERS=
 TEST_MARKERS ?= not slow
-# test files run on this many pytest workers (pytest-xdist; a file's tests stay on one worker, sharing its fixtures):
-# three on this machine's two cores, since many tests wait (for ranks to start, for a timeout) rather than compute:
-# 433-469 s with three against 472 s with two here
-TEST_WORKERS ?= 3
+# test files run on this many pytest workers (pytest-xdist; a file's tests stay on one worker, sharing its fixtures).
+# Not more than the cores: the suite is CPU-bound here (its ranks and commands); three workers on these two cores
+# took 468 s against two's 436 s, run after one another
+TEST_WORKERS ?= 2
 
 .PHONY: venv test demo bench peers clean distclean
 

@@ -92,20 +92,33 @@ def fetch_rows(local: torch.Tensor, dim: int, plan, mesh, mesh_dim: int) -> torc
             recv_sizes[k] = len(plan.recv[k])
             recv_at[k] = at
             at += recv_sizes[k]
-    # every rank of the dim joins, also one with nothing to trade (others may trade among themselves)
-    send = torch.cat(pieces, 0) if pieces else x.new_empty((0,) + tuple(x.shape[1:]))
+    # every rank of the dim joins, also one with nothing to trade (others may trade among themselves). The
+    # all-to-all's backward is a collective too, returning the gradients of the rows each rank sent: every rank
+    # must reach it from its output, so with a gradient wanted, an empty send is an empty slice of the block and
+    # an output that uses no received row still takes an empty slice of them (before, a rank that only sent
+    # rows skipped the backward exchange: its sent rows lost their gradient, and the other ranks' backward
+    # exchange met the next collective instead)
+    grad = x.requires_grad and torch.is_grad_enabled()
+    empty = x.narrow(0, 0, 0) if grad else x.new_empty((0,) + tuple(x.shape[1:]))
+    send = torch.cat(pieces, 0) if pieces else empty
     received = _wait(funcol.all_to_all_single_autograd(send.contiguous(), recv_sizes, send_sizes,
                                                       _group_name(mesh, mesh_dim)))
     if plan.identity_len == local.shape[dim]:
-        return local
+        segments = ((0, 0, plan.identity_len),)
+        if not grad:
+            return local
+    else:
+        segments = _segments(plan, recv_at)
     parts = []
-    for s, r, k in _segments(plan, recv_at):
+    for s, r, k in segments:
         if s == 0:
             parts.append(x.narrow(0, r, k))
         elif s == 1:
             parts.append(received.narrow(0, r, k))
         else:
             parts.append(x.new_zeros((k,) + tuple(x.shape[1:])))
+    if grad and not any(s == 1 for s, _, _ in segments):
+        parts.append(received.narrow(0, 0, 0))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
     return out.movedim(0, dim).contiguous()
 

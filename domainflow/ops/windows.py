@@ -103,6 +103,12 @@ def _valid_mask(x_spec, sharded, plans, ndim, device, dtype, lo_ok, hi_ok):
     return mask
 
 
+def _rows_outside(x_spec, m, plan) -> bool:
+    """Whether this rank's widened block along mesh dim ``m`` holds rows outside the tensor (padding)."""
+    lo, hi = plan.need[x_spec.coord[m]]
+    return hi > lo and (lo < 0 or hi > sum(x_spec.sizes[m]))
+
+
 def _wrap_out(out_local, x_spec, sharded, plans, out_shape):
     """The window op's output: sharded like the input, with the plans' output sizes on the sharded dims."""
     sizes = list(x_spec.sizes)
@@ -497,9 +503,11 @@ def _make_pool(nd: int, func, kind: str):
             out_local = local.new_zeros(shape) + local.sum() * 0
             return _wrap_out(out_local, spec, sharded, plans, out_shape)
         if kind == "max":
-            real = _valid_mask(spec, sharded, plans, x.ndim, local.device, local.dtype,
-                               lambda m, d, n: 0, lambda m, d, n: n)
-            if real is not None and not bool(real.all()):  # padding rows in the block: never the max
+            # padding rows in the block (fetched rows before the first or past the last): never the max. Known
+            # from the plans, not from the mask's values, which torch.compile could only read with a graph break
+            if any(_rows_outside(spec, m, plans[(m, d)]) for m, d in sharded):
+                real = _valid_mask(spec, sharded, plans, x.ndim, local.device, local.dtype,
+                                   lambda m, d, n: 0, lambda m, d, n: n)
                 local = local.masked_fill(real == 0, float("-inf"))
             out_local = func(local, kernel, stride, local_pad, dilation, ceil_mode=ceil)
         else:

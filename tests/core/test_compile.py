@@ -31,7 +31,9 @@ TOL = 1e-9
 def _check(make_model, make_input, shard_dim, layouts, graphs=1, count=True, backend="aot_eager"):
     """Compile ``make_model()`` with ``domainflow.compile`` at this rank count; for each per-rank layout in
     ``layouts`` compare the compiled forward and parameter gradients with an unsharded eager run; then the
-    count of Dynamo graphs: ``graphs`` per layout (each layout recompiles; a graph break would add one)."""
+    count of Dynamo graphs: ``graphs`` per layout (each layout recompiles; a graph break would add one). The
+    input's gradient is compared too: rows sent to another rank get theirs back only if that backward exchange
+    runs on every rank."""
     rank, world = rank_and_world()
     mesh = get_mesh((world,))
     torch._dynamo.reset()
@@ -41,13 +43,18 @@ def _check(make_model, make_input, shard_dim, layouts, graphs=1, count=True, bac
         full = make_input(sum(sizes), i)
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
-        want = ref(full)
+        grad_in = full.is_floating_point()  # the input's gradient too: what a layer before this one would get
+        full_in = full.clone().requires_grad_(grad_in)
+        want = ref(full_in)
         (want ** 2).sum().backward()
         x = df.distribute_tensor(full, mesh, [df.Shard(shard_dim)], sharding_shapes={0: list(sizes)})
+        x = x.detach().requires_grad_(grad_in)
         y = compiled(x)
         assert isinstance(y, df.ShardTensor)
         (y ** 2).sum().backward()
         assert torch.allclose(y.full_tensor(), want, atol=TOL, rtol=0), f"forward differs, layout {sizes}"
+        if grad_in:
+            assert torch.allclose(x.grad.full_tensor(), full_in.grad, atol=TOL, rtol=0), f"input gradient, {sizes}"
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             assert p.grad is not None, f"{name}: no gradient"
             assert type(p.grad) is torch.Tensor, f"{name}: gradient is a {type(p.grad).__name__}"
@@ -211,7 +218,11 @@ class _AlongSharded(torch.nn.Module):
             return x.sum(dim=2)
         if self.op in ("reflect", "circular"):
             return F.pad(x, (1, 1, 2, 2), mode=self.op)
-        return F.max_pool2d(x, 2)
+        if self.op == "avgpool":
+            return F.avg_pool2d(x, 2)
+        if self.op == "valid conv":  # no padding: each output row needs the next input row, fetched one way only
+            return F.conv2d(x, self.w.reshape(3, 1, 1, 1).expand(3, 1, 2, 1), groups=3)
+        return F.max_pool2d(x, 2) * 2  # an op after it: a graph break at the pool would make a second graph
 
 
 def _along_sharded(op, backend):
@@ -219,17 +230,21 @@ def _along_sharded(op, backend):
         torch.manual_seed(0)
         return _AlongSharded(op)
 
-    return _check(make, _image, 2, [(5, 4), (3, 6)], count=False, backend=backend)
+    # one graph per layout: every op here compiles whole (partial's backward coercion is no graph)
+    return _check(make, _image, 2, [(5, 4), (3, 6)], count=op != "partial", backend=backend)
 
 
 @pytest.mark.parametrize("op,backend", [("partial", "aot_eager"), ("partial", "inductor"), ("reflect", "aot_eager"),
-                                        ("circular", "aot_eager"), ("maxpool", "aot_eager")])
+                                        ("circular", "aot_eager"), ("maxpool", "aot_eager"), ("avgpool", "aot_eager"),
+                                        ("valid conv", "aot_eager")])
 def test_compiled_ops_along_the_sharded_dim(dist, op, backend):
     """A compiled output that is a pending sum, then backward (its gradient arrives replicated and is coerced to
     the layout the compiled backward was traced with; before: AOTAutograd's 'guessed its metadata incorrectly'),
-    F.pad reflect and circular (the wrap-around rows are a halo row fetch, in the graph) and F.max_pool2d along the
-    sharded dim (Dynamo stepped into the engine through handle_torch_function and failed with an
-    InternalTorchDynamoError; now it runs eagerly, a graph break): eager's forward and gradients."""
+    F.pad reflect and circular (the wrap-around rows are a halo row fetch, in the graph), and pooling and a conv
+    without padding, whose rows travel one way only at these layouts: eager's forward and the parameter's and the
+    input's gradients, in one graph per layout. Before: the input's rows sent to the other rank got no gradient
+    back (the sending rank never joined the backward exchange, which met its next collective instead), and
+    F.max_pool2d broke the graph (its padding check read a tensor's value)."""
     assert all(dist.run(2, _along_sharded, op, backend, timeout=300))
 
 
