@@ -119,6 +119,8 @@ def fetch_rows(local: torch.Tensor, dim: int, plan, mesh, mesh_dim: int) -> torc
             parts.append(x.new_zeros((k,) + tuple(x.shape[1:])))
     if grad and not any(s == 1 for s, _, _ in segments):
         parts.append(received.narrow(0, 0, 0))
+    if not parts:  # this rank's windows need no rows (it has no output rows): an empty block
+        parts.append(x.narrow(0, 0, 0))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
     return out.movedim(0, dim).contiguous()
 

@@ -306,10 +306,14 @@ class _Backend:
                 return out if check is None else check.around(out)
             return compiler
 
-        # as torch's aot_eager backend
-        return aot_autograd(fw_compiler=checked("forward"), bw_compiler=checked("backward"),
-                            partition_fn=min_cut_rematerialization_partition,
-                            keep_inference_input_mutations=True)(gm, example_inputs)
+        # as torch's aot_eager backend; without AOTAutograd's common-subexpression elimination, which merged the
+        # identical all-to-alls of a rank with nothing to trade (an empty shard fetching for two convolutions), so
+        # that rank had fewer collectives than its peers. (Inductor keeps it: there, without it, its own passes
+        # left ranks with an empty shard other backward collectives than their peers, nn.MultiheadAttention's.)
+        with torch._functorch.config.patch(cse=False):
+            return aot_autograd(fw_compiler=checked("forward"), bw_compiler=checked("backward"),
+                                partition_fn=min_cut_rematerialization_partition,
+                                keep_inference_input_mutations=True)(gm, example_inputs)
 
 
 class GraphCheck:
@@ -333,7 +337,9 @@ class GraphCheck:
                 else:
                     words.append([e[1], 1])
             words = [w if k == 1 else f"{w} x{k}" for w, k in words]
-            key = repr([e[0] for e in entries]).encode()
+            # a collective over another mesh dim in full; its shapes only where it runs over this dim: the ranks
+            # of this dim's group hold blocks of other sizes along the other dims, so they legitimately differ
+            key = repr([e[0] if e[2] == d else e[3] for e in entries]).encode()
             h = hashlib.sha256(key).digest()
             digest = (int.from_bytes(h[:8], "little") >> 2, int.from_bytes(h[8:16], "little") >> 2, len(entries))
             n = comm.group_size(mesh, d)
@@ -385,7 +391,8 @@ def _graph_nodes(gm):
 
 def _collectives(gm, mesh):
     """(entries, splits) of the functional collectives in ``gm``, in graph order: each entry (what every rank
-    must share, its words); splits: (mesh dim, send sizes, recv sizes) per all-to-all (None, None where the
+    of its mesh dim must share, its words, its mesh dim, what every rank must share: the key without shapes);
+    splits: (mesh dim, send sizes, recv sizes) per all-to-all (None, None where the
     sizes are not plain ints)."""
     dims = {}
     for d in range(mesh.ndim):
@@ -406,6 +413,7 @@ def _collectives(gm, mesh):
             elif a.name in node.kwargs:
                 bound[a.name] = node.kwargs[a.name]
         key, dim = [name], None
+        loose = [name]  # the key without the shapes
         a2a = "all_to_all" in name
         for a_name, v in bound.items():
             if a_name in _SPLITS:
@@ -413,6 +421,7 @@ def _collectives(gm, mesh):
             if a_name == "group_name" or (a_name == "tag" and isinstance(v, str)):
                 dim = dims.get(v)
                 key.append(("dim", dim if dim is not None else f"group of {_group_size(v)}"))
+                loose.append(key[-1])
             elif isinstance(v, torch.fx.Node) or isinstance(v, (list, tuple)) and v and \
                     all(isinstance(x, torch.fx.Node) for x in v):
                 for x in (v if isinstance(v, (list, tuple)) else [v]):
@@ -420,10 +429,13 @@ def _collectives(gm, mesh):
                     if isinstance(val, torch.Tensor):
                         shape = tuple(str(s) for s in val.shape)
                         key.append((str(val.dtype), shape[1:] if a2a else shape))
+                        loose.append(str(val.dtype))
                     else:
                         key.append("?")
+                        loose.append("?")
             else:
                 key.append((a_name, repr(v)))
+                loose.append(key[-1])
         if a2a:
             recv, send = bound.get("output_split_sizes"), bound.get("input_split_sizes")
             ok = all(isinstance(x, (list, tuple)) and all(type(s) is int for s in x) for x in (send, recv))
@@ -432,7 +444,7 @@ def _collectives(gm, mesh):
         extra = [k[1] for k in key[1:] if isinstance(k, tuple) and k[0] == "reduce_op"]
         if extra:
             words += f" ({extra[0].strip(chr(39))})"
-        entries.append((tuple(key), words))
+        entries.append((tuple(key), words, dim, tuple(loose)))
     return entries, splits
 
 

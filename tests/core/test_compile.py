@@ -248,6 +248,63 @@ def test_compiled_ops_along_the_sharded_dim(dist, op, backend):
     assert all(dist.run(2, _along_sharded, op, backend, timeout=300))
 
 
+class _TwoConvs(torch.nn.Module):
+    """Two convolutions of one input: two halo fetches of the same rows (3 and 5 wide)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Conv2d(3, 2, 3, padding=1).to(D)
+        self.b = torch.nn.Conv2d(3, 2, 5, padding=2).to(D)
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+
+
+def _rank_with_nothing_to_trade(case):
+    rank, world = rank_and_world()
+    if case == "no rows, no gradient":  # the rank holding 1 row has no output row: its windows need no rows
+        mesh = get_mesh((world,))
+        torch._dynamo.reset()
+        full = _image(10, 0)
+        x = df.distribute_tensor(full, mesh, [df.Shard(2)], sharding_shapes={0: [9, 1]})
+        fn = df.compile(lambda x: torch.nn.functional.avg_pool2d(x, (2, 1)) * 2, backend="aot_eager")
+        with torch.no_grad():
+            y = fn(x)
+        assert torch.allclose(y.full_tensor(), torch.nn.functional.avg_pool2d(full, (2, 1)) * 2, atol=TOL, rtol=0)
+        return True
+    if case == "two fetches, an empty rank":  # the empty rank's two all-to-alls are identical calls
+        return _check(_TwoConvs, _image, 2, [(0, 12)])
+    # 2 x 2 mesh, H and W sharded: the ranks of one mesh dim hold blocks of other sizes along the other dim
+    mesh = get_mesh((2, 2))
+    torch._dynamo.reset()
+    full = torch.randn(1, 3, 6, 4, dtype=D, generator=torch.Generator().manual_seed(3))
+    x = df.distribute_tensor(full, mesh, [df.Shard(2), df.Shard(3)], sharding_shapes={0: [3, 3], 1: [3, 1]})
+    x = x.detach().requires_grad_()
+    full_in = full.clone().requires_grad_()
+    fn = df.compile(lambda x: torch.nn.functional.max_pool2d(x, 2) * 2, backend="aot_eager")
+    y = fn(x)
+    (y ** 2).sum().backward()
+    want = torch.nn.functional.max_pool2d(full_in, 2) * 2
+    (want ** 2).sum().backward()
+    assert torch.allclose(y.full_tensor(), want, atol=TOL, rtol=0)
+    assert torch.allclose(x.grad.full_tensor(), full_in.grad, atol=TOL, rtol=0)
+    assert fn.frames == 1, fn.frames
+    return True
+
+
+@pytest.mark.parametrize("case,world", [("no rows, no gradient", 2), ("two fetches, an empty rank", 2),
+                                        ("2-D mesh", 4)])
+def test_ranks_with_little_to_trade_compile(dist, case, world):
+    """Halo fetches where some rank trades nothing or its sizes differ from its group's, found by review: a rank
+    with no output row traced without gradient (before: ``torch.cat`` of nothing, a CollectiveError on every
+    rank); an empty rank's two identical fetches (AOTAutograd's CSE merged them into one, so that rank had
+    fewer collectives than its peers: CSE is off in domainflow's aot_eager compiles); max pooling on a 2 x 2 mesh (the
+    graph check compared the shapes of the other mesh dim's exchanges, which differ across the ranks of a
+    group). Eager's forward and gradients in one graph."""
+    assert all(dist.run(world, _rank_with_nothing_to_trade, case, timeout=300))
+
+
 _REFUSED = {"cumsum": "cumsum", "flip": "flip", "roll": "roll"}
 
 
