@@ -92,17 +92,21 @@ def fetch_rows(local: torch.Tensor, dim: int, plan, mesh, mesh_dim: int) -> torc
             recv_sizes[k] = len(plan.recv[k])
             recv_at[k] = at
             at += recv_sizes[k]
-    # every rank of the dim joins, also one with nothing to trade (others may trade among themselves). The
+    # every rank of the dim joins, also one with nothing to trade (others may trade among themselves), unless no
+    # rank trades at all (known alike on every rank): then no exchange, which also keeps a rank with an empty
+    # shard from holding identical all-to-alls that AOTAutograd's CSE would merge on that rank only. The
     # all-to-all's backward is a collective too, returning the gradients of the rows each rank sent: every rank
     # must reach it from its output, so with a gradient wanted, an empty send is an empty slice of the block and
     # an output that uses no received row still takes an empty slice of them (before, a rank that only sent
     # rows skipped the backward exchange: its sent rows lost their gradient, and the other ranks' backward
     # exchange met the next collective instead)
-    grad = x.requires_grad and torch.is_grad_enabled()
+    grad = plan.trades and x.requires_grad and torch.is_grad_enabled()
     empty = x.narrow(0, 0, 0) if grad else x.new_empty((0,) + tuple(x.shape[1:]))
     send = torch.cat(pieces, 0) if pieces else empty
-    received = _wait(funcol.all_to_all_single_autograd(send.contiguous(), recv_sizes, send_sizes,
-                                                      _group_name(mesh, mesh_dim)))
+    received = None
+    if plan.trades:
+        received = _wait(funcol.all_to_all_single_autograd(send.contiguous(), recv_sizes, send_sizes,
+                                                          _group_name(mesh, mesh_dim)))
     if plan.identity_len == local.shape[dim]:
         segments = ((0, 0, plan.identity_len),)
         if not grad:

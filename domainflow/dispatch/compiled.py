@@ -306,14 +306,10 @@ class _Backend:
                 return out if check is None else check.around(out)
             return compiler
 
-        # as torch's aot_eager backend; without AOTAutograd's common-subexpression elimination, which merged the
-        # identical all-to-alls of a rank with nothing to trade (an empty shard fetching for two convolutions), so
-        # that rank had fewer collectives than its peers. (Inductor keeps it: there, without it, its own passes
-        # left ranks with an empty shard other backward collectives than their peers, nn.MultiheadAttention's.)
-        with torch._functorch.config.patch(cse=False):
-            return aot_autograd(fw_compiler=checked("forward"), bw_compiler=checked("backward"),
-                                partition_fn=min_cut_rematerialization_partition,
-                                keep_inference_input_mutations=True)(gm, example_inputs)
+        # as torch's aot_eager backend
+        return aot_autograd(fw_compiler=checked("forward"), bw_compiler=checked("backward"),
+                            partition_fn=min_cut_rematerialization_partition,
+                            keep_inference_input_mutations=True)(gm, example_inputs)
 
 
 class GraphCheck:

@@ -332,12 +332,14 @@ def pad_index(g: int, n: int, mode: str) -> int:
 class RowFetch:
     """Where the rows a rank asked for come from: ``own`` (positions, local rows) it copies itself,
     ``recv[src]`` positions filled from rank src, ``send[dst]`` local rows it sends to rank dst; positions
-    not listed stay zero."""
+    not listed stay zero; ``trades``: whether any rank of the fetch gets a row from another (the same on every
+    rank: a fetch in which no rank trades needs no exchange at all)."""
 
     length: int
     own: tuple[tuple[int, ...], tuple[int, ...]]
     recv: dict
     send: dict
+    trades: bool = True
 
     # what every exchange with this plan needs, worked out once per plan (plans are cached)
     @functools.cached_property
@@ -401,7 +403,9 @@ def row_fetch_plan(sizes: Sequence[int], wanted: Sequence[Sequence[int]], me: in
         mine = [g - bounds[me] for g in rows if g >= 0 and _owner(bounds, g) == me]
         if mine:
             send[r] = tuple(mine)
-    return RowFetch(len(wanted[me]), (tuple(own_pos), tuple(own_rows)), {k: tuple(v) for k, v in recv.items()}, send)
+    trades = any(g >= 0 and _owner(bounds, g) != r for r, rows in enumerate(wanted) for g in rows)
+    return RowFetch(len(wanted[me]), (tuple(own_pos), tuple(own_rows)), {k: tuple(v) for k, v in recv.items()}, send,
+                    trades)
 
 
 def diagonal_runs(sizes: Sequence[int], rows: int, cols: int, offset: int, sharded_rows: bool) -> tuple[Sizes, Sizes]:

@@ -298,8 +298,9 @@ def _rank_with_nothing_to_trade(case):
 def test_ranks_with_little_to_trade_compile(dist, case, world):
     """Halo fetches where some rank trades nothing or its sizes differ from its group's, found by review: a rank
     with no output row traced without gradient (before: ``torch.cat`` of nothing, a CollectiveError on every
-    rank); an empty rank's two identical fetches (AOTAutograd's CSE merged them into one, so that rank had
-    fewer collectives than its peers: CSE is off in domainflow's aot_eager compiles); max pooling on a 2 x 2 mesh (the
+    rank); an empty rank's two identical fetches where no rank trades a row (AOTAutograd's CSE merged them into
+    one, so that rank had fewer collectives than its peers: a fetch in which no rank trades runs no exchange);
+    max pooling on a 2 x 2 mesh (the
     graph check compared the shapes of the other mesh dim's exchanges, which differ across the ranks of a
     group). Eager's forward and gradients in one graph."""
     assert all(dist.run(world, _rank_with_nothing_to_trade, case, timeout=300))
