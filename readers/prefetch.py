@@ -23,11 +23,12 @@ class _Failure:
 
 
 class Prefetcher:
-    """Iterate ``load()`` results, computed up to ``depth`` items ahead (``depth <= 0``: inline)."""
+    """Iterate ``load()`` results, computed up to ``depth`` items ahead (``depth <= 0``: inline); ``loads`` is
+    iterated once, as the reads go (a generator stays lazy)."""
 
     def __init__(self, loads: Iterable[Callable[[], object]], depth: int):
         self.depth = depth
-        self._loads = list(loads)
+        self._loads = loads
         self._stop = threading.Event()
         self._thread = None
         if depth > 0:
@@ -96,8 +97,8 @@ class EpochStream:
         """The wrapped samples of ``entries`` ((key, weight) or (key, weight, epoch), in order), read up to
         ``depth`` ahead on a background thread (default: the dataset's ``prefetch``); ``read``: more
         ``read_region`` arguments. The one way the trainer, the metrics and predict read samples."""
-        loads = [functools.partial(self.read_region, e[0], e[1], **({"epoch": e[2]} if len(e) > 2 else {}), **read)
-                 for e in entries]
+        loads = (functools.partial(self.read_region, e[0], e[1], **({"epoch": e[2]} if len(e) > 2 else {}), **read)
+                 for e in entries)  # lazily: entries may be a long run's schedule, made as it is read
         source = Prefetcher(loads, self.prefetch if depth is None else depth)
         try:
             for raw in source:
@@ -116,7 +117,7 @@ class EpochStream:
             ahead[1].close()
             ahead = None
         source = ahead[1] if ahead is not None else Prefetcher(loads_for(epoch), depth)
-        n = len(source._loads)
+        n = len(source._loads)  # loads_for gives a list: one epoch's reads
         for k, raw in enumerate(source):
             if depth > 0 and k == max(0, n - depth) and self._ahead is None:
                 # this epoch's reads are (nearly) all done: start the next epoch's while the last steps compute

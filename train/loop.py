@@ -85,33 +85,41 @@ class Trainer:
         self.dp, self.dp_rank = self.ds.axes.dp_size, self.ds.axes.dp_rank
         self.micro = (t.batch or self.dp) // self.dp
         self.step = 0
+        self._steps_per_epoch = None
         self.history: list[dict] = []
         self.ckpt_dir = self.out / "checkpoints"
 
     # -- data order ------------------------------------------------------------------------------------
     def steps_per_epoch(self) -> int:
-        return -(-len(self.ds.steps(0)) // self.micro)
+        if self._steps_per_epoch is None:
+            self._steps_per_epoch = -(-len(self.ds.steps(0)) // self.micro)
+        return self._steps_per_epoch
 
-    def _entries(self, step: int):
-        """(this rank's (key, weight) entries of ``step``, real samples in the step over all dp ranks)."""
-        epoch, k = divmod(step, self.steps_per_epoch())
-        mine = self.ds.steps(epoch)
+    def _schedule(self, start: int, stop: int):
+        """(step, real samples in the step over all dp ranks, key, weight, samples in the step, epoch) of each
+        sample this rank reads in steps ``start..stop-1``, made as they are consumed (a run of a million steps
+        starts at once and holds one epoch's order, not every step's)."""
         n = len(self.ds.runs) if self.cfg.data.kind == "mesh" else len(self.ds.times)
-        lo, hi = k * self.micro, min((k + 1) * self.micro, len(mine))
-        total = sum(1 for e in range(lo, hi) for d in range(self.dp) if e * self.dp + d < n)
-        return epoch, mine[lo:hi], total
+        per_epoch, orders = self.steps_per_epoch(), {}
+        for step in range(start, stop):
+            epoch, k = divmod(step, per_epoch)
+            if epoch not in orders:
+                orders.clear()
+                orders[epoch] = self.ds.steps(epoch)
+            mine = orders[epoch]
+            lo, hi = k * self.micro, min((k + 1) * self.micro, len(mine))
+            total = sum(1 for e in range(lo, hi) for d in range(self.dp) if e * self.dp + d < n)
+            for key, w in mine[lo:hi]:
+                yield step, total, key, w, hi - lo, epoch
 
     def _stream(self, start: int, stop: int):
         """(step, [(real samples in the step, sample), ...], seconds waited for data) for steps
         ``start..stop-1``, read ahead on a background thread."""
-        schedule = []
-        for s in range(start, stop):
-            epoch, entries, total = self._entries(s)
-            schedule.extend((s, total, key, w, len(entries), epoch) for key, w in entries)
-        it = self.ds.samples([(key, w, e) for _, _, key, w, _, e in schedule], depth=self.cfg.data.prefetch)
+        it = self.ds.samples(((key, w, e) for _, _, key, w, _, e in self._schedule(start, stop)),
+                             depth=self.cfg.data.prefetch)
         try:
             batch, waited = [], 0.0
-            for s, total, _, _, count, _ in schedule:
+            for s, total, _, _, count, _ in self._schedule(start, stop):
                 t0 = time.perf_counter()
                 sample = next(it)
                 waited += time.perf_counter() - t0
