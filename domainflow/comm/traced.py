@@ -69,6 +69,33 @@ def _segments(plan, recv_at: dict):
     return runs
 
 
+def _fresh_empty(like: torch.Tensor) -> torch.Tensor:
+    """``like`` (no elements) plus a fresh empty tensor: an ``aten.empty`` node, which AOTAutograd's CSE never merges
+    (an empty exchange of one rank stays apart from another that is identical on that rank only)."""
+    return like + torch.empty(like.shape, dtype=like.dtype, device=like.device)
+
+
+class _RowExchange(torch.autograd.Function):
+    """The rows' ``all_to_all_single``; backward: the gradients of the received rows back to their owners (the
+    transposed exchange). A rank that received no row sends back an empty gradient that is a fresh tensor: the
+    gradients of two fetches where it receives nothing (an empty shard) are otherwise the same expression on that
+    rank, and CSE merged their two backward exchanges into one there only ("the ranks compiled different
+    graphs" at 3 ranks, rows 0 | 6 | 6)."""
+
+    @staticmethod
+    def forward(ctx, send, recv_sizes, send_sizes, group_name):
+        ctx.exchange = (recv_sizes, send_sizes, group_name)
+        return _wait(funcol.all_to_all_single(send, recv_sizes, send_sizes, group_name))
+
+    @staticmethod
+    def backward(ctx, grad):
+        recv_sizes, send_sizes, group_name = ctx.exchange
+        grad = grad.contiguous()
+        if not any(recv_sizes):
+            grad = _fresh_empty(grad)
+        return _wait(funcol.all_to_all_single(grad, send_sizes, recv_sizes, group_name)), None, None, None
+
+
 def fetch_rows(local: torch.Tensor, dim: int, plan, mesh, mesh_dim: int) -> torch.Tensor:
     """``halo.fetch`` while compiling: the rows every rank sends go in one ``all_to_all_single`` with
     per-rank split sizes (rows, along ``dim`` moved first), and the block is assembled from slices of the
@@ -93,20 +120,21 @@ def fetch_rows(local: torch.Tensor, dim: int, plan, mesh, mesh_dim: int) -> torc
             recv_at[k] = at
             at += recv_sizes[k]
     # every rank of the dim joins, also one with nothing to trade (others may trade among themselves), unless no
-    # rank trades at all (known alike on every rank): then no exchange, which also keeps a rank with an empty
-    # shard from holding identical all-to-alls that AOTAutograd's CSE would merge on that rank only. The
+    # rank trades at all (known alike on every rank): then no exchange. The
     # all-to-all's backward is a collective too, returning the gradients of the rows each rank sent: every rank
     # must reach it from its output, so with a gradient wanted, an empty send is an empty slice of the block and
     # an output that uses no received row still takes an empty slice of them (before, a rank that only sent
     # rows skipped the backward exchange: its sent rows lost their gradient, and the other ranks' backward
     # exchange met the next collective instead)
-    grad = plan.trades and x.requires_grad and torch.is_grad_enabled()
-    empty = x.narrow(0, 0, 0) if grad else x.new_empty((0,) + tuple(x.shape[1:]))
-    send = torch.cat(pieces, 0) if pieces else empty
+    # An empty send is a fresh tensor: a rank that trades nothing in two fetches of one input (an empty shard)
+    # would otherwise make two identical calls, which CSE merged on that rank only (fewer collectives than its
+    # peers: "the ranks compiled different graphs", 3 ranks at rows 0 | 6 | 6)
+    wants_grad = x.requires_grad and torch.is_grad_enabled()
+    grad = plan.trades and wants_grad
+    send = torch.cat(pieces, 0) if pieces else _fresh_empty(x.narrow(0, 0, 0) if grad else x.detach().narrow(0, 0, 0))
     received = None
     if plan.trades:
-        received = _wait(funcol.all_to_all_single_autograd(send.contiguous(), recv_sizes, send_sizes,
-                                                          _group_name(mesh, mesh_dim)))
+        received = _RowExchange.apply(send.contiguous(), recv_sizes, send_sizes, _group_name(mesh, mesh_dim))
     if plan.identity_len == local.shape[dim]:
         segments = ((0, 0, plan.identity_len),)
         if not grad:
@@ -123,7 +151,10 @@ def fetch_rows(local: torch.Tensor, dim: int, plan, mesh, mesh_dim: int) -> torc
             parts.append(x.new_zeros((k,) + tuple(x.shape[1:])))
     if grad and not any(s == 1 for s, _, _ in segments):
         parts.append(received.narrow(0, 0, 0))
-    if not parts:  # this rank's windows need no rows (it has no output rows): an empty block
+    if not parts or (wants_grad and not any(s == 0 for s, _, _ in segments)):
+        # no rows of its own in the block (its windows need none, or only padding): an empty slice of them keeps
+        # the chunk in the graph, so it gets its (zero) gradient as in eager, not None on this rank only (which
+        # made x.grad.full_tensor() a collective one rank could not join)
         parts.append(x.narrow(0, 0, 0))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
     return out.movedim(0, dim).contiguous()

@@ -293,8 +293,12 @@ class _Backend:
                 return out if check is None else check.around(out)
 
             # no AOTAutograd cache: a hit would return compiled graphs without calling inner (unchecked)
+            # no folding of uniform values in the joint graph: an exchange that sends and receives nothing on one
+            # rank (an empty shard, a rank with no output row) gives a uniform (empty) value there, and folding
+            # it into a constant removed that rank's collective only (its peers still ran theirs)
+            patches = {**self.config, "joint_graph_constant_folding": False}
             with torch._functorch.config.patch(enable_autograd_cache=False):
-                return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=self.config or None)
+                return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
         from torch._dynamo.backends.common import aot_autograd
         from torch._dynamo.backends.debugging import boxed_nop
         from torch._functorch.partitioners import min_cut_rematerialization_partition

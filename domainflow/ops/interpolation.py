@@ -103,6 +103,23 @@ def _apply_terms(local: torch.Tensor, dim: int, terms) -> torch.Tensor:
     return out
 
 
+class _Taps:
+    """This rank's taps on its fetched block (indices and weights, as arrays); ``terms(...)`` their tensors, kept
+    for eager calls. While compiling they are made anew each trace: tensors made under one trace's fake mode and
+    kept in the plan cache failed the next trace ("Mixing fake modes"), and would have reached eager calls."""
+
+    def __init__(self, idx: np.ndarray, w: np.ndarray):
+        self.idx, self.w, self._eager = idx, w, {}
+
+    def terms(self, ndim: int, dim: int, dtype, device) -> tuple:
+        if torch.compiler.is_compiling():
+            return _terms(self.idx, self.w, ndim, dim, dtype, device)
+        key = (ndim, dim, dtype, device)
+        if key not in self._eager:
+            self._eager[key] = _terms(self.idx, self.w, ndim, dim, dtype, device)
+        return self._eager[key]
+
+
 @layout_rule
 def _sharded_dim_plan(mode, in_size, out_size, align, scale, sizes, me, ndim, dim, dtype, device):
     """Interpolation along a sharded dim, once per layout and arguments: this rank's row fetch, the output
@@ -125,7 +142,7 @@ def _sharded_dim_plan(mode, in_size, out_size, align, scale, sizes, me, ndim, di
         wanted.append(list(range(lo, hi)))
     mine = np.flatnonzero(owner == me)
     lo = wanted[me][0] if wanted[me] else 0
-    terms = _terms(idx[mine] - lo, w[mine], ndim, dim, dtype, device) if len(mine) else None
+    terms = _Taps(idx[mine] - lo, w[mine]) if len(mine) else None
     # for torch's kernel on the fetched block (a power-of-two factor): the first kept output row of the
     # block's output
     first = int(mine[0]) - round(lo * out_size / in_size) if len(mine) else 0
@@ -197,7 +214,7 @@ def _interpolate(func, args, kwargs):
                                                  spec.coord[m], local.ndim, d, local.dtype, local.device)
         local = comm.fetch(local, d, fetch, spec.mesh, m)
         if terms is not None:
-            local = _apply_terms(local, d, terms)
+            local = _apply_terms(local, d, terms.terms(local.ndim, d, local.dtype, local.device))
         else:
             shape = list(local.shape)
             shape[d] = 0

@@ -222,6 +222,8 @@ class _AlongSharded(torch.nn.Module):
             return F.avg_pool2d(x, 2)
         if self.op == "valid conv":  # no padding: each output row needs the next input row, fetched one way only
             return F.conv2d(x, self.w.reshape(3, 1, 1, 1).expand(3, 1, 2, 1), groups=3)
+        if self.op == "interpolate":  # not a power-of-two factor: the general path (taps on the fetched rows)
+            return F.interpolate(x, scale_factor=1.5, mode="bilinear") * 2
         return F.max_pool2d(x, 2) * 2  # an op after it: a graph break at the pool would make a second graph
 
 
@@ -236,7 +238,7 @@ def _along_sharded(op, backend):
 
 @pytest.mark.parametrize("op,backend", [("partial", "aot_eager"), ("partial", "inductor"), ("reflect", "aot_eager"),
                                         ("circular", "aot_eager"), ("maxpool", "aot_eager"), ("avgpool", "aot_eager"),
-                                        ("valid conv", "aot_eager")])
+                                        ("valid conv", "aot_eager"), ("interpolate", "aot_eager")])
 def test_compiled_ops_along_the_sharded_dim(dist, op, backend):
     """A compiled output that is a pending sum, then backward (its gradient arrives replicated and is coerced to
     the layout the compiled backward was traced with; before: AOTAutograd's 'guessed its metadata incorrectly'),
@@ -244,8 +246,34 @@ def test_compiled_ops_along_the_sharded_dim(dist, op, backend):
     without padding, whose rows travel one way only at these layouts: eager's forward and the parameter's and the
     input's gradients, in one graph per layout. Before: the input's rows sent to the other rank got no gradient
     back (the sending rank never joined the backward exchange, which met its next collective instead), and
-    F.max_pool2d broke the graph (its padding check read a tensor's value)."""
+    F.max_pool2d broke the graph (its padding check read a tensor's value); F.interpolate by 1.5 failed the trace
+    (its taps, cached as tensors made under Dynamo's fake mode, met AOTAutograd's: "Mixing fake modes")."""
     assert all(dist.run(2, _along_sharded, op, backend, timeout=300))
+
+
+class _PaddingOnlyConv(torch.nn.Module):
+    """A 1 x 1 convolution with stride 2 and padding 1: output row o reads input row 2 o - 1, so row 0 is read by no
+    window (its gradient is zero)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(3, 2, 1, stride=2, padding=1).to(D)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+class _StridedConv(torch.nn.Module):
+    """A stride-2 convolution: a rank holding only rows between output centres has no output row."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(3, 2, 3, stride=2, padding=1).to(D)
+
+    def forward(self, x):
+        return torch.tanh(self.conv(x))
 
 
 class _TwoConvs(torch.nn.Module):
@@ -274,7 +302,11 @@ def _rank_with_nothing_to_trade(case):
         assert torch.allclose(y.full_tensor(), torch.nn.functional.avg_pool2d(full, (2, 1)) * 2, atol=TOL, rtol=0)
         return True
     if case == "two fetches, an empty rank":  # the empty rank's two all-to-alls are identical calls
-        return _check(_TwoConvs, _image, 2, [(0, 12)])
+        return _check(_TwoConvs, _image, 2, [(0, 12)] if world == 2 else [(0, 6, 6), (6, 0, 6)])
+    if case == "only padding rows":  # rank 0's one row is read by no window (k 1, stride 2, padding 1): no fetch
+        return _check(_PaddingOnlyConv, _image, 2, [(1, 9)])
+    if case == "stride 2, a rank with no output row":  # that rank's exchanges send and receive nothing
+        return _check(_StridedConv, _image, 2, [(9, 1)] if world == 2 else [(7, 1, 2)], backend="inductor")
     # 2 x 2 mesh, H and W sharded: the ranks of one mesh dim hold blocks of other sizes along the other dim
     mesh = get_mesh((2, 2))
     torch._dynamo.reset()
@@ -293,14 +325,21 @@ def _rank_with_nothing_to_trade(case):
     return True
 
 
-@pytest.mark.parametrize("case,world", [("no rows, no gradient", 2), ("two fetches, an empty rank", 2),
-                                        ("2-D mesh", 4)])
+@pytest.mark.parametrize("case,world", [("no rows, no gradient", 2), ("only padding rows", 2),
+                                        ("two fetches, an empty rank", 2),
+                                        ("two fetches, an empty rank", 3), ("2-D mesh", 4),
+                                        pytest.param("stride 2, a rank with no output row", 2, marks=pytest.mark.slow),
+                                        pytest.param("stride 2, a rank with no output row", 3, marks=pytest.mark.slow)])
 def test_ranks_with_little_to_trade_compile(dist, case, world):
     """Halo fetches where some rank trades nothing or its sizes differ from its group's, found by review: a rank
     with no output row traced without gradient (before: ``torch.cat`` of nothing, a CollectiveError on every
-    rank); an empty rank's two identical fetches where no rank trades a row (AOTAutograd's CSE merged them into
-    one, so that rank had fewer collectives than its peers: a fetch in which no rank trades runs no exchange);
-    max pooling on a 2 x 2 mesh (the
+    rank); an empty rank's two identical fetches (AOTAutograd's CSE merged them into one, so that rank had fewer
+    collectives than its peers: at 2 ranks, where no rank trades a row, a fetch runs no exchange; at 3, where
+    the others trade rows, CSE keeps functional collectives apart); with Inductor, a stride-2 convolution where
+    one rank has no output row (Inductor folded that rank's empty exchanges into constants: "the ranks compiled
+    different graphs" before; slow: Inductor's C++ builds); a rank whose block holds only padding rows (its
+    chunk was left out of the graph: x.grad None on that rank only, where eager gives zeros); max pooling on a
+    2 x 2 mesh (the
     graph check compared the shapes of the other mesh dim's exchanges, which differ across the ranks of a
     group). Eager's forward and gradients in one graph."""
     assert all(dist.run(world, _rank_with_nothing_to_trade, case, timeout=300))
