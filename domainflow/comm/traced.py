@@ -40,9 +40,12 @@ def all_reduce(t: torch.Tensor, reduce_op: str, mesh, mesh_dim: int) -> torch.Te
     if group_size(mesh, mesh_dim) == 1:
         return t.clone()
     op = {"sum": "sum", "avg": "avg", "max": "max", "min": "min", "product": "product"}[reduce_op]
+    flat = _apart([t.reshape(-1)], t.reshape(-1))  # kept apart from every other collective (_apart)
     if op == "avg":  # Gloo has no avg: sum / n, as the eager layer does
-        return _wait(funcol.all_reduce(t.contiguous(), "sum", _group_name(mesh, mesh_dim))) / group_size(mesh, mesh_dim)
-    return _wait(funcol.all_reduce(t.contiguous(), op, _group_name(mesh, mesh_dim)))
+        out = _wait(funcol.all_reduce(flat, "sum", _group_name(mesh, mesh_dim))) / group_size(mesh, mesh_dim)
+    else:
+        out = _wait(funcol.all_reduce(flat, op, _group_name(mesh, mesh_dim)))
+    return out.view(t.shape)
 
 
 def _segments(plan, recv_at: dict):
@@ -69,18 +72,21 @@ def _segments(plan, recv_at: dict):
     return runs
 
 
-def _fresh_empty(like: torch.Tensor) -> torch.Tensor:
-    """``like`` (no elements) plus a fresh empty tensor: an ``aten.empty`` node, which AOTAutograd's CSE never merges
-    (an empty exchange of one rank stays apart from another that is identical on that rank only)."""
-    return like + torch.empty(like.shape, dtype=like.dtype, device=like.device)
+def _apart(rows: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """``rows`` concatenated (along dim 0) with a fresh empty tensor, an ``aten.empty`` node, which AOTAutograd's
+    common-subexpression elimination (CSE) never merges: no two collectives are then one expression, on any rank.
+    Two collectives identical on some ranks only were merged there, leaving those ranks fewer collectives than
+    their peers ("the ranks compiled different graphs"): two fetches of one input with the same rows (two
+    same-size convolutions, max and average pooling of one input) on the ranks that send rows but not on one that
+    sends none, two fetches an empty shard makes with nothing to trade, the zero gradients of two same-shape
+    layers' parameters on an empty shard."""
+    return torch.cat([*rows, torch.empty((0,) + tuple(like.shape[1:]), dtype=like.dtype, device=like.device)])
 
 
 class _RowExchange(torch.autograd.Function):
     """The rows' ``all_to_all_single``; backward: the gradients of the received rows back to their owners (the
-    transposed exchange). A rank that received no row sends back an empty gradient that is a fresh tensor: the
-    gradients of two fetches where it receives nothing (an empty shard) are otherwise the same expression on that
-    rank, and CSE merged their two backward exchanges into one there only ("the ranks compiled different
-    graphs" at 3 ranks, rows 0 | 6 | 6)."""
+    transposed exchange), kept apart from every other collective (:func:`_apart`): on a rank that received
+    nothing in two fetches (an empty shard) both gradients are one expression (``0 * sum(grad)``)."""
 
     @staticmethod
     def forward(ctx, send, recv_sizes, send_sizes, group_name):
@@ -90,9 +96,7 @@ class _RowExchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         recv_sizes, send_sizes, group_name = ctx.exchange
-        grad = grad.contiguous()
-        if not any(recv_sizes):
-            grad = _fresh_empty(grad)
+        grad = _apart([grad], grad)
         return _wait(funcol.all_to_all_single(grad, send_sizes, recv_sizes, group_name)), None, None, None
 
 
@@ -126,15 +130,13 @@ def fetch_rows(local: torch.Tensor, dim: int, plan, mesh, mesh_dim: int) -> torc
     # an output that uses no received row still takes an empty slice of them (before, a rank that only sent
     # rows skipped the backward exchange: its sent rows lost their gradient, and the other ranks' backward
     # exchange met the next collective instead)
-    # An empty send is a fresh tensor: a rank that trades nothing in two fetches of one input (an empty shard)
-    # would otherwise make two identical calls, which CSE merged on that rank only (fewer collectives than its
-    # peers: "the ranks compiled different graphs", 3 ranks at rows 0 | 6 | 6)
+    # every send is kept apart from every other collective (_apart), on every rank alike
     wants_grad = x.requires_grad and torch.is_grad_enabled()
     grad = plan.trades and wants_grad
-    send = torch.cat(pieces, 0) if pieces else _fresh_empty(x.narrow(0, 0, 0) if grad else x.detach().narrow(0, 0, 0))
+    send = _apart(pieces if pieces else [x.narrow(0, 0, 0)] if grad else [], x)
     received = None
     if plan.trades:
-        received = _RowExchange.apply(send.contiguous(), recv_sizes, send_sizes, _group_name(mesh, mesh_dim))
+        received = _RowExchange.apply(send, recv_sizes, send_sizes, _group_name(mesh, mesh_dim))
     if plan.identity_len == local.shape[dim]:
         segments = ((0, 0, plan.identity_len),)
         if not grad:

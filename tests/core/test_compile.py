@@ -222,6 +222,8 @@ class _AlongSharded(torch.nn.Module):
             return F.avg_pool2d(x, 2)
         if self.op == "valid conv":  # no padding: each output row needs the next input row, fetched one way only
             return F.conv2d(x, self.w.reshape(3, 1, 1, 1).expand(3, 1, 2, 1), groups=3)
+        if self.op == "two pools":  # the same rows fetched twice
+            return F.max_pool2d(x, 2) + F.avg_pool2d(x, 2)
         if self.op == "interpolate":  # not a power-of-two factor: the general path (taps on the fetched rows)
             return F.interpolate(x, scale_factor=1.5, mode="bilinear") * 2
         return F.max_pool2d(x, 2) * 2  # an op after it: a graph break at the pool would make a second graph
@@ -249,6 +251,19 @@ def test_compiled_ops_along_the_sharded_dim(dist, op, backend):
     F.max_pool2d broke the graph (its padding check read a tensor's value); F.interpolate by 1.5 failed the trace
     (its taps, cached as tensors made under Dynamo's fake mode, met AOTAutograd's: "Mixing fake modes")."""
     assert all(dist.run(2, _along_sharded, op, backend, timeout=300))
+
+
+class _TwinConvs(torch.nn.Module):
+    """Two convolutions of one input of the same size: the same rows fetched twice, parameters of one shape."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Conv2d(3, 2, 3, padding=1).to(D)
+        self.b = torch.nn.Conv2d(3, 2, 3, padding=1).to(D)
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
 
 
 class _PaddingOnlyConv(torch.nn.Module):
@@ -303,6 +318,13 @@ def _rank_with_nothing_to_trade(case):
         return True
     if case == "two fetches, an empty rank":  # the empty rank's two all-to-alls are identical calls
         return _check(_TwoConvs, _image, 2, [(0, 12)] if world == 2 else [(0, 6, 6), (6, 0, 6)])
+    if case == "the same rows twice":  # identical fetches (and parameter gradients) on some ranks only
+        layouts = [(5, 7)] if world == 2 else [(0, 6, 6), (6, 6, 0)]
+        def pools():
+            torch.manual_seed(0)
+            return _AlongSharded("two pools")
+
+        return _check(_TwinConvs, _image, 2, layouts) and _check(pools, _image, 2, layouts)
     if case == "only padding rows":  # rank 0's one row is read by no window (k 1, stride 2, padding 1): no fetch
         return _check(_PaddingOnlyConv, _image, 2, [(1, 9)])
     if case == "stride 2, a rank with no output row":  # that rank's exchanges send and receive nothing
@@ -327,15 +349,18 @@ def _rank_with_nothing_to_trade(case):
 
 @pytest.mark.parametrize("case,world", [("no rows, no gradient", 2), ("only padding rows", 2),
                                         ("two fetches, an empty rank", 2),
-                                        ("two fetches, an empty rank", 3), ("2-D mesh", 4),
+                                        ("two fetches, an empty rank", 3), ("the same rows twice", 2),
+                                        ("the same rows twice", 3), ("2-D mesh", 4),
                                         pytest.param("stride 2, a rank with no output row", 2, marks=pytest.mark.slow),
                                         pytest.param("stride 2, a rank with no output row", 3, marks=pytest.mark.slow)])
 def test_ranks_with_little_to_trade_compile(dist, case, world):
     """Halo fetches where some rank trades nothing or its sizes differ from its group's, found by review: a rank
     with no output row traced without gradient (before: ``torch.cat`` of nothing, a CollectiveError on every
-    rank); an empty rank's two identical fetches (AOTAutograd's CSE merged them into one, so that rank had fewer
-    collectives than its peers: at 2 ranks, where no rank trades a row, a fetch runs no exchange; at 3, where
-    the others trade rows, CSE keeps functional collectives apart); with Inductor, a stride-2 convolution where
+    rank); collectives identical on some ranks only (AOTAutograd's CSE merged them there, so those ranks had
+    fewer collectives than their peers: an empty rank's two fetches, the same rows fetched twice by two
+    same-size convolutions or by max and average pooling of one input on the ranks that send rows, two
+    same-shape layers' zero parameter gradients on an empty rank; every traced exchange and all-reduce is now
+    kept apart from CSE); with Inductor, a stride-2 convolution where
     one rank has no output row (Inductor folded that rank's empty exchanges into constants: "the ranks compiled
     different graphs" before; slow: Inductor's C++ builds); a rank whose block holds only padding rows (its
     chunk was left out of the graph: x.grad None on that rank only, where eager gives zeros); max pooling on a
