@@ -67,9 +67,11 @@ $(VENV)/.stamp: pyproject.toml Makefile | $(PY)
 
 # with bytecode writing on (this machine sets PYTHONDONTWRITEBYTECODE): pytest keeps its assertion-rewritten test
 # modules in __pycache__ instead of rewriting all of them in every worker (collection 20 s -> 10 s per worker), and
-# the ranks, fork servers and commands the tests start reuse the bytecode of what they import
+# the ranks, fork servers and commands the tests start reuse the bytecode of what they import. Inductor compiles
+# its kernels in the rank's own process (not a pool of compile workers, each importing torch: 5 s less CPU for the
+# Inductor test here)
 test: venv
-	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(if $(TEST_MARKERS),-m "$(TEST_MARKERS)") $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE TORCHINDUCTOR_COMPILE_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(if $(TEST_MARKERS),-m "$(TEST_MARKERS)") $(PYTEST_ARGS)
 
 demo: venv
 	$(VENV)/bin/domainflow demo

@@ -253,52 +253,29 @@ def test_compiled_ops_along_the_sharded_dim(dist, op, backend):
     assert all(dist.run(2, _along_sharded, op, backend, timeout=300))
 
 
-class _TwinConvs(torch.nn.Module):
-    """Two convolutions of one input of the same size: the same rows fetched twice, parameters of one shape."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = torch.nn.Conv2d(3, 2, 3, padding=1).to(D)
-        self.b = torch.nn.Conv2d(3, 2, 3, padding=1).to(D)
-
-    def forward(self, x):
-        return self.a(x) + self.b(x)
-
-
-class _PaddingOnlyConv(torch.nn.Module):
-    """A 1 x 1 convolution with stride 2 and padding 1: output row o reads input row 2 o - 1, so row 0 is read by no
+class _OneConv(torch.nn.Module):
+    """One convolution: with stride 2 (kernel 3, padding 1), a rank holding only rows between output centres has
+    no output row; kernel 1, stride 2, padding 1: output row o reads input row 2 o - 1, so row 0 is read by no
     window (its gradient is zero)."""
 
-    def __init__(self):
+    def __init__(self, kernel, stride, padding):
         super().__init__()
         torch.manual_seed(0)
-        self.conv = torch.nn.Conv2d(3, 2, 1, stride=2, padding=1).to(D)
-
-    def forward(self, x):
-        return self.conv(x)
-
-
-class _StridedConv(torch.nn.Module):
-    """A stride-2 convolution: a rank holding only rows between output centres has no output row."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.conv = torch.nn.Conv2d(3, 2, 3, stride=2, padding=1).to(D)
+        self.conv = torch.nn.Conv2d(3, 2, kernel, stride=stride, padding=padding).to(D)
 
     def forward(self, x):
         return torch.tanh(self.conv(x))
 
 
 class _TwoConvs(torch.nn.Module):
-    """Two convolutions of one input: two halo fetches of the same rows (3 and 5 wide)."""
+    """Two convolutions of one input: two halo fetches of the same rows, ``kernels`` wide (the same size: the same
+    rows fetched twice, parameters of one shape)."""
 
-    def __init__(self):
+    def __init__(self, kernels=(3, 5)):
         super().__init__()
         torch.manual_seed(0)
-        self.a = torch.nn.Conv2d(3, 2, 3, padding=1).to(D)
-        self.b = torch.nn.Conv2d(3, 2, 5, padding=2).to(D)
+        self.a = torch.nn.Conv2d(3, 2, kernels[0], padding=kernels[0] // 2).to(D)
+        self.b = torch.nn.Conv2d(3, 2, kernels[1], padding=kernels[1] // 2).to(D)
 
     def forward(self, x):
         return self.a(x) + self.b(x)
@@ -324,11 +301,12 @@ def _rank_with_nothing_to_trade(case):
             torch.manual_seed(0)
             return _AlongSharded("two pools")
 
-        return _check(_TwinConvs, _image, 2, layouts) and _check(pools, _image, 2, layouts)
+        return _check(functools.partial(_TwoConvs, (3, 3)), _image, 2, layouts) and _check(pools, _image, 2, layouts)
     if case == "only padding rows":  # rank 0's one row is read by no window (k 1, stride 2, padding 1): no fetch
-        return _check(_PaddingOnlyConv, _image, 2, [(1, 9)])
+        return _check(functools.partial(_OneConv, 1, 2, 1), _image, 2, [(1, 9)])
     if case == "stride 2, a rank with no output row":  # that rank's exchanges send and receive nothing
-        return _check(_StridedConv, _image, 2, [(9, 1)] if world == 2 else [(7, 1, 2)], backend="inductor")
+        return _check(functools.partial(_OneConv, 3, 2, 1), _image, 2, [(9, 1)] if world == 2 else [(7, 1, 2)],
+                      backend="inductor")
     # 2 x 2 mesh, H and W sharded: the ranks of one mesh dim hold blocks of other sizes along the other dim
     mesh = get_mesh((2, 2))
     torch._dynamo.reset()
