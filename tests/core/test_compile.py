@@ -297,12 +297,13 @@ def _rank_with_nothing_to_trade(case):
         return _check(_TwoConvs, _image, 2, [(0, 12)] if world == 2 else [(0, 6, 6), (6, 0, 6)])
     if case == "the same rows twice":  # identical fetches (and parameter gradients) on some ranks only
         layouts = [(5, 7)] if world == 2 else [(0, 6, 6), (6, 6, 0)]
+
         def pools():
             torch.manual_seed(0)
             return _AlongSharded("two pools")
 
         return _check(functools.partial(_TwoConvs, (3, 3)), _image, 2, layouts) and _check(pools, _image, 2, layouts)
-    if case == "only padding rows":  # rank 0's one row is read by no window (k 1, stride 2, padding 1): no fetch
+    if case == "only padding rows":  # rank 0's one row is read by no window (k 1, stride 2, padding 1)
         return _check(functools.partial(_OneConv, 1, 2, 1), _image, 2, [(1, 9)])
     if case == "stride 2, a rank with no output row":  # that rank's exchanges send and receive nothing
         return _check(functools.partial(_OneConv, 3, 2, 1), _image, 2, [(9, 1)] if world == 2 else [(7, 1, 2)],
