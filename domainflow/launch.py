@@ -24,6 +24,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -108,6 +109,7 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
     lifeline_r, lifeline_w = os.pipe()
     setup = {"environ": dict(os.environ), "sys_path": list(sys.path), "stdio": _LauncherStdio(),
              "lifeline": _Lifeline(lifeline_r)}
+    handlers = _signal_handlers()
     try:
         return elastic_launch(config, _rank_entry)(setup, fn, *args)
     except ChildFailedError as exc:
@@ -115,6 +117,8 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
     except SignalException as exc:
         raise KeyboardInterrupt(str(exc)) from None
     finally:
+        for sig, handler in handlers.items():  # the agent's, which turn them into exceptions, stay behind
+            signal.signal(sig, handler)
         os.close(lifeline_r)
         os.close(lifeline_w)
         for q, level in zip(quiet, levels):
@@ -125,6 +129,15 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _signal_handlers() -> dict:
+    """This process's handlers of the signals torch's elastic agent takes over (in the main thread only) and
+    never gives back: they raise an exception in whatever this process does next, even in its forks."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    sigs = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, name)]
+    return {sig: h for sig in sigs if (h := signal.getsignal(sig)) is not None}  # None: not set from Python
 
 
 _SERVER_MODULES = ("torch", "torch.distributed")

@@ -134,7 +134,12 @@ def _local_counted(finals, workers, bar, counter, weight):
         try:
             results = dask.compute(*finals, scheduler="processes", pool=fed, chunksize=1)  # one task per batch
         except BrokenProcessPool:  # the pool's "terminated abruptly" says neither why nor what to do
-            raise _worker_died(list(fed.workers.values()), workers) from None
+            procs = list(fed.workers.values())
+            error = _worker_died(procs, workers)
+            for p in procs:  # the pool's exit waits for every worker: one that outlived its SIGTERM would hang it
+                if p.exitcode is None:
+                    p.kill()
+            raise error from None
     yield from results
 
 
@@ -192,9 +197,14 @@ def _init_worker(counter=None):
     """One core per worker process: VTK's SMP filters and zarr's codec threads would otherwise each use
     every core, so N workers would oversubscribe the machine N-fold. On Linux a worker also dies with the
     ingest that started it (a ``kill -9`` of the command would otherwise leave its workers running). The
-    progress counter comes along."""
+    progress counter comes along. The pool ends its workers with SIGTERM (once one has died): a handler
+    inherited from the parent (a job's preemption handler, torch's elastic launcher) would turn that into an
+    exception that dask's task wrapper catches, leaving a worker that goes on and blocks the pool's exit."""
+    import signal
+
     global _cells
     _cells = counter
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _set_threads(1)
     _die_with_parent()
 

@@ -92,3 +92,53 @@ def test_a_killed_climate_ingest_worker_is_one_line_and_the_rerun_completes_the_
     args = ["ingest", "climate", source, None, "--time-block", "8", "--split", "0.6,0.2,0.2", "--quiet"]
     line = _kill_then_resume(tmp_path, monkeypatch, args, ingest_grid, "ingest_block", _block_or_die, "block 16")
     assert "--time-block" in line
+
+
+_PREEMPTIBLE_INGEST = """
+import os, signal, sys, time
+from pathlib import Path
+
+import numpy as np
+
+from domainflow.preprocess.errors import WorkerDiedError
+from domainflow.preprocess.parallel import run_tasks
+
+
+def task(kind, mark):
+    if kind == "victim":  # dies once the other worker is inside its task
+        deadline = time.monotonic() + 30
+        while not os.path.exists(mark) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "busy":
+        Path(mark).touch()
+        time.sleep(1)
+    return np.zeros(1 << 20)  # 8 MB: more than the pipe back to the pool holds
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # a job's preemption handler: note it, go on
+    try:
+        list(run_tasks(task, [("victim", sys.argv[1]), ("busy", sys.argv[1])] + [("big", sys.argv[1])] * 4,
+                       workers=2, progress=False))
+    except WorkerDiedError as exc:
+        print(exc)
+"""
+
+
+def test_a_worker_that_outlives_the_pools_sigterm_does_not_hang_the_ingest(tmp_path):
+    """Once a worker dies the pool SIGTERMs the others and waits for them: a worker forked from a process with a
+    SIGTERM handler of its own (a job's preemption handler; torch's elastic launcher leaves one behind) went on
+    with the next task and blocked the ingest's end forever. Now the error comes, and the process ends."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "preemptible_ingest.py"
+    script.write_text(_PREEMPTIBLE_INGEST)
+    try:
+        res = subprocess.run([sys.executable, str(script), str(tmp_path / "busy")], capture_output=True, text=True,
+                             timeout=30)  # about 1 s; the workers die with it (see _die_with_parent)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the ingest still ran 30 s after its worker died: it hung") from None
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.startswith("an ingest worker process was killed (SIGKILL"), res.stdout + res.stderr[-3000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 import torch
@@ -29,13 +30,26 @@ def _launch_tiny(k):
             "sizes": list(x.spec.sizes[0])}
 
 
+def _preempted(signum, frame):
+    """A job's own SIGTERM handler (a scheduler's preemption notice), set before a launch."""
+
+
 def test_launch_local_returns_rank_results():
+    """Rank results come back, and this process's signal handlers are its own again: torch's elastic agent
+    leaves its handlers, which raise, behind (in a later ingest's workers they kept a worker alive that hung
+    the ingest's end)."""
     from domainflow.launch import launch_local
 
     old = os.environ.get("OMP_NUM_THREADS")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, _preempted)
     try:
         res = launch_local(_launch_tiny, 2, 10)
+        assert signal.getsignal(signal.SIGTERM) is _preempted
+        assert signal.getsignal(signal.SIGINT) is handlers[signal.SIGINT]
     finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
         if old is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
