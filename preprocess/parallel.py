@@ -134,13 +134,21 @@ def _local_counted(finals, workers, bar, counter, weight):
         try:
             results = dask.compute(*finals, scheduler="processes", pool=fed, chunksize=1)  # one task per batch
         except BrokenProcessPool:  # the pool's "terminated abruptly" says neither why nor what to do
-            procs = list(fed.workers.values())
-            error = _worker_died(procs, workers)
-            for p in procs:  # the pool's exit waits for every worker: one that outlived its SIGTERM would hang it
-                if p.exitcode is None:
-                    p.kill()
-            raise error from None
+            error = _worker_died(list(fed.workers.values()), workers)
+            _kill(fed.workers.values())  # the pool's exit waits for every worker: one that outlived its SIGTERM
+            raise error from None  # would hang it
+        except KeyboardInterrupt:  # Ctrl-C: now, not once the running tasks end (a huge run's take minutes)
+            _kill(fed.workers.values())
+            raise
     yield from results
+
+
+def _kill(procs) -> None:
+    """SIGKILL the pool's workers still running: what they were writing is left as a killed ingest leaves it
+    (unpublished, redone by the rerun)."""
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
 
 
 def _worker_died(procs: list, workers: int):
@@ -197,14 +205,17 @@ def _init_worker(counter=None):
     """One core per worker process: VTK's SMP filters and zarr's codec threads would otherwise each use
     every core, so N workers would oversubscribe the machine N-fold. On Linux a worker also dies with the
     ingest that started it (a ``kill -9`` of the command would otherwise leave its workers running). The
-    progress counter comes along. The pool ends its workers with SIGTERM (once one has died): a handler
-    inherited from the parent (a job's preemption handler, torch's elastic launcher) would turn that into an
-    exception that dask's task wrapper catches, leaving a worker that goes on and blocks the pool's exit."""
+    progress counter comes along. Signals: the pool ends its workers with SIGTERM (once one has died), and a
+    handler inherited from the parent (a job's preemption handler, torch's elastic launcher) would turn it into
+    an exception that dask's task wrapper catches, leaving a worker that goes on and blocks the pool's exit;
+    Ctrl-C reaches every process of the terminal's group, and is the parent's to handle (a worker would print
+    its traceback under the command's one line)."""
     import signal
 
     global _cells
     _cells = counter
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _set_threads(1)
     _die_with_parent()
 

@@ -142,3 +142,65 @@ def test_a_worker_that_outlives_the_pools_sigterm_does_not_hang_the_ingest(tmp_p
         raise AssertionError("the ingest still ran 30 s after its worker died: it hung") from None
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.startswith("an ingest worker process was killed (SIGKILL"), res.stdout + res.stderr[-3000:]
+
+
+_SLOW_INGEST = """
+import pathlib, sys, time
+
+from domainflow.preprocess import ingest_mesh
+
+real = ingest_mesh.partition_location
+
+
+def slow(*a, **k):  # a long task (a huge run's partition), running in a worker when Ctrl-C comes
+    pathlib.Path(sys.argv[1]).touch()
+    time.sleep(120)
+    return real(*a, **k)
+
+
+ingest_mesh.partition_location = slow  # the workers fork from this process
+from domainflow.app.cli import main
+
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_ctrl_c_of_an_ingest_with_workers_is_one_line_at_once_and_the_rerun_completes(tmp_path):
+    """Ctrl-C reaches the command and its workers (the terminal's whole process group): the command ends at once
+    with its one line, not after the running task (two minutes here), and no worker prints a traceback (one
+    idle in the pool's queue did); the rerun completes the store."""
+    import subprocess
+    import sys
+    import time
+
+    from domainflow.preprocess.synth_drivaerml import synth_drivaerml
+
+    raw, store, busy = tmp_path / "raw", tmp_path / "store.zarr", tmp_path / "busy"
+    synth_drivaerml(raw, runs=1, cells=600, seed=1, volume_cells=200, volume_pieces=1)
+    script = tmp_path / "slow_ingest.py"
+    script.write_text(_SLOW_INGEST)
+    args = ["ingest", "drivaerml", str(raw), str(store), "--parts", "2", "--locations", "surface", "--workers", "2",
+            "--quiet"]
+    proc = subprocess.Popen([sys.executable, str(script), str(busy), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not busy.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert busy.exists(), proc.communicate()[1][-3000:]
+        time.sleep(0.3)  # the other worker waits in the pool's queue
+        os.killpg(proc.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert proc.returncode == 130 and lines == [
+        "interrupted; the store is a valid partial store: rerun the same command to resume"], err[-3000:]
+    assert took < 15, took
+    res = run_cli(*args)
+    assert res.returncode == 0 and "resumed" in res.stdout, res.stderr[-3000:]
+    assert zarr.open_group(store, mode="r").attrs["domainflow"]["complete"] is True
