@@ -241,6 +241,7 @@ def _rank_entry(setup: dict, fn: Callable, *args):
     """What each launched rank runs: ``fn(*args)``, with user-facing errors left as one line for the launcher."""
     _take_launcher_state(setup)
     signal.signal(signal.SIGINT, _interrupt_once)
+    signal.signal(signal.SIGTERM, _interrupt_once)
     try:
         return fn(*args)
     except KeyboardInterrupt:
@@ -383,9 +384,12 @@ def _drop_pending_reads_quietly() -> None:
 
 
 def _interrupt_once(signum, frame):
-    """Ctrl-C in a rank: the terminal and the launcher both pass it on; a second one during clean-up would
-    interrupt the clean-up and print a traceback, so it is ignored."""
+    """Ctrl-C or SIGTERM (a scheduler preempting the job) in a rank: the terminal or the scheduler and the
+    launcher each pass it on; a second one during clean-up would interrupt the clean-up and print a traceback,
+    so both are ignored from then on. Ending by the exception, not by the signal, also runs the rank's exit
+    clean-up (a rank killed by SIGTERM left the launcher a "leaked semaphore" warning under the one line)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
