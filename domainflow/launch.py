@@ -92,7 +92,7 @@ def launch_local(fn: Callable, nproc: int, *args, threads_per_rank: int | None =
     errors = tempfile.mkdtemp(prefix="domainflow-launch-")
     # the ranks' Gloo / NCCL sockets on loopback too, whatever interface a cluster profile names
     extra = {"OMP_NUM_THREADS": threads, _ERRORS_ENV: errors, **LOOPBACK_ENV, **(env or {})}
-    saved = {k: os.environ.get(k) for k in extra}
+    saved = {k: os.environ.get(k) for k in [*extra, "TORCHELASTIC_SIGNALS_TO_HANDLE"]}  # the last set by torch
     for k, v in extra.items():  # the spawned ranks inherit these; this process gets its own back
         if v is None:
             os.environ.pop(k, None)

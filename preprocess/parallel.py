@@ -135,20 +135,26 @@ def _local_counted(finals, workers, bar, counter, weight):
             results = dask.compute(*finals, scheduler="processes", pool=fed, chunksize=1)  # one task per batch
         except BrokenProcessPool:  # the pool's "terminated abruptly" says neither why nor what to do
             error = _worker_died(list(fed.workers.values()), workers)
-            _kill(fed.workers.values())  # the pool's exit waits for every worker: one that outlived its SIGTERM
-            raise error from None  # would hang it
+            _kill(pool, fed)  # the pool's exit waits for every worker: one that outlived its SIGTERM would hang it
+            raise error from None
         except KeyboardInterrupt:  # Ctrl-C: now, not once the running tasks end (a huge run's take minutes)
-            _kill(fed.workers.values())
+            _kill(pool, fed)
             raise
     yield from results
 
 
-def _kill(procs) -> None:
+def _kill(pool, fed) -> None:
     """SIGKILL the pool's workers still running: what they were writing is left as a killed ingest leaves it
     (unpublished, redone by the rerun)."""
-    for p in procs:
+    for p in {**fed.workers, **(getattr(pool, "_processes", None) or {})}.values():
         if p.exitcode is None:
             p.kill()
+    # a worker killed while sending a result larger than a pipe holds (no ingest task returns one) leaves the
+    # pool's thread waiting for the rest; with the workers gone, this process's write end of that pipe is the
+    # last one, and closing it ends the wait
+    writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)
+    if writer is not None:
+        writer.close()
 
 
 def _worker_died(procs: list, workers: int):
@@ -304,7 +310,8 @@ def _distributed(finals, address, bar, weight):
                 bar.update(weight.get(fut.key, 1))
                 yield out
         except BaseException:
-            client.cancel(futures)  # no task of a failed ingest goes on writing after it has returned
+            # no task of a failed ingest starts after it has returned (dask lets a running one finish)
+            client.cancel(futures)
             raise
     finally:
         client.close()

@@ -26,7 +26,8 @@ DTYPE = torch.float64
 
 
 def candidate_ops() -> list:
-    """``op_db`` entries with float64 support on CPU, by case name (``name.variant``)."""
+    """``op_db`` entries with float64 support on CPU, by case name (``name.variant``). Turns off, in this
+    process, torch's search of the stack for the running unittest test (below)."""
     from torch.testing._internal import common_utils
     from torch.testing._internal.common_methods_invocations import op_db
     from torch.testing._internal.opinfo import core
