@@ -115,6 +115,8 @@ class Trainer:
     def _stream(self, start: int, stop: int):
         """(step, [(real samples in the step, sample), ...], seconds waited for data) for steps
         ``start..stop-1``, read ahead on a background thread."""
+        # the schedule twice, not one shared through itertools.tee: the reads consume theirs on the prefetch
+        # thread, and a tee (or one generator) iterated from two threads is not safe
         it = self.ds.samples(((key, w, e) for _, _, key, w, _, e in self._schedule(start, stop)),
                              depth=self.cfg.data.prefetch)
         try:
