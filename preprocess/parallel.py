@@ -41,9 +41,12 @@ def _cell_counter(bar, context):
     """A shared counter (workers inherit it) shown on ``bar`` every _POLL seconds and once at the end."""
     global _cells
     counter, stop, t0 = context.Value("q", 0), threading.Event(), time.perf_counter()
+    # this process reads the count without the counter's lock: a worker killed while holding it (Ctrl-C, the
+    # OOM killer) leaves it held for good, and reading under it hung the command at its end
+    count = counter.get_obj()
 
     def show():
-        bar.set_postfix_str(_cells_text(counter.value, time.perf_counter() - t0), refresh=True)
+        bar.set_postfix_str(_cells_text(count.value, time.perf_counter() - t0), refresh=True)
 
     def poll():
         while not stop.wait(_POLL):
@@ -59,7 +62,7 @@ def _cell_counter(bar, context):
         stop.set()
         if thread.is_alive():
             thread.join()
-        if counter.value:
+        if count.value:
             show()
         _cells = before
 
