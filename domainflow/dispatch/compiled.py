@@ -55,8 +55,8 @@ def compile(model_or_fn, *, backend="inductor", **torch_compile_kwargs):  # noqa
     ShardTensor argument), then runs the compiled function, whose every graph (forward and backward) first
     checks that every rank runs the same graph's collectives (one pairing round per graph call and mesh dim:
     :class:`GraphCheck`). ``model_or_fn``: an ``nn.Module``, a bound method of one, or a function (the modules
-    it closes over, names as globals or takes as arguments are checked; parameters it reaches otherwise, e.g.
-    through a helper's globals, are not). ``backend``: ``"inductor"`` (``mode``/``options`` as torch.compile's)
+    it closes over, names as globals or takes as arguments are checked, and bare parameters met those ways;
+    parameters it reaches otherwise, e.g. through a helper's globals, are not). ``backend``: ``"inductor"`` (``mode``/``options`` as torch.compile's)
     or ``"aot_eager"``; others are refused (the check needs AOTAutograd's forward and backward graphs).
     Attributes of the compiled module are reachable on the result (``.parameters()``, ``.train()``);
     ``.frames`` counts the Dynamo graphs compiled (a recompile or a graph break adds one).
@@ -127,7 +127,10 @@ class CheckedCompile:
         self._mesh = mesh
         if mesh is not None:
             for m in _modules_reached(self._original, args, kwargs):
-                _record_module(m, mesh)
+                if isinstance(m, torch.nn.Module):
+                    _record_module(m, mesh)
+                elif not getattr(m, "_domainflow_recorded", False):  # a parameter of no module reached
+                    _consistency.record_parameter(m, mesh)
         if comm.pending_checks:
             _consistency.flush("a call compiled by domainflow.compile")
         state = _base.checked_compile
@@ -187,33 +190,43 @@ def _failed_round(mesh, e: Exception) -> None:
 def _modules_reached(fn, args, kwargs) -> list:
     """The modules whose parameters a call of ``fn`` uses, as far as can be seen without tracing: ``fn`` itself,
     the owner of a bound method (or the modules among its attributes), the modules a function closes over or
-    names as globals, and nn.Module arguments. (While tracing, the engine sees only fake parameters.)"""
-    Module = torch.nn.Module
+    names as globals, and nn.Module arguments; and the bare ``nn.Parameter``s met the same ways (alone, or in a
+    list or tuple), which eager checks as it meets them. (While tracing, the engine sees only fake parameters.)"""
     if isinstance(fn, functools.partial):  # the function's, and the modules bound as its arguments
         bound = (*fn.args, *fn.keywords.values())
         return _modules_reached(fn.func, (*bound, *args), kwargs)
-    if isinstance(fn, Module):
+    if isinstance(fn, torch.nn.Module):
         seen = [fn]
     else:
         seen = []
         owner = getattr(fn, "__self__", None)
-        if isinstance(owner, Module):
+        if isinstance(owner, torch.nn.Module):
             seen.append(owner)
         elif owner is not None and hasattr(owner, "__dict__"):
-            seen += [v for v in vars(owner).values() if isinstance(v, Module)]
+            seen += _modules_in(vars(owner).values())
         code = getattr(fn, "__code__", None)
         if code is not None:
+            cells = []
             for cell in getattr(fn, "__closure__", None) or ():
                 try:
-                    v = cell.cell_contents
+                    cells.append(cell.cell_contents)
                 except ValueError:  # an empty cell
                     continue
-                if isinstance(v, Module):
-                    seen.append(v)
             names = getattr(fn, "__globals__", {})
-            seen += [names[n] for n in code.co_names if isinstance(names.get(n), Module)]
-    seen += [a for a in (*args, *kwargs.values()) if isinstance(a, Module)]
+            seen += _modules_in([*cells, *(names.get(n) for n in code.co_names)])
+    seen += _modules_in((*args, *kwargs.values()))
     return seen
+
+
+def _modules_in(values) -> list:
+    """The modules and bare parameters among ``values``, also one level inside lists and tuples."""
+    out = []
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            out += [x for x in v if isinstance(x, torch.nn.Module) or type(x) is _PARAMETER]
+        elif isinstance(v, torch.nn.Module) or type(v) is _PARAMETER:
+            out.append(v)
+    return out
 
 
 def _record_module(module: torch.nn.Module, mesh) -> None:

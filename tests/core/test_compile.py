@@ -525,6 +525,26 @@ def _perturbed_parameter():
         with pytest.raises(ReplicaMismatchError) as info:
             compiled(arg)
         said.append(str(info.value).replace("_FromBatch.net.", "Sequential."))
+    # a bare nn.Parameter of no module, closed over, in a list closed over, or passed (before: not checked, and
+    # each rank computed with its own value)
+    for how in ("closure", "list", "argument"):
+        weight = torch.nn.Parameter(torch.ones(4, 3, 1, 1, dtype=torch.float64))
+        if rank == 1:
+            with torch.no_grad():
+                weight[0, 0] += 1e-6
+        if how == "closure":
+            compiled = df.compile(lambda x: torch.nn.functional.conv2d(x, weight), backend="aot_eager")
+            call = (x,)
+        elif how == "list":
+            held = [weight]
+            compiled = df.compile(lambda x: torch.nn.functional.conv2d(x, held[0]), backend="aot_eager")
+            call = (x,)
+        else:
+            compiled = df.compile(torch.nn.functional.conv2d, backend="aot_eager")
+            call = (x, weight)
+        with pytest.raises(ReplicaMismatchError) as info:
+            compiled(*call)
+        said.append(str(info.value))
     return said
 
 
@@ -594,9 +614,11 @@ def test_parameter_differing_across_ranks_is_named(dist):
     """domainflow.compile checks the module's replicated parameters across ranks before the call (under
     torch.compile the engine sees fake ones only): the replica error on every rank, no compiled step."""
     said = dist.run(2, _perturbed_parameter, timeout=60)
-    assert said[0] == said[1] and len(said[0]) == 6
-    for s in said[0]:
+    assert said[0] == said[1] and len(said[0]) == 9
+    for s in said[0][:6]:
         assert "'Sequential.2.bias'" in s and "rank(s) [1]" in s, s
+    for s in said[0][6:]:  # bare parameters, each a module's of none
+        assert "a parameter (shape (4, 3, 1, 1), torch.float64): rank(s) [1]" in s, s
 
 
 def _wrong_declared_layout():
