@@ -137,7 +137,7 @@ class CheckedCompile:
         outer = getattr(state, "on", False)
         state.on = True
         try:
-            return self._compiled(*args, **kwargs)
+            return _every_output_gets_a_gradient(self._compiled(*args, **kwargs))
         except Exception as e:
             if mesh is not None:
                 # Dynamo may have decided alone on this rank, from the failure, to run the failed code eagerly
@@ -154,6 +154,42 @@ class CheckedCompile:
             raise
         finally:
             state.on = outer
+
+
+def _every_output_gets_a_gradient(out):
+    """A compiled call's outputs, those that are ShardTensors needing a gradient passed through
+    :class:`_ZeroGradients` when several outputs need one: the loss may leave some of them out."""
+    if not torch.is_grad_enabled():
+        return out
+    from torch.utils import _pytree
+
+    leaves, tree = _pytree.tree_flatten(out)
+    wanting = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.requires_grad]
+    sharded = [i for i in wanting if type(leaves[i]) is ShardTensor]
+    if not sharded or len(wanting) < 2:
+        return out
+    for i, v in zip(sharded, _ZeroGradients.apply(*(leaves[i] for i in sharded))):
+        leaves[i] = v
+    return _pytree.tree_unflatten(leaves, tree)
+
+
+class _ZeroGradients(torch.autograd.Function):
+    """Identity on ShardTensors whose backward gives each one left out of the loss a zero gradient in its own
+    layout: autograd would hand the compiled backward a plain zero tensor for it, which AOTAutograd refuses for
+    a ShardTensor output (*we guessed its metadata incorrectly ... Expected a ShardTensor tangent but got a
+    plain Tensor*, pytorch issue 172556)."""
+
+    @staticmethod
+    def forward(ctx, *outs):
+        ctx.set_materialize_grads(False)
+        ctx.layouts = [(o._spec, o._local.dtype, o._local.device) for o in outs]
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return tuple(g if g is not None else ShardTensor.from_spec(
+            torch.zeros(spec.local_shape, dtype=dtype, device=device), spec)
+            for g, (spec, dtype, device) in zip(grads, ctx.layouts))
 
 
 _IN_GRAPH = "_domainflow_in_compiled_graph"  # set on an exception raised while a compiled graph ran
