@@ -34,11 +34,11 @@ import multiprocessing  # noqa: E402
 import pytest  # noqa: E402
 from dist_pool import WORLD_SIZES, PoolCache  # noqa: E402
 
-from domainflow.train.run import RANK_MODULES  # noqa: E402
+from domainflow.train.run import COMPILE_MODULES, RANK_MODULES  # noqa: E402
 
 # whichever test starts this process's fork server first (launch_local or a pool), it imports what the ranks
-# import, once
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed", *RANK_MODULES])
+# import, once (also what a rank's first compile imports: many tests compile)
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", *RANK_MODULES, *COMPILE_MODULES])
 
 
 @pytest.fixture(scope="session")

@@ -171,7 +171,7 @@ def _estimate(args) -> int:
 def _predict(args) -> int:
     from domainflow.launch import launch_local, under_launcher
     from .predict import checkpoint_kind, predict_config, predict_main
-    from .run import RANK_MODULES
+    from .run import COMPILE_MODULES, RANK_MODULES
 
     if checkpoint_kind(args.checkpoint) == "grid":
         from .forecast import forecast_config, forecast_main
@@ -184,7 +184,8 @@ def _predict(args) -> int:
         if args.domain * args.lon == 1 or under_launcher():
             return forecast_main(*call)
         forecast_config(*call)  # errors known before ranks start
-        launch_local(forecast_main, args.domain * args.lon, *call, preload=RANK_MODULES)
+        launch_local(forecast_main, args.domain * args.lon, *call,
+                     preload=RANK_MODULES + (COMPILE_MODULES if _compile_backend(args) else ()))
         return 0
     if _compile_backend(args):
         raise ValueError("--compile compiles static shapes, and every run of a mesh store has its own points per "

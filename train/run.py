@@ -11,6 +11,15 @@ from .config import Config, from_dict
 # in the launcher's fork server rather than in every rank
 RANK_MODULES = ("torch._dynamo", "zarr", "domainflow.dispatch.engine", "domainflow.ops", "domainflow.train.loop",
                 "domainflow.train.predict", "domainflow.train.forecast")
+# what a rank's first domainflow.compile call imports (AOTAutograd and its partitioner, Dynamo's backends, Inductor's
+# front end, which the graph check's backend wraps even for aot_eager): about 600 modules, 1 s of CPU per rank
+# here; preloaded with train.compile=true and predict --compile only (0.8 s in the one fork server)
+COMPILE_MODULES = ("torch._inductor.compile_fx", "torch._functorch.aot_autograd", "torch._functorch.partitioners",
+                   "torch._dynamo.backends.common", "torch._dynamo.backends.debugging", "torch._dynamo.backends.inductor",
+                   "torch._dynamo.backends.distributed", "torch._dynamo.repro.after_dynamo",
+                   "torch._functorch._aot_autograd.subclass_codegen", "torch.fx.experimental.validator",
+                   "torch._inductor.compiler_bisector", "torch._subclasses.schema_check_mode", "networkx",
+                   "torch.export._trace")
 
 
 def rank_main(cfg_dict: dict, resume: bool, init_from: str | None = None, overwrite: bool = False,
@@ -48,7 +57,7 @@ def run_training(cfg: Config, nproc: int | None = None, resume: bool = False, in
         if need == 1:
             return rank_main(cfg.to_dict(), resume, init_from, overwrite, claimed=True)
         return launch_local(rank_main, need, cfg.to_dict(), resume, init_from, overwrite, True,
-                            preload=RANK_MODULES)[0]
+                            preload=RANK_MODULES + (COMPILE_MODULES if cfg.train.compile else ()))[0]
     finally:
         if lock is not None:
             lock.release()

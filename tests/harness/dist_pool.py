@@ -531,11 +531,12 @@ def _get_context(method: str):
             from multiprocessing import forkserver
 
             if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:
-                from domainflow.train.run import RANK_MODULES
+                from domainflow.train.run import COMPILE_MODULES, RANK_MODULES
 
-                # what the workers and the ranks of launch_local (which uses this server too) import, once
+                # what the workers and the ranks of launch_local (which uses this server too) import, once; the
+                # compiler's modules too (in this suite, many workers and ranks compile)
                 preload = ["__main__", "torch", "torch.distributed", "faulthandler", *RANK_MODULES,
-                           *_MODEL_LIBRARIES]
+                           *COMPILE_MODULES, *_MODEL_LIBRARIES]
                 if __name__ != "__main__":
                     preload.append(__name__)
                 ctx.set_forkserver_preload(preload)
