@@ -99,22 +99,39 @@ def _named(op: str, mesh: DeviceMesh | None, mesh_dim: int | None, detail: str =
     except CollectiveError:
         raise
     except RuntimeError as e:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        where = f" over mesh dim {_dim_name(mesh, mesh_dim)} of mesh {tuple(mesh.shape)}" if mesh is not None else ""
-        timed_out = "imeout" in str(e) or "imed out" in str(e)
-        # Gloo closes its connections when one end times out: the peer then fails with "Connection closed by
-        # peer", often before its own timeout, and reports where it waits too (else it would look silent)
-        peer_closed = "closed by peer" in str(e) or "Connection reset" in str(e)
-        if timed_out:
-            hint = ("another rank did not enter the same collective (it failed earlier, took another code path, "
-                    "or passed a different shape)")
-        elif peer_closed:
-            hint = "a peer closed the connection: it timed out in a collective (see its error) or died"
-        else:
-            hint = "see the cause above"
-        if timed_out or peer_closed:
-            hint += _stall_report(f"{op}{where}", mesh, mesh_dim, entered)
-        raise CollectiveError(f"rank {rank}: {op}{where}{detail} failed: {e}\nLikely cause: {hint}.") from e
+        raise collective_error(e, op, mesh, mesh_dim, detail, entered) from e
+
+
+def collective_error(e: RuntimeError, op: str, mesh: DeviceMesh | None, mesh_dim: int | None, detail: str = "",
+                     entered: float | None = None, transport_only: bool = False) -> CollectiveError | None:
+    """The CollectiveError naming collective ``op`` (over ``mesh_dim`` of ``mesh``; None: the whole mesh) that
+    failed with ``e``, with the likely cause (after a timeout or a closed connection: where the peers wait, see
+    _stall_report). ``transport_only``: None unless ``e`` is such a transport failure (the rank's own errors stay
+    as they are)."""
+    timed_out = "imeout" in str(e) or "imed out" in str(e)
+    # Gloo closes its connections when one end times out: the peer then fails with "Connection closed by
+    # peer", often before its own timeout, and reports where it waits too (else it would look silent)
+    peer_closed = "closed by peer" in str(e) or "Connection reset" in str(e)
+    if transport_only and not (timed_out or peer_closed):
+        return None
+    entered = time.time() if entered is None else entered
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if mesh is None:
+        where = ""
+    elif mesh_dim is None:
+        where = f" on mesh {tuple(mesh.shape)}"
+    else:
+        where = f" over mesh dim {_dim_name(mesh, mesh_dim)} of mesh {tuple(mesh.shape)}"
+    if timed_out:
+        hint = ("another rank did not enter the same collective (it failed earlier, took another code path, "
+                "or passed a different shape)")
+    elif peer_closed:
+        hint = "a peer closed the connection: it timed out in a collective (see its error) or died"
+    else:
+        hint = "see the cause above"
+    if timed_out or peer_closed:
+        hint += _stall_report(f"{op}{where}", mesh, mesh_dim, entered)
+    return CollectiveError(f"rank {rank}: {op}{where}{detail} failed: {e}\nLikely cause: {hint}.")
 
 
 # how long a failed rank waits to hear where its peers failed (DOMAINFLOW_STALL_WAIT_S: raise it where ranks
@@ -143,8 +160,9 @@ def _stall_report(what: str, mesh, mesh_dim, entered: float) -> str:
     try:
         store = dist.distributed_c10d._get_default_store()
         me = dist.get_rank()
-        peers = dim_ranks(mesh, mesh_dim) if mesh is not None else list(range(dist.get_world_size()))
-        hit = _EXCHANGES.get(id(_group(mesh, mesh_dim))) if mesh is not None else None
+        whole = mesh is None or mesh_dim is None
+        peers = list(range(dist.get_world_size())) if whole else dim_ranks(mesh, mesh_dim)
+        hit = None if whole else _EXCHANGES.get(id(_group(mesh, mesh_dim)))
         # ops (collectives and point-to-point exchanges) this rank ran on the group
         mine = {"op": what, "n": hit[1] + 1 if hit else 0, "entered": entered, "failed": failed}
         global _STALL_REPORTS

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import time
 
 import torch
 
@@ -413,13 +414,22 @@ class GraphCheck:
 
     def around(self, compiled):
         rounds, mesh = self.rounds, self.mesh
+        op = f"a collective of a compiled {self.kind} graph"
 
         def run(args):
             for d, digest, sends, recvs, what in rounds:
                 comm.check_compiled_graph(mesh, d, digest, sends, recvs, what)
+            entered = time.time()
             try:
                 return compiled(args)
             except Exception as e:  # (its peers may wait in this graph's collectives: no more rounds)
+                # a peer that failed or stalled inside the graph leaves this rank's functional collective to
+                # time out (or its closed connection fails it): named, with where the peers are, as eager's are
+                named = (comm.collective_error(e, op, mesh, 0 if mesh.ndim == 1 else None, entered=entered,
+                                               transport_only=True) if isinstance(e, RuntimeError) else None)
+                if named is not None:
+                    setattr(named, _IN_GRAPH, True)
+                    raise named from e
                 try:
                     setattr(e, _IN_GRAPH, True)
                 except AttributeError:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import domainflow as df
-from dist_pool import rank_and_world
+from dist_pool import RankFailure, WorkerPool, rank_and_world
 from domainflow.errors import CollectiveError, CompileUnsupportedError, ReplicaMismatchError, ShardingShapeError
 from sharded_check import get_mesh
 
@@ -833,3 +833,42 @@ def test_failure_on_one_rank_is_named_on_every_rank(dist):
     assert said[0].split(":", 1)[1] == said[1].split(":", 1)[1], said
     assert "rank 1: failed in a call compiled by domainflow.compile: ValueError: boom on rank 1" in said[0], said[0]
     assert "rank 0: compiled forward graph with 1 collective(s)" in said[0], said[0]
+
+
+def _fails_inside_its_graph():
+    """Rank 1 fails while its compiled graph runs (an index out of range, known only from the data), after the
+    graph's first halo exchange and before its second; rank 0 waits in that second exchange."""
+    import os
+
+    import torch.nn.functional as F
+
+    os.environ["DOMAINFLOW_STALL_WAIT_S"] = "1"  # rank 0: 2 s timeout + 1 s waiting for reports
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,))
+    torch._dynamo.reset()
+    w3 = torch.randn(4, 3, 3, 3, dtype=D, generator=torch.Generator().manual_seed(5))
+    w4 = torch.randn(4, 4, 3, 3, dtype=D, generator=torch.Generator().manual_seed(6))
+    table = torch.ones(3, dtype=D)
+    index = torch.tensor([0 if rank == 0 else 7])
+    x = df.distribute_tensor(_image(12, 0), mesh, [df.Shard(2)], sharding_shapes={0: [6, 6]})
+
+    def two_convs(x, index):
+        y = F.conv2d(x, w3, padding=1)
+        return F.conv2d(y * table.index_select(0, index).sum(), w4, padding=1)
+
+    return df.compile(two_convs, backend="aot_eager")(x, index)
+
+
+def test_a_rank_failing_inside_a_compiled_graph_is_named_by_its_peers():
+    """A rank that fails while its compiled graph runs leaves its peers in the graph's functional collectives:
+    they raised Gloo's raw *Timed out waiting 2000ms for send operation to complete*. Now the peers raise a
+    CollectiveError naming the compiled graph and the failing rank as the likely culprit; the failing rank raises
+    its own error."""
+    with WorkerPool(2, timeout=90, pg_timeout=2, grace=20) as pool:
+        with pytest.raises(RankFailure) as info:
+            pool.run(_fails_inside_its_graph)
+    msg = str(info.value)
+    assert "rank 1 raised IndexError" in msg and "index out of range" in msg, msg
+    assert "rank 0 raised CollectiveError" in msg, msg
+    assert "rank 0: a collective of a compiled forward graph over mesh dim" in msg, msg
+    assert "Likely culprit: rank(s) [1]" in msg, msg
