@@ -158,39 +158,83 @@ class CheckedCompile:
 
 
 def _every_output_gets_a_gradient(out):
-    """A compiled call's outputs, those that are ShardTensors needing a gradient passed through
-    :class:`_ZeroGradients` when several outputs need one: the loss may leave some of them out."""
+    """A compiled call's outputs, with those that need a gradient passed through :class:`_ZeroGradients` when
+    several do and one is a ShardTensor: the loss may leave some of them out."""
     if not torch.is_grad_enabled():
         return out
-    from torch.utils import _pytree
-
-    leaves, tree = _pytree.tree_flatten(out)
-    wanting = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.requires_grad]
-    sharded = [i for i in wanting if type(leaves[i]) is ShardTensor]
-    if not sharded or len(wanting) < 2:
+    wanting: dict = {}  # id -> output, in order (an output returned twice counts once)
+    _outputs_wanting_gradients(out, wanting, 0)
+    if len(wanting) < 2 or not any(type(t) is ShardTensor for t in wanting.values()):
         return out
-    for i, v in zip(sharded, _ZeroGradients.apply(*(leaves[i] for i in sharded))):
-        leaves[i] = v
-    return _pytree.tree_unflatten(leaves, tree)
+    outs = list(wanting.values())
+    swap = {id(o): n for o, n in zip(outs, _ZeroGradients.apply(*outs))}
+    return _with_outputs(out, swap, 0)
+
+
+def _outputs_wanting_gradients(out, found: dict, depth: int) -> None:
+    """The tensors needing a gradient among ``out``: inside lists, tuples (named too), dicts and dataclasses, a few
+    levels deep (as the call's arguments are searched, :func:`_first_mesh`)."""
+    if isinstance(out, torch.Tensor):
+        if out.requires_grad:
+            found.setdefault(id(out), out)
+    elif depth <= 3:
+        for v in _children(out):
+            _outputs_wanting_gradients(v, found, depth + 1)
+
+
+def _children(out) -> tuple:
+    if isinstance(out, (list, tuple)):
+        return tuple(out)
+    if isinstance(out, dict):
+        return tuple(out.values())
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return tuple(getattr(out, f.name) for f in dataclasses.fields(out) if f.init)
+    return ()
+
+
+def _with_outputs(out, swap: dict, depth: int):
+    """``out`` with each tensor whose id is in ``swap`` replaced by ``swap``'s value, containers rebuilt."""
+    if isinstance(out, torch.Tensor):
+        return swap.get(id(out), out)
+    if depth > 3:
+        return out
+    if isinstance(out, tuple) and hasattr(out, "_fields"):  # a named tuple
+        return type(out)(*(_with_outputs(v, swap, depth + 1) for v in out))
+    if isinstance(out, (list, tuple)):
+        return type(out)(_with_outputs(v, swap, depth + 1) for v in out)
+    if isinstance(out, dict):
+        rebuilt = {k: _with_outputs(v, swap, depth + 1) for k, v in out.items()}
+        return rebuilt if type(out) is dict else type(out)(rebuilt)
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return dataclasses.replace(out, **{f.name: _with_outputs(getattr(out, f.name), swap, depth + 1)
+                                           for f in dataclasses.fields(out) if f.init})
+    return out
 
 
 class _ZeroGradients(torch.autograd.Function):
-    """Identity on ShardTensors whose backward gives each one left out of the loss a zero gradient in its own
-    layout: autograd would hand the compiled backward a plain zero tensor for it, which AOTAutograd refuses for
-    a ShardTensor output (*we guessed its metadata incorrectly ... Expected a ShardTensor tangent but got a
-    plain Tensor*, pytorch issue 172556)."""
+    """Identity on a call's outputs needing gradients whose backward gives each one left out of the loss a zero
+    gradient, a ShardTensor's in its own layout: autograd would hand the compiled backward a plain zero tensor
+    for it, which AOTAutograd refuses for a ShardTensor output (*we guessed its metadata incorrectly ... Expected
+    a ShardTensor tangent but got a plain Tensor*, pytorch issue 172556). Every such output goes through it, so a
+    loss of any one of them reaches it. Its outputs are detached aliases, not views, so they can still be changed
+    in place as the compiled outputs could."""
 
     @staticmethod
     def forward(ctx, *outs):
         ctx.set_materialize_grads(False)
-        ctx.layouts = [(o._spec, o._local.dtype, o._local.device) for o in outs]
-        return tuple(o.view_as(o) for o in outs)
+        ctx.layouts = [(o._spec, None, o._local.dtype, o._local.device) if type(o) is ShardTensor
+                       else (None, o.shape, o.dtype, o.device) for o in outs]
+        return tuple(o.detach() for o in outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        return tuple(g if g is not None else ShardTensor.from_spec(
-            torch.zeros(spec.local_shape, dtype=dtype, device=device), spec)
-            for g, (spec, dtype, device) in zip(grads, ctx.layouts))
+        return tuple(g if g is not None else _zeros(*layout) for g, layout in zip(grads, ctx.layouts))
+
+
+def _zeros(spec, shape, dtype, device) -> torch.Tensor:
+    if spec is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return ShardTensor.from_spec(torch.zeros(spec.local_shape, dtype=dtype, device=device), spec)
 
 
 _IN_GRAPH = "_domainflow_in_compiled_graph"  # set on an exception raised while a compiled graph ran

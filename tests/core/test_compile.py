@@ -622,7 +622,8 @@ def test_parameter_differing_across_ranks_is_named(dist):
 
 
 class _FieldAndLoss(torch.nn.Module):
-    """Two outputs needing gradients: the field and a scalar of it, returned as a dict."""
+    """Three outputs needing gradients, returned as a dict: the field, a scalar of it and a plain scalar of a
+    parameter (a regulariser)."""
 
     def __init__(self):
         super().__init__()
@@ -630,7 +631,25 @@ class _FieldAndLoss(torch.nn.Module):
 
     def forward(self, x):
         y = self.net(x)
-        return {"field": y, "energy": (y ** 2).mean()}
+        return {"field": y, "energy": (y ** 2).mean(), "penalty": (self.net[0].weight ** 2).sum()}
+
+
+@dataclasses.dataclass
+class _Outputs:
+    field: torch.Tensor
+    energy: torch.Tensor
+    penalty: torch.Tensor
+
+
+class _FieldAndLossData(_FieldAndLoss):
+    """The same outputs as a dataclass."""
+
+    def forward(self, x):
+        return _Outputs(**super().forward(x))
+
+
+_LOSSES = {"energy": lambda o: o["energy"], "field": lambda o: o["field"].sum(),
+           "both": lambda o: o["energy"] + o["field"].sum(), "penalty": lambda o: o["penalty"]}
 
 
 def _outputs_left_out_of_the_loss():
@@ -639,29 +658,35 @@ def _outputs_left_out_of_the_loss():
     torch._dynamo.reset()
     full = _image(9, 0)
     said = []
-    for loss_of in ("energy", "field", "both"):
-        model = _FieldAndLoss()
-        compiled = df.compile(model, backend="aot_eager")
-        x = df.distribute_tensor(full, mesh, [df.Shard(2)], sharding_shapes={0: [5, 4]}).requires_grad_()
-        out = compiled(x)
-        loss = {"energy": out["energy"], "field": out["field"].sum(), "both": out["energy"] + out["field"].sum()}
-        loss[loss_of].backward()
-        ref, xr = _FieldAndLoss(), full.clone().requires_grad_()
-        r = ref(xr)
-        {"energy": r["energy"], "field": r["field"].sum(), "both": r["energy"] + r["field"].sum()}[loss_of].backward()
-        same = all(torch.allclose(p.grad, q.grad, atol=TOL, rtol=0) for p, q in zip(model.parameters(),
-                                                                                   ref.parameters()))
-        said.append((loss_of, same and torch.allclose(x.grad.full_tensor(), xr.grad, atol=TOL, rtol=0)))
+    for kind in ("dict", "dataclass"):
+        for loss_of, loss in _LOSSES.items():
+            model = _FieldAndLoss() if kind == "dict" else _FieldAndLossData()
+            compiled = df.compile(model, backend="aot_eager")
+            x = df.distribute_tensor(full, mesh, [df.Shard(2)], sharding_shapes={0: [5, 4]}).requires_grad_()
+            out = compiled(x)
+            loss(out if kind == "dict" else vars(out)).backward()
+            ref, xr = _FieldAndLoss(), full.clone().requires_grad_()
+            loss(ref(xr)).backward()
+            grads = [[t.grad if t.grad is not None else torch.zeros_like(t) for t in m.parameters()]
+                     for m in (model, ref)]  # (the loss of the regulariser alone leaves some None here or there)
+            same = all(torch.allclose(a, b, atol=TOL, rtol=0) for a, b in zip(*grads))
+            xg = x.grad.full_tensor() if x.grad is not None else torch.zeros_like(xr)
+            xrg = xr.grad if xr.grad is not None else torch.zeros_like(xr)
+            said.append((kind, loss_of, same and torch.allclose(xg, xrg, atol=TOL, rtol=0)))
+    # the outputs can still be changed in place, as the compiled call's own could (before the fix too)
+    out = df.compile(_FieldAndLoss(), backend="aot_eager")(df.distribute_tensor(full, mesh, [df.Shard(2)]))
+    out["field"].mul_(2)
     return said
 
 
 def test_an_output_left_out_of_the_loss_gets_a_zero_gradient(dist):
-    """A compiled model returning a field and a scalar of it, the loss taking one of them: autograd handed the
-    compiled backward a plain zero tensor for the other, and torch failed with *we guessed its metadata
-    incorrectly ... Expected a ShardTensor tangent but got a plain Tensor* (pytorch issue 172556). Now that
-    output gets zeros in its own layout: parameter and input gradients as the unsharded model's."""
-    said = dist.run(2, _outputs_left_out_of_the_loss, timeout=90)
-    assert said[0] == said[1] == [("energy", True), ("field", True), ("both", True)], said
+    """A compiled model returning a field, a scalar of it and a plain regulariser, the loss taking some of them:
+    autograd handed the compiled backward a plain zero tensor for a ShardTensor left out, and torch failed with
+    *we guessed its metadata incorrectly ... Expected a ShardTensor tangent but got a plain Tensor* (pytorch
+    issue 172556). Now such an output gets zeros in its own layout (also when the loss takes only the plain
+    output, and for outputs in a dataclass): parameter and input gradients as the unsharded model's."""
+    said = dist.run(2, _outputs_left_out_of_the_loss, timeout=120)
+    assert said[0] == said[1] == [(k, loss, True) for k in ("dict", "dataclass") for loss in _LOSSES], said
 
 
 def _wrong_declared_layout():
