@@ -11,9 +11,9 @@ from .config import Config, from_dict
 # in the launcher's fork server rather than in every rank
 RANK_MODULES = ("torch._dynamo", "zarr", "domainflow.dispatch.engine", "domainflow.ops", "domainflow.train.loop",
                 "domainflow.train.predict", "domainflow.train.forecast")
-# what a rank's first domainflow.compile call imports (AOTAutograd and its partitioner, Dynamo's backends, Inductor's
-# front end, which the graph check's backend wraps even for aot_eager): about 600 modules, 1 s of CPU per rank
-# here; preloaded with train.compile=true and predict --compile only (0.8 s in the one fork server)
+# what a rank's first domainflow.compile call imports (AOTAutograd and its partitioner, Dynamo's backends,
+# Inductor's front end, which the graph check's backend wraps even for aot_eager): about 600 modules, 1 s of CPU
+# per rank here; preloaded with train.compile=true and predict --compile only (0.8 s in the one fork server)
 COMPILE_MODULES = ("torch._inductor.compile_fx", "torch._functorch.aot_autograd", "torch._functorch.partitioners",
                    "torch._dynamo.backends.common", "torch._dynamo.backends.debugging", "torch._dynamo.backends.inductor",
                    "torch._dynamo.backends.distributed", "torch._dynamo.repro.after_dynamo",

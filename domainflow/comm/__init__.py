@@ -14,8 +14,9 @@ row fetches) builds on ``p2p``. Callers use this package's names: ``from domainf
 
 from domainflow.comm.autograd import (all_gather_autograd, all_reduce_sum_autograd, all_reduce_to_replicated,
                                       all_to_all_autograd)
-from domainflow.comm.base import (STALL_WAIT_S, CommStats, _all_gather_single, collective_error, dim_ranks, group_size,
-                                  mesh_device, pending_checks, refuse_compiling, refuse_unchecked_compile, set_check_runner, stats)
+from domainflow.comm.base import (STALL_WAIT_S, CommStats, _all_gather_single, collective_error, dim_ranks,
+                                  group_size, mesh_device, pending_checks, refuse_compiling, refuse_unchecked_compile,
+                                  set_check_runner, stats)
 from domainflow.comm.collectives import (EXCHANGE_REDUCE_MAX_BYTES, FAILED_IN_COMPILED, Rider, all_gather_ints, all_gather_object,
                                          all_gather_object_mesh, all_gather_uneven, all_reduce, all_reduce_coalesced, all_to_all_dims,
                                          broadcast, check_compiled_graph, land, ride_along)

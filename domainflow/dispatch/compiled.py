@@ -57,8 +57,8 @@ def compile(model_or_fn, *, backend="inductor", **torch_compile_kwargs):  # noqa
     checks that every rank runs the same graph's collectives (one pairing round per graph call and mesh dim:
     :class:`GraphCheck`). ``model_or_fn``: an ``nn.Module``, a bound method of one, or a function (the modules
     it closes over, names as globals or takes as arguments are checked, and bare parameters met those ways;
-    parameters it reaches otherwise, e.g. through a helper's globals, are not). ``backend``: ``"inductor"`` (``mode``/``options`` as torch.compile's)
-    or ``"aot_eager"``; others are refused (the check needs AOTAutograd's forward and backward graphs).
+    parameters it reaches otherwise, e.g. through a helper's globals, are not). ``backend``: ``"inductor"``
+    (``mode``/``options`` as torch.compile's) or ``"aot_eager"``; others are refused (the check needs AOTAutograd's forward and backward graphs).
     Attributes of the compiled module are reachable on the result (``.parameters()``, ``.train()``);
     ``.frames`` counts the Dynamo graphs compiled (a recompile or a graph break adds one).
     """
