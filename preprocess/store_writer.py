@@ -163,6 +163,7 @@ class StoreWriter:
                 if head.get("complete"):
                     return "complete"
                 self._clean_scratch()
+                self._remove_unfinished_files()
                 if kind == "mesh" and RUNS not in root:
                     root.create_group(RUNS)  # killed right after the root was written
                 return "resume"
@@ -179,6 +180,15 @@ class StoreWriter:
         except BaseException:
             self.close()
             raise
+
+    def _remove_unfinished_files(self) -> None:
+        """The files a killed writer was writing: zarr writes each one as ``<name>.<uuid>.partial`` and renames it
+        when whole, so one killed mid-write stays behind, and every later listing of its group warns about it
+        (*ZarrUserWarning: Object at zarr.<uuid>.partial is not recognized as a component of a Zarr hierarchy*),
+        in this ingest and in every reader. Only with the writer lock held: no writer is at work."""
+        for p in self.path.rglob("*.partial"):
+            if p.is_file():
+                p.unlink()
 
     def _lock_writers(self) -> None:
         """The exclusive writer lock (a file beside the store, never deleted), or IngestError naming its holder."""
