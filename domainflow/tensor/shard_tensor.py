@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from domainflow import comm
 from domainflow.tensor import consistency
 from domainflow.layout import shapes
-from domainflow.errors import ShardingMismatchError, ShardingShapeError
+from domainflow.errors import CompileUnsupportedError, ShardingMismatchError, ShardingShapeError
 from domainflow.memo import PLANS
 from domainflow.layout.placements import Partial, Placement, Replicate, Shard, normalize_placements
 from domainflow.tensor.redistribute import grad_spec, partial_from_replicate, redistribute_local
@@ -109,8 +109,10 @@ class ShardTensor(torch.Tensor):
         riders = _ride_backward(self)
         try:
             super().backward(gradient, retain_graph, create_graph, inputs)
-        except BaseException:
+        except BaseException as e:
             comm.land(riders, drop=True)
+            if isinstance(e, RuntimeError) and _PLAIN_TANGENT in str(e):
+                raise _value_past_a_graph_break() from e
             raise
         comm.land(riders)
 
@@ -289,6 +291,20 @@ class TensorMarks:
 
 
 _layout_hooked = TensorMarks()
+
+
+# torch's words when a compiled graph's ShardTensor output gets no gradient (pytorch issue 172556)
+_PLAIN_TANGENT = "Expected a ShardTensor tangent but got a plain Tensor"
+
+
+def _value_past_a_graph_break():
+    """The one-line error for torch's *Expected a ShardTensor tangent but got a plain Tensor*: domainflow.compile
+    gives a call's own outputs left out of the loss their zero gradients, so what is left is a value a graph hands
+    on to code past a graph break that uses it without a gradient."""
+    return CompileUnsupportedError("a compiled value used without its gradient", (
+        "a compiled model passed a value that needs a gradient across a graph break to code that used it without "
+        "one (e.g. float(y.mean()) or y.item() in the forward), and torch cannot give a ShardTensor such a value "
+        "a zero gradient (pytorch issue 172556): .detach() it where it is used, or keep that code in the graph"))
 
 
 def keep_leaf_layout(leaf: ShardTensor) -> None:

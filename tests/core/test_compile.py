@@ -689,6 +689,51 @@ def test_an_output_left_out_of_the_loss_gets_a_zero_gradient(dist):
     assert said[0] == said[1] == [(k, loss, True) for k in ("dict", "dataclass") for loss in _LOSSES], said
 
 
+class _ReadsAValue(torch.nn.Module):
+    """A forward that reads a value of its field with ``float`` (a graph break), as a progress print might."""
+
+    def __init__(self, detach):
+        super().__init__()
+        self.net, self.detach = _conv_model(), detach
+
+    def forward(self, x):
+        y = self.net(x)
+        level = float((y.detach() if self.detach else y).mean())
+        return y * (1.0 + 0.0 * level)
+
+
+def _value_used_past_a_graph_break():
+    rank, world = rank_and_world()
+    mesh = get_mesh((world,))
+    said = []
+    for detach in (False, True):
+        torch._dynamo.reset()
+        model = _ReadsAValue(detach)
+        x = df.distribute_tensor(_image(9, 0), mesh, [df.Shard(2)], sharding_shapes={0: [5, 4]})
+        try:
+            (df.compile(model, backend="aot_eager")(x) ** 2).mean().backward()
+        except CompileUnsupportedError as e:
+            said.append(str(e))
+            continue
+        ref = _ReadsAValue(detach)
+        (ref(_image(9, 0)) ** 2).mean().backward()
+        said.append(all(torch.allclose(p.grad, q.grad, atol=TOL, rtol=0)
+                        for p, q in zip(model.parameters(), ref.parameters())))
+    return said
+
+
+def test_a_value_used_past_a_graph_break_without_its_gradient_is_named(dist):
+    """``float(y.mean())`` in a compiled forward: the first graph hands ``y.mean()`` on with no gradient, and the
+    backward failed with torch's *we guessed its metadata incorrectly ... Expected a ShardTensor tangent but got
+    a plain Tensor* (pytorch issue 172556). Now one line says what and the fix; with the fix (``.detach()``) the
+    gradients are the unsharded model's."""
+    said = dist.run(2, _value_used_past_a_graph_break, timeout=120)
+    assert said[0] == said[1], said
+    assert said[0][0].startswith("a compiled model passed a value that needs a gradient across a graph break"), said
+    assert ".detach() it where it is used" in said[0][0] and "\n" not in said[0][0], said
+    assert said[0][1] is True, said
+
+
 def _wrong_declared_layout():
     rank, world = rank_and_world()
     mesh = get_mesh((world,))
