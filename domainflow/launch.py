@@ -387,10 +387,17 @@ def _interrupt_once(signum, frame):
     """Ctrl-C or SIGTERM (a scheduler preempting the job) in a rank: the terminal or the scheduler and the
     launcher each pass it on; a second one during clean-up would interrupt the clean-up and print a traceback,
     so both are ignored from then on. Ending by the exception, not by the signal, also runs the rank's exit
-    clean-up (a rank killed by SIGTERM left the launcher a "leaked semaphore" warning under the one line)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    clean-up (a rank killed by SIGTERM left the launcher a "leaked semaphore" warning under the one line).
+    Ignored by a handler that does nothing, not SIG_IGN: a second signal that arrived before this one's handler
+    ran is still due, and Python finding SIG_IGN in its place prints *OSError: Signal 15 ignored due to race
+    condition* with a traceback (SIGTERM to the job's processes and the launcher's forwarded one, together)."""
+    signal.signal(signal.SIGINT, _ignore_signal)
+    signal.signal(signal.SIGTERM, _ignore_signal)
     raise KeyboardInterrupt
+
+
+def _ignore_signal(signum, frame) -> None:
+    """A signal after the first (see _interrupt_once): nothing to do."""
 
 
 def _first_failure(exc, folder: Path) -> str:
