@@ -183,12 +183,13 @@ def _outputs_wanting_gradients(out, found: dict, depth: int) -> None:
 
 
 def _children(out) -> tuple:
+    """What a list, tuple, dict or dataclass instance holds (nothing for anything else)."""
     if isinstance(out, (list, tuple)):
         return tuple(out)
     if isinstance(out, dict):
         return tuple(out.values())
     if dataclasses.is_dataclass(out) and not isinstance(out, type):
-        return tuple(getattr(out, f.name) for f in dataclasses.fields(out) if f.init)
+        return tuple(getattr(out, f.name, None) for f in dataclasses.fields(out))
     return ()
 
 
@@ -328,16 +329,9 @@ def _first_mesh(args, depth: int = 0):
             return a._spec.mesh
         if isinstance(a, torch.Tensor) or depth > 3:
             continue
-        if isinstance(a, (list, tuple)):
-            inner = a
-        elif isinstance(a, dict):
-            inner = tuple(a.values())
-        elif dataclasses.is_dataclass(a) and not isinstance(a, type):
-            inner = tuple(getattr(a, f.name, None) for f in dataclasses.fields(a))
-        elif hasattr(a, "__dict__") and not isinstance(a, (type, torch.nn.Module)) and not callable(a):
+        inner = _children(a)
+        if not inner and hasattr(a, "__dict__") and not isinstance(a, (type, torch.nn.Module)) and not callable(a):
             inner = tuple(vars(a).values())
-        else:
-            continue
         m = _first_mesh(inner, depth + 1)
         if m is not None:
             return m
